@@ -1,0 +1,413 @@
+"""Codec benchmarks for the README: payload size, throughput and aggregation memory.
+
+Everything runs on a *realistic model dict*: the parameter shapes of a ``node.model`` preset,
+filled like an error-feedback buffer (heavy-tailed Student-t values, df = 3, with a log-normal
+scale per row and per tensor), seeded. Measurements are side by side with the straightforward
+torch baseline of ``node.bench.naive`` in the same process, as ratios (DESIGN.md, "Performance
+targets"):
+
+- ``size_report``: bits per parameter of our real payload against the entropy bound
+  (``log2 C(tile_len, k)`` per tile + 2 bits per kept value; target ratio <= 1.04) and against
+  the production format (12-bit indices + a byte per code; target ratio <= 0.5);
+- ``speed_report``: encode (with the reconstruction) and decode + aggregate + apply of ``peers``
+  payloads, warm-up then best of ``repeat`` (targets: >= 1.5x and >= 2x the baseline);
+- ``memory_report``: peak RSS growth of decode + aggregate + apply, each in a fresh subprocess
+  (``node.bench.memory``), in MB and in fp32 model copies.
+
+``run`` does all three, prints ``format_markdown``'s tables and optionally writes JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import math
+import platform
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from node.bench import naive
+from node.bench.memory import peak_aggregation_bytes
+from node.outer import apply_aggregate
+from protocol.codec import encode, read_payload
+from protocol.tiles import TileGeometry, matrix_shape
+
+Shapes = Mapping[str, tuple[int, ...]]
+MB = 1e6
+
+TARGET_BOUND_RATIO = 1.04
+TARGET_PRODUCTION_RATIO = 0.5
+TARGET_ENCODE_SPEEDUP = 1.5
+TARGET_AGGREGATE_SPEEDUP = 2.0
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def model_shapes(preset_or_shapes: str | Shapes) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a ``node.model`` preset (built on the meta device), or ``shapes``."""
+    if not isinstance(preset_or_shapes, str):
+        return {n: tuple(s) for n, s in preset_or_shapes.items()}
+    from node.model import GPT, get_preset
+
+    with torch.device("meta"):
+        model = GPT(get_preset(preset_or_shapes))
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def error_buffer(shapes: Shapes, seed: int, row_sigma: float = 0.5) -> dict[str, torch.Tensor]:
+    """A seeded stand-in for an error-feedback buffer: Student-t (df = 3) with per-row scales.
+
+    Each row is scaled by ``exp(row_sigma * N(0, 1))``; ``row_sigma = 0`` gives i.i.d. values,
+    whose Top-k positions are uniformly random subsets (the case the entropy bound describes).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in sorted(shapes):
+        shape = tuple(shapes[name])
+        rows, cols = matrix_shape(shape)
+        n = rows * cols
+        chi2 = torch.randn(3, n, generator=gen).square_().sum(0).div_(3.0)
+        t = torch.randn(n, generator=gen).div_(chi2.sqrt_())
+        row_scale = torch.randn(rows, 1, generator=gen).mul_(row_sigma).exp_()
+        tensor_scale = 1e-3 * math.exp(0.5 * float(torch.randn((), generator=gen)))
+        out[name] = t.view(rows, cols).mul_(row_scale).mul_(tensor_scale).view(shape)
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def _payloads(
+    key: tuple[tuple[str, tuple[int, ...]], ...], peers: int, topk: int, tile: int, seed: int
+) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """Ours and the baseline's payloads of ``peers`` distinct error buffers (cached)."""
+    shapes = dict(key)
+    ours, theirs = [], []
+    for i in range(peers):
+        x = error_buffer(shapes, seed + 1 + i)
+        ours.append(encode(x, topk=topk, tile=tile)[0])
+        theirs.append(naive.encode(x, topk=topk, tile_size=tile)[0])
+    return tuple(ours), tuple(theirs)
+
+
+def _peer_payloads(
+    shapes: Shapes, peers: int, topk: int, tile: int, seed: int
+) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    return _payloads(tuple(sorted(shapes.items())), peers, topk, tile, seed)
+
+
+def _numel(shapes: Shapes) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+# --------------------------------------------------------------------------- size
+
+
+def bound_bits(geometry: TileGeometry) -> float:
+    """Entropy bound of one tensor: ``n_tiles * log2 C(tile_len, k) + 2 * n_kept`` bits."""
+    n, k = geometry.tile_len, geometry.k
+    log2_choose = (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
+    return geometry.n_tiles * log2_choose + 2 * geometry.n_kept
+
+
+def size_report(
+    preset_or_shapes: str | Shapes, ks: tuple[int, ...] = (64, 128), seed: int = 0, tile: int = 64
+) -> dict[str, Any]:
+    """Bits per parameter of our payload, the entropy bound and the production format, per k.
+
+    Measured on the error-feedback-like input and, for reference, on i.i.d. Student-t values
+    (uniformly random positions: there the bound is a true lower bound for position coding).
+    """
+    shapes = model_shapes(preset_or_shapes)
+    params = _numel(shapes)
+    rows = []
+    for label, row_sigma in (("EF-like", 0.5), ("i.i.d.", 0.0)):
+        x = error_buffer(shapes, seed, row_sigma)
+        rows += _size_rows(x, shapes, ks, tile, label)
+    return {"params": params, "tensors": len(shapes), "rows": rows}
+
+
+def _size_rows(
+    x: Mapping[str, torch.Tensor], shapes: Shapes, ks: tuple[int, ...], tile: int, label: str
+) -> list[dict[str, Any]]:
+    params = _numel(shapes)
+    rows = []
+    for k in ks:
+        ours = len(encode(x, topk=k, tile=tile)[0]) * 8
+        production = len(naive.encode(x, topk=k, tile_size=tile)[0]) * 8
+        geos = [TileGeometry.of(s, topk=k, tile=tile) for s in shapes.values()]
+        bound = sum(bound_bits(g) for g in geos)
+        rows.append(
+            {
+                "input": label,
+                "k": k,
+                "kept": sum(g.n_kept for g in geos),
+                "ours_bytes": ours // 8,
+                "ours_bpp": ours / params,
+                "bound_bpp": bound / params,
+                "production_bpp": production / params,
+                "ratio_to_bound": ours / bound,
+                "ratio_to_production": ours / production,
+                "ok": ours / bound <= TARGET_BOUND_RATIO
+                and ours / production <= TARGET_PRODUCTION_RATIO,
+            }
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------- speed
+
+
+def _best_of(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Warm each function up once, then the best of ``repeat`` timed calls, interleaved."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, math.inf)
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def speed_report(
+    preset_or_shapes: str | Shapes,
+    peers: int = 16,
+    repeat: int = 3,
+    topk: int = 64,
+    seed: int = 0,
+    tile: int = 64,
+    clip: bool = True,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Encode and decode + aggregate + apply times, ours against the baseline.
+
+    ``threads`` sets torch's intra-op threads for the measurement (default: as configured).
+    """
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _speed(model_shapes(preset_or_shapes), peers, repeat, topk, seed, tile, clip)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _speed(
+    shapes: Shapes, peers: int, repeat: int, topk: int, seed: int, tile: int, clip: bool
+) -> dict[str, Any]:
+    model_mb = _numel(shapes) * 4 / MB
+    x = error_buffer(shapes, seed)
+    enc = _best_of(
+        {
+            "ours": lambda: encode(x, topk=topk, tile=tile),
+            "naive": lambda: naive.encode(x, topk=topk, tile_size=tile),
+        },
+        repeat,
+    )
+    ours_data, naive_data = _peer_payloads(shapes, peers, topk, tile, seed)
+    params = {n: torch.zeros(s) for n, s in shapes.items()}
+
+    def ours_aggregate() -> None:
+        payloads = {
+            f"peer{i:03d}": read_payload(d, shapes, topk=topk, tile=tile)
+            for i, d in enumerate(ours_data)
+        }
+        apply_aggregate(params, payloads, clip=clip)
+
+    def naive_aggregate() -> None:
+        naive.apply(params, naive_data, topk=topk, tile_size=tile, clip=clip)
+
+    agg = _best_of({"ours": ours_aggregate, "naive": naive_aggregate}, repeat)
+    rows = []
+    for op, times, target in (
+        ("encode", enc, TARGET_ENCODE_SPEEDUP),
+        (f"decode + aggregate ({peers} peers)", agg, TARGET_AGGREGATE_SPEEDUP),
+    ):
+        speedup = times["naive"] / times["ours"]
+        rows.append(
+            {
+                "op": op,
+                "ours_s": times["ours"],
+                "naive_s": times["naive"],
+                "ours_mb_s": model_mb / times["ours"],
+                "naive_mb_s": model_mb / times["naive"],
+                "speedup": speedup,
+                "target": target,
+                "ok": speedup >= target,
+            }
+        )
+    return {
+        "topk": topk,
+        "peers": peers,
+        "repeat": repeat,
+        "clip": clip,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def memory_report(
+    preset_or_shapes: str | Shapes,
+    peers: int = 16,
+    topk: int = 64,
+    seed: int = 0,
+    tile: int = 64,
+    clip: bool = True,
+) -> dict[str, Any]:
+    """Peak RSS growth of decode + aggregate + apply of ``peers`` payloads, each in a subprocess."""
+    shapes = model_shapes(preset_or_shapes)
+    copy = _numel(shapes) * 4
+    ours_data, naive_data = _peer_payloads(shapes, peers, topk, tile, seed)
+    rows = []
+    for kind, data in (("ours", ours_data), ("naive", naive_data)):
+        res = peak_aggregation_bytes(kind, data, shapes, topk=topk, tile=tile, clip=clip)
+        peak = int(res["peak_bytes"])  # type: ignore[call-overload]
+        rows.append(
+            {
+                "impl": kind,
+                "peak_bytes": peak,
+                "peak_mb": peak / MB,
+                "model_copies": peak / copy,
+                "hwm_reset": bool(res["hwm_reset"]),
+                "payload_mb": sum(map(len, data)) / MB,
+            }
+        )
+    return {"topk": topk, "peers": peers, "model_mb": copy / MB, "rows": rows}
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _mark(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def format_markdown(results: Mapping[str, Any]) -> str:
+    """README-ready markdown tables of whichever reports ``results`` holds."""
+    out = []
+    if (m := results.get("model")) is not None:
+        out.append(
+            f"Model `{m['preset']}`: {m['params'] / 1e6:.2f} M parameters in "
+            f"{m['tensors']} tensors ({m['params'] * 4 / MB:.1f} MB fp32); "
+            f"{m['machine']}, torch {m['torch']}, "
+            f"{m['threads']} thread{'' if m['threads'] == 1 else 's'}."
+        )
+    if (s := results.get("size")) is not None:
+        out.append(
+            _table(
+                [
+                    "input",
+                    "k",
+                    "ours (bits/param)",
+                    "bound",
+                    "12-bit + byte codes",
+                    "ours / bound",
+                    "ours / 12-bit",
+                    "target met",
+                ],
+                [
+                    [
+                        r["input"],
+                        str(r["k"]),
+                        f"{r['ours_bpp']:.4f}",
+                        f"{r['bound_bpp']:.4f}",
+                        f"{r['production_bpp']:.4f}",
+                        f"{r['ratio_to_bound']:.3f} (≤ 1.04)",
+                        f"{r['ratio_to_production']:.3f} (≤ 0.5)",
+                        _mark(r["ok"]),
+                    ]
+                    for r in s["rows"]
+                ],
+            )
+        )
+    if (p := results.get("speed")) is not None:
+        out.append(
+            f"Throughput at k={p['topk']}, best of {p['repeat']} after a warm-up "
+            f"(MB/s of fp32 parameters):"
+        )
+        out.append(
+            _table(
+                ["operation", "ours", "naive torch", "speedup", "target met"],
+                [
+                    [
+                        r["op"],
+                        f"{r['ours_s'] * 1e3:.0f} ms ({r['ours_mb_s']:.0f} MB/s)",
+                        f"{r['naive_s'] * 1e3:.0f} ms ({r['naive_mb_s']:.0f} MB/s)",
+                        f"{r['speedup']:.2f}x (≥ {r['target']}x)",
+                        _mark(r["ok"]),
+                    ]
+                    for r in p["rows"]
+                ],
+            )
+        )
+    if (q := results.get("memory")) is not None:
+        out.append(
+            f"Peak memory of decode + aggregate + apply of {q['peers']} payloads at "
+            f"k={q['topk']} (RSS growth in a fresh process; one fp32 model copy = "
+            f"{q['model_mb']:.1f} MB):"
+        )
+        out.append(
+            _table(
+                ["implementation", "peak extra RSS", "fp32 model copies", "payloads held"],
+                [
+                    [
+                        r["impl"],
+                        f"{r['peak_mb']:.1f} MB" + ("" if r["hwm_reset"] else " (lower bound)"),
+                        f"{r['model_copies']:.2f}",
+                        f"{r['payload_mb']:.1f} MB",
+                    ]
+                    for r in q["rows"]
+                ],
+            )
+        )
+    return "\n\n".join(out) + "\n"
+
+
+def run(
+    json_out: str | None = None,
+    preset: str = "base",
+    peers: int = 16,
+    repeat: int = 3,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """All three reports on ``preset``; prints the markdown and writes JSON to ``json_out``.
+
+    ``threads`` fixes torch's intra-op threads for the timings (default: as configured).
+    """
+    shapes = model_shapes(preset)
+    results: dict[str, Any] = {
+        "model": {
+            "preset": preset,
+            "params": _numel(shapes),
+            "tensors": len(shapes),
+            "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+            "torch": torch.__version__,
+            "threads": threads or torch.get_num_threads(),
+        }
+    }
+    results["size"] = size_report(shapes)
+    results["speed"] = speed_report(shapes, peers=peers, repeat=repeat, threads=threads)
+    results["memory"] = memory_report(shapes, peers=peers)
+    print(format_markdown(results))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results

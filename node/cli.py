@@ -1,0 +1,155 @@
+"""The ``sparseloco`` console script: one entry point, one subcommand per job.
+
+Subcommands: ``simulate`` (compare SparseLoCo, DiLoCo and DDP in one process) and ``bench``
+(``codec``: payload size, speed and memory against a straightforward implementation;
+``quality``: the three algorithms on the bench preset, with a plot). Each subcommand parses
+its flags into a validated config; bad values fail at start with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from protocol.errors import SparseLoCoError
+
+log = logging.getLogger("sparseloco")
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="run SparseLoCo, DiLoCo or DDP with N workers in one process",
+        description="Train N workers in one process on equal token budgets and write JSON.",
+    )
+    p.add_argument("--algo", required=True, choices=["sparseloco", "diloco", "ddp"])
+    p.add_argument("--preset", help="run preset: tiny (seconds) or bench (the CPU benchmark)")
+    p.add_argument("--model", help="model preset: tiny, small, base, medium, large, 1b")
+    p.add_argument("--workers", type=int)
+    p.add_argument("--inner-steps", type=int, help="H, inner steps per round")
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--batch-size", type=int, help="sequences per inner step per worker")
+    p.add_argument("--data", help="text file, directory or glob (default: bundled demo corpus)")
+    p.add_argument("--topk", type=int, help="kept entries per 64x64 tile (default 64)")
+    p.add_argument("--tile", type=int, help="tile edge (default 64)")
+    p.add_argument("--beta", type=float, help="error-feedback decay (default 0.95)")
+    p.add_argument("--alpha", type=float, help="SparseLoCo outer learning rate (default 1.0)")
+    p.add_argument(
+        "--no-clip",
+        dest="clip",
+        action="store_false",
+        default=None,
+        help="disable median-norm clipping of peers",
+    )
+    p.add_argument("--inner-lr", type=float, help="inner AdamW lr (default by algorithm)")
+    p.add_argument("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the result here")
+    p.set_defaults(func=_cmd_simulate)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from node.progress import round_progress
+    from node.simulate import build_config, simulate, write_json
+
+    options = {
+        k: getattr(args, k)
+        for k in (
+            "algo",
+            "model",
+            "workers",
+            "inner_steps",
+            "rounds",
+            "batch_size",
+            "data",
+            "topk",
+            "tile",
+            "beta",
+            "alpha",
+            "clip",
+            "inner_lr",
+            "outer_lr",
+            "seed",
+        )
+    }
+    cfg = build_config(args.preset, **options)
+    with round_progress(f"simulate {cfg.algo}", cfg.rounds) as progress:
+        result = simulate(cfg, progress=progress)
+    print(
+        f"{cfg.algo}: final eval loss {result['final_eval_loss']:.4f} nats, "
+        f"{result['bytes_per_round_per_worker']:,.0f} bytes/round/worker, "
+        f"{result['wall_seconds']:.1f} s"
+    )
+    if args.json_out:
+        write_json(result, args.json_out)
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (reported numbers, never pass/fail)")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="{codec,quality}")
+    c = bench.add_parser("codec", help="payload size, encode and decode+aggregate speed, memory")
+    c.add_argument("--preset", default="base", help="model whose shapes are encoded")
+    c.add_argument("--peers", type=int, default=16)
+    c.add_argument("--repeat", type=int, default=3)
+    c.add_argument("--json", dest="json_out", metavar="OUT")
+    c.set_defaults(func=_cmd_bench_codec)
+    q = bench.add_parser("quality", help="SparseLoCo vs DiLoCo vs DDP on the bench preset")
+    q.add_argument("--preset", default="bench")
+    q.add_argument("--rounds", type=int)
+    q.add_argument("--data")
+    q.add_argument("--algos", default="sparseloco,diloco,ddp")
+    q.add_argument("--out", default="bench-out/quality", help="folder for JSON and the plot")
+    q.set_defaults(func=_cmd_bench_quality)
+
+
+def _cmd_bench_codec(args: argparse.Namespace) -> int:
+    from node.bench.codec_bench import run
+
+    run(args.json_out, args.preset, args.peers, args.repeat)
+    return 0
+
+
+def _cmd_bench_quality(args: argparse.Namespace) -> int:
+    from node.bench.quality import run_quality
+
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    run_quality(args.out, preset=args.preset, algos=algos, rounds=args.rounds, data=args.data)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (exposed so a test can pin the flags)."""
+    parser = argparse.ArgumentParser(
+        prog="sparseloco",
+        description="SparseLoCo: communication-efficient LLM pre-training over the internet.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_simulate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``sparseloco`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except SparseLoCoError as exc:
+        print(f"sparseloco: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sparseloco: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

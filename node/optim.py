@@ -1,0 +1,127 @@
+"""The inner optimiser: AdamW with the published SparseLoCo settings and its learning-rate schedule.
+
+Each node runs H inner steps of AdamW between synchronisations; the AdamW state stays on the node
+across rounds and is never shared. Defaults are the paper's: lr 1e-3, betas (0.9, 0.95), eps 1e-8,
+weight decay 0.1 on matrices only, gradient-norm clip 1.0, linear warm-up from 0.1x then cosine
+decay to 0.1x.
+
+The schedule is indexed by the **global** inner step (round x H + local step), never by a per-round
+or per-process counter: a node that joins late or restarts must land on the same learning rate as
+everyone else (schedule drift after restarts was a recurring bug in the production system).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from node.model import GPT, autocast
+
+
+class InnerOptimConfig(BaseModel):
+    """AdamW hyper-parameters and the warm-up + cosine schedule, in global inner steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lr: float = Field(default=1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    warmup_steps: int = Field(ge=0)
+    total_steps: int = Field(gt=0)
+    start_ratio: float = Field(default=0.1, ge=0, le=1)
+    final_ratio: float = Field(default=0.1, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> InnerOptimConfig:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(
+                f"betas={self.betas} must both lie in [0, 1); the default is (0.9, 0.95)"
+            )
+        if self.warmup_steps > self.total_steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps};"
+                " lower warmup_steps or raise total_steps"
+            )
+        return self
+
+
+def lr_at(step: int, cfg: InnerOptimConfig) -> float:
+    """Learning rate at global inner step ``step``.
+
+    Linear from ``start_ratio * lr`` at step 0 to ``lr`` at ``warmup_steps``, then cosine down to
+    ``final_ratio * lr`` at ``total_steps``, and constant at that value afterwards.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if step >= cfg.total_steps:
+        return cfg.lr * cfg.final_ratio
+    if step < cfg.warmup_steps:
+        frac = step / cfg.warmup_steps
+        return cfg.lr * (cfg.start_ratio + (1.0 - cfg.start_ratio) * frac)
+    progress = (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.final_ratio + (1.0 - cfg.final_ratio) * cosine)
+
+
+def make_adamw(model: torch.nn.Module, cfg: InnerOptimConfig) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters, decaying 2-D weights only.
+
+    Norm gains (1-D) are not decayed: pulling them towards 0 only fights the normalisation. The
+    group order (decayed, then not) and the parameter order inside each group follow
+    ``named_parameters``, so the state layout is the same on every node.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=lr_at(0, cfg),
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+    )
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group of ``opt``."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+def inner_step(
+    model: GPT,
+    opt: torch.optim.Optimizer,
+    x: Tensor,
+    y: Tensor,
+    *,
+    step: int,
+    cfg: InnerOptimConfig,
+) -> float:
+    """One inner training step at global step ``step``; returns the batch loss in nats.
+
+    Sets the scheduled learning rate, runs forward (bf16 autocast on CUDA) and backward, clips the
+    global gradient norm to ``cfg.grad_clip``, steps and clears the gradients. A non-finite loss
+    raises ``FloatingPointError`` before the step, so a diverged batch never poisons the weights
+    or the AdamW moments.
+    """
+    device = next(model.parameters()).device
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    set_lr(opt, lr_at(step, cfg))
+    with autocast(device):
+        loss = model.loss(x, y)
+    loss.backward()
+    value = loss.item()
+    if not math.isfinite(value):
+        opt.zero_grad(set_to_none=True)
+        raise FloatingPointError(f"non-finite training loss {value} at inner step {step}")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return value

@@ -1,0 +1,130 @@
+"""The SparseLoCo outer step: error feedback, compression, sparse aggregation, outer SGD.
+
+One round on a node, in DESIGN.md's numbering (inner training, step 1, lives in ``node.optim``):
+
+2. ``pseudo_gradient``: ``delta = theta_t - theta_i`` (a descent direction);
+3. ``feed_error``: ``e = beta * e + delta``;
+4-5. ``compress``: encode ``e`` and subtract what was sent, ``e -= c_hat``;
+7. ``aggregate_tensor``: per coordinate, the mean over the payloads that selected it, with
+   optional per-tensor clipping of each peer to the median norm;
+8. ``apply_aggregate``: ``theta -= alpha * aggregate``;
+9. ``add_back``: ``e += c_hat`` when the node's own payload was not in the gather set.
+
+Determinism is the point of this module: every honest node must end each round with
+bit-identical parameters. So peers are always taken in sorted node-id order, norms are computed
+exactly (``SparseTensor.sq_norm``), every arithmetic step is a separate fp32 operation (no fused
+multiply-add), and scatter-adds only ever touch distinct indices within one call. Aggregation
+holds one tensor's sums and counts at a time, never a dense copy per peer.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from protocol.codec import Payload, SparseTensor, encode
+
+
+def pseudo_gradient(
+    start: Mapping[str, torch.Tensor], trained: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``start - trained`` per tensor, fp32 (the direction the inner steps moved, negated)."""
+    return {n: start[n].float() - trained[n].detach().float() for n in start}
+
+
+def feed_error(
+    error: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor], beta: float
+) -> None:
+    """In place: ``e = beta * e + delta`` (two separate operations)."""
+    for name, e in error.items():
+        e.mul_(beta)
+        e.add_(delta[name])
+
+
+def compress(
+    error: Mapping[str, torch.Tensor], *, topk: int, tile: int, **header: object
+) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """Encode the error buffer and subtract what was sent from it, in place.
+
+    Returns the payload bytes and the dense reconstruction ``c_hat`` (keep it: step 9 adds it
+    back if this payload is not aggregated). ``header`` goes to ``protocol.codec.encode``
+    (run_id, round, node_id, base).
+    """
+    data, recon = encode(error, topk=topk, tile=tile, **header)  # type: ignore[arg-type]
+    for name, e in error.items():
+        e.sub_(recon[name])
+    return data, recon
+
+
+def add_back(error: Mapping[str, torch.Tensor], recon: Mapping[str, torch.Tensor]) -> None:
+    """Step 9: return an unaggregated contribution to the error buffer (nothing is lost)."""
+    for name, e in error.items():
+        e.add_(recon[name])
+
+
+def clip_scales(parts: Sequence[SparseTensor]) -> list[float]:
+    """Per-peer factors ``min(1, median_norm / norm)`` for one tensor (1 for a zero norm)."""
+    norms = [math.sqrt(p.sq_norm()) for p in parts]
+    median = statistics.median(norms)
+    return [1.0 if n == 0.0 or n <= median else median / n for n in norms]
+
+
+def aggregate_tensor(parts: Sequence[SparseTensor], *, clip: bool = True) -> torch.Tensor:
+    """Mean over contributors of one tensor, as a dense fp32 tensor of the tensor's shape.
+
+    ``parts`` must already be in the canonical (sorted node id) order. A coordinate nobody
+    selected is 0. With ``clip``, each peer's tensor is first scaled by
+    ``min(1, median_norm / its_norm)``.
+    """
+    if not parts:
+        raise ValueError("aggregate_tensor needs at least one payload")
+    geometry = parts[0].geometry
+    for p in parts[1:]:
+        if p.geometry != geometry:
+            raise ValueError(f"tensor {p.name!r}: peers disagree on the tile geometry")
+    size = geometry.n_tiles * geometry.tile_len
+    sums = torch.zeros(size, dtype=torch.float32)
+    counts = torch.zeros(size, dtype=torch.float32)
+    scales = clip_scales(parts) if clip else [1.0] * len(parts)
+    for part, scale in zip(parts, scales, strict=True):
+        table = part.table
+        if scale != 1.0:
+            table = table * torch.tensor(scale, dtype=torch.float32)
+        idx = geometry.tile_major_index(part.positions)
+        # Indices are distinct within one peer, so each element receives exactly one addition
+        # per call and the result cannot depend on how the kernel orders its work.
+        sums.index_add_(0, idx, table[part.codes.to(torch.int64)])
+        counts.index_add_(0, idx, torch.ones(idx.numel(), dtype=torch.float32))
+    mean = sums.div_(counts.clamp_(min=1.0))
+    return geometry.from_tiles(mean)
+
+
+def ordered(payloads: Mapping[str, Payload]) -> list[Payload]:
+    """Payloads in the canonical aggregation order: sorted by node id."""
+    return [payloads[node] for node in sorted(payloads)]
+
+
+def apply_aggregate(
+    params: Mapping[str, torch.Tensor],
+    payloads: Mapping[str, Payload],
+    *,
+    alpha: float = 1.0,
+    clip: bool = True,
+) -> None:
+    """Steps 7-8 in place: ``theta -= alpha * aggregate`` for every tensor.
+
+    ``payloads`` maps node id to its validated payload; the mapping's own order is ignored.
+    With no payloads the parameters stay unchanged (an empty round).
+    """
+    peers = ordered(payloads)
+    if not peers:
+        return
+    with torch.no_grad():
+        for name, theta in params.items():
+            update = aggregate_tensor([p.tensors[name] for p in peers], clip=clip)
+            if alpha != 1.0:
+                update.mul_(alpha)
+            theta.sub_(update.to(theta.dtype))

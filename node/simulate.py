@@ -1,0 +1,287 @@
+"""``sparseloco simulate``: SparseLoCo, DiLoCo and DDP side by side in one process.
+
+N workers train the same model on disjoint streams of the same corpus with equal token budgets:
+SparseLoCo and DiLoCo run R rounds of H inner steps per worker; DDP runs R*H steps whose
+gradient is the mean over the N workers' batches (one batch of N times the size, which is the
+same gradient). All three evaluate the global parameters on the same held-out split after every
+round (every H steps for DDP) and report what one worker would have sent over the network:
+the real encoded payload bytes for SparseLoCo, a dense fp32 pseudo-gradient per round for
+DiLoCo, and a dense fp32 gradient per step for DDP.
+
+SparseLoCo goes through the real codec path (``encode`` -> bytes -> ``read_payload`` ->
+``apply_aggregate``), so the simulator measures what the network node will do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from node.data import ByteCorpus, load_corpus
+from node.model import GPT, build_model, count_parameters, evaluate, get_preset
+from node.optim import InnerOptimConfig, inner_step, make_adamw
+from node.outer import apply_aggregate, compress, feed_error, pseudo_gradient
+from protocol.codec import read_payload
+from protocol.errors import ConfigError
+from protocol.fingerprint import fingerprint
+
+log = logging.getLogger("sparseloco.simulate")
+
+Algo = Literal["sparseloco", "diloco", "ddp"]
+
+#: Inner learning rates by algorithm (DESIGN.md: 1e-3 SparseLoCo, 8e-4 DiLoCo, 3e-3-class DDP).
+DEFAULT_INNER_LR: dict[str, float] = {"sparseloco": 1e-3, "diloco": 8e-4, "ddp": 3e-3}
+
+#: Run presets: defaults for everything but the algorithm; explicit options override them.
+RUN_PRESETS: dict[str, dict[str, Any]] = {
+    # A few seconds: for tests and smoke checks.
+    "tiny": {"model": "tiny", "workers": 2, "inner_steps": 5, "rounds": 3, "batch_size": 4},
+    # The CPU quality benchmark: ~0.44M parameters, 4 workers, H=30, k=64.
+    "bench": {"model": "small", "workers": 4, "inner_steps": 30, "rounds": 30, "batch_size": 12},
+}
+
+
+class SimConfig(BaseModel):
+    """Everything that determines a simulation; written into the result JSON."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    algo: Algo
+    model: str = "small"
+    workers: int = Field(4, ge=1)
+    inner_steps: int = Field(30, ge=1)
+    rounds: int = Field(20, ge=1)
+    batch_size: int = Field(12, ge=1)
+    data: str | None = None
+    seed: int = 0
+    # SparseLoCo
+    topk: int = Field(64, ge=1)
+    tile: int = Field(64, ge=1)
+    beta: float = Field(0.95, ge=0.0, le=1.0)
+    alpha: float = Field(1.0, gt=0.0)
+    clip: bool = True
+    # DiLoCo outer optimiser
+    outer_lr: float = Field(0.7, gt=0.0)
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    # Inner optimiser; None takes the algorithm's default.
+    inner_lr: float | None = Field(None, gt=0.0)
+    warmup_frac: float = Field(0.05, ge=0.0, le=1.0)
+    # Evaluation
+    eval_batches: int = Field(16, ge=1)
+    eval_batch_size: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        get_preset(self.model)  # raises ValueError listing the valid names
+        if self.topk > self.tile * self.tile:
+            raise ValueError(f"topk={self.topk} exceeds tile**2={self.tile**2}; lower --topk")
+        return self
+
+    @property
+    def resolved_inner_lr(self) -> float:
+        return self.inner_lr if self.inner_lr is not None else DEFAULT_INNER_LR[self.algo]
+
+    def inner_optim(self) -> InnerOptimConfig:
+        total = self.rounds * self.inner_steps
+        return InnerOptimConfig(
+            lr=self.resolved_inner_lr,
+            warmup_steps=min(total, max(1, round(self.warmup_frac * total))),
+            total_steps=total,
+        )
+
+
+def build_config(preset: str | None, **options: Any) -> SimConfig:
+    """A ``SimConfig`` from a run preset plus explicit options (``None`` values are ignored)."""
+    values: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in RUN_PRESETS:
+            raise ConfigError(f"unknown --preset {preset!r}; choose one of {sorted(RUN_PRESETS)}")
+        values.update(RUN_PRESETS[preset])
+    values.update({k: v for k, v in options.items() if v is not None})
+    try:
+        return SimConfig(**values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+class Simulation:
+    """State shared by the three algorithms: data, global model, evaluation."""
+
+    def __init__(self, cfg: SimConfig, progress: Callable[[int, float], None] | None = None):
+        self.cfg = cfg
+        self.model_cfg = get_preset(cfg.model)
+        self.corpus = ByteCorpus(load_corpus(cfg.data), ctx_len=self.model_cfg.ctx_len)
+        self.eval_set = self.corpus.eval_batches(cfg.eval_batches, cfg.eval_batch_size)
+        self.global_model = build_model(self.model_cfg, seed=cfg.seed)
+        self.optim_cfg = cfg.inner_optim()
+        self.progress = progress
+        self.curve: list[list[float]] = []
+        self.train_curve: list[list[float]] = []
+
+    def params(self, model: GPT) -> dict[str, torch.Tensor]:
+        return {n: p.data for n, p in model.named_parameters()}
+
+    def batch(self, worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.corpus.train_batch(
+            worker=worker,
+            n_workers=self.cfg.workers,
+            step=step,
+            batch_size=self.cfg.batch_size,
+            seed=self.cfg.seed,
+        )
+
+    def record(self, round_: int, train_loss: float | None) -> float:
+        loss = evaluate(self.global_model, self.eval_set)
+        self.curve.append([round_, loss])
+        if train_loss is not None:
+            self.train_curve.append([round_, train_loss])
+        if self.progress:
+            self.progress(round_, loss)
+        return loss
+
+    def train_workers(self, workers: list[tuple[GPT, torch.optim.Optimizer]], round_: int) -> float:
+        """H inner steps on every worker from its current parameters; mean last-step loss."""
+        losses = []
+        H = self.cfg.inner_steps
+        for w, (model, opt) in enumerate(workers):
+            for h in range(H):
+                step = round_ * H + h
+                x, y = self.batch(w, step)
+                loss = inner_step(model, opt, x, y, step=step, cfg=self.optim_cfg)
+            losses.append(loss)
+        return sum(losses) / len(losses)
+
+    def replicas(self) -> list[tuple[GPT, torch.optim.Optimizer]]:
+        out: list[tuple[GPT, torch.optim.Optimizer]] = []
+        for _ in range(self.cfg.workers):
+            m = build_model(self.model_cfg, seed=self.cfg.seed)
+            out.append((m, make_adamw(m, self.optim_cfg)))
+        return out
+
+
+def _sync(workers: list[tuple[GPT, torch.optim.Optimizer]], theta: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for model, _ in workers:
+            for n, p in model.named_parameters():
+                p.copy_(theta[n])
+
+
+def run_sparseloco(sim: Simulation) -> dict[str, Any]:
+    cfg = sim.cfg
+    theta = sim.params(sim.global_model)
+    workers = sim.replicas()
+    errors = [{n: torch.zeros_like(t) for n, t in theta.items()} for _ in workers]
+    shapes = {n: tuple(t.shape) for n, t in theta.items()}
+    sent = 0
+    sim.record(0, None)
+    for r in range(cfg.rounds):
+        _sync(workers, theta)
+        base = fingerprint(theta)
+        train_loss = sim.train_workers(workers, r)
+        payloads = {}
+        for w, (model, _) in enumerate(workers):
+            delta = pseudo_gradient(theta, sim.params(model))
+            feed_error(errors[w], delta, cfg.beta)
+            data, _ = compress(
+                errors[w], topk=cfg.topk, tile=cfg.tile, round=r, node_id=f"w{w:03d}", base=base
+            )
+            sent += len(data)
+            payloads[f"w{w:03d}"] = read_payload(data, shapes, topk=cfg.topk, tile=cfg.tile)
+        apply_aggregate(theta, payloads, alpha=cfg.alpha, clip=cfg.clip)
+        sim.record(r + 1, train_loss)
+    return {"bytes_sent_per_worker": sent / cfg.workers}
+
+
+def run_diloco(sim: Simulation) -> dict[str, Any]:
+    cfg = sim.cfg
+    theta = sim.params(sim.global_model)
+    workers = sim.replicas()
+    outer = torch.optim.SGD(
+        sim.global_model.parameters(),
+        lr=cfg.outer_lr,
+        momentum=cfg.outer_momentum,
+        nesterov=cfg.outer_momentum > 0,
+    )
+    n_params = count_parameters(sim.global_model)
+    sim.record(0, None)
+    for r in range(cfg.rounds):
+        _sync(workers, theta)
+        train_loss = sim.train_workers(workers, r)
+        for n, p in sim.global_model.named_parameters():
+            deltas = [theta[n] - dict(m.named_parameters())[n].detach() for m, _ in workers]
+            p.grad = torch.stack(deltas).mean(0)
+        outer.step()
+        outer.zero_grad(set_to_none=True)
+        sim.record(r + 1, train_loss)
+    return {"bytes_sent_per_worker": 4 * n_params * cfg.rounds}
+
+
+def run_ddp(sim: Simulation) -> dict[str, Any]:
+    cfg = sim.cfg
+    model = sim.global_model
+    opt = make_adamw(model, sim.optim_cfg)
+    H = cfg.inner_steps
+    sim.record(0, None)
+    for r in range(cfg.rounds):
+        for h in range(H):
+            step = r * H + h
+            batches = [sim.batch(w, step) for w in range(cfg.workers)]
+            x = torch.cat([b[0] for b in batches])
+            y = torch.cat([b[1] for b in batches])
+            # Mean loss over equal-sized worker batches = the mean of the workers' gradients.
+            loss = inner_step(model, opt, x, y, step=step, cfg=sim.optim_cfg)
+        sim.record(r + 1, loss)
+    return {"bytes_sent_per_worker": 4 * count_parameters(model) * cfg.rounds * H}
+
+
+RUNNERS: dict[str, Callable[[Simulation], dict[str, Any]]] = {
+    "sparseloco": run_sparseloco,
+    "diloco": run_diloco,
+    "ddp": run_ddp,
+}
+
+
+def simulate(
+    cfg: SimConfig, progress: Callable[[int, float], None] | None = None
+) -> dict[str, Any]:
+    """Run one simulation and return the result document (see module docstring)."""
+    torch.manual_seed(cfg.seed)
+    start = time.perf_counter()
+    sim = Simulation(cfg, progress)
+    extra = RUNNERS[cfg.algo](sim)
+    wall = time.perf_counter() - start
+    tokens = cfg.rounds * cfg.inner_steps * cfg.batch_size * sim.model_cfg.ctx_len
+    sent = extra["bytes_sent_per_worker"]
+    return {
+        "algo": cfg.algo,
+        "final_eval_loss": sim.curve[-1][1],
+        "eval_loss_curve": sim.curve,
+        "train_loss_curve": sim.train_curve,
+        "bytes_sent_per_worker": sent,
+        "bytes_per_round_per_worker": sent / cfg.rounds,
+        "tokens_per_worker": tokens,
+        "parameters": count_parameters(sim.global_model),
+        "wall_seconds": wall,
+        "final_fingerprint": fingerprint(sim.params(sim.global_model)),
+        "config": {
+            **cfg.model_dump(),
+            "inner_lr": cfg.resolved_inner_lr,
+            "model_config": sim.model_cfg.model_dump(),
+        },
+    }
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> None:
+    """Write ``result`` to ``path`` atomically (a crash never leaves half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,297 @@
+"""The SparseLoCo codec: chunk-wise Top-k, 2-bit quantisation and index coding of tensors.
+
+Public API (used by the node, the benchmarks and outside checks; names and meanings are stable):
+
+- ``encode(tensors, *, topk=64, tile=64)`` compresses every tensor and returns the payload bytes
+  together with the dense fp32 reconstruction of what was sent (the caller subtracts it from its
+  error-feedback buffer).
+- ``decode(data, shapes)`` returns that same reconstruction, bit for bit, from the bytes.
+- ``read_payload(data, shapes)`` validates a payload completely and returns it in sparse form
+  (``SparseTensor`` per tensor) for aggregation without densifying each peer.
+
+Every malformed input raises ``PayloadError`` naming the field. Validation happens before any
+allocation that depends on the payload's own claims: sizes are checked against limits derived
+from ``shapes``, which come from the run's model, never from the payload.
+
+Selection: the kept positions of a tile are exactly its ``k`` largest entries by magnitude, ties
+broken towards the lower position, so the payload is a deterministic function of the input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from protocol.envelope import (
+    MAX_DIMS,
+    MAX_ROUND,
+    MAX_TEXT,
+    Envelope,
+    TensorRecord,
+    pack_envelope,
+    unpack_envelope,
+)
+from protocol.errors import CodecError, PayloadError
+from protocol.indexcode import decode_positions, encode_positions
+from protocol.quantize import (
+    STATS_SIZE,
+    dequant_table,
+    pack_codes,
+    quantize,
+    unpack_codes,
+    unpack_stats,
+)
+from protocol.tiles import TileGeometry, check_codec_params
+
+DEFAULT_TOPK = 64
+DEFAULT_TILE = 64
+
+
+@dataclass(frozen=True)
+class SparseTensor:
+    """One tensor of a decoded payload: kept positions per tile, their codes, the value table."""
+
+    name: str
+    geometry: TileGeometry
+    positions: torch.Tensor  # (n_tiles, k) ascending positions inside each tile
+    codes: torch.Tensor  # (n_tiles * k,) uint8 in [0, 3]
+    table: torch.Tensor  # (4,) fp32: the dequantised value of each code
+
+    def values(self) -> torch.Tensor:
+        """The dequantised kept values, in the order of ``positions`` flattened."""
+        return self.table[self.codes.to(torch.int64)]
+
+    def code_counts(self) -> list[int]:
+        """How many kept values carry each of the four codes."""
+        return [int(c) for c in torch.bincount(self.codes.to(torch.int64), minlength=4)]
+
+    def sq_norm(self) -> float:
+        """Exact squared L2 norm of the dequantised tensor, computed the same way everywhere.
+
+        A tensor holds only four distinct values, so the norm is a four-term sum in float64:
+        independent of thread count, SIMD width and summation order.
+        """
+        table = [float(v) for v in self.table]
+        return math.fsum(n * v * v for n, v in zip(self.code_counts(), table, strict=True))
+
+    def dense(self) -> torch.Tensor:
+        """The dense fp32 tensor this sparse tensor stands for."""
+        out = torch.zeros(self.geometry.numel, dtype=torch.float32)
+        out[self.geometry.flat_index(self.positions)] = self.values()
+        return out.view(self.geometry.shape)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A validated payload: its header fields and every tensor in sparse form."""
+
+    run_id: str
+    round: int
+    node_id: str
+    base: str
+    tile: int
+    topk: int
+    tensors: dict[str, SparseTensor]
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _select(tiles_abs: torch.Tensor, k: int, name: str) -> torch.Tensor:
+    """Ascending positions of the ``k`` largest entries of each row, ties to the lower index.
+
+    Raises ``CodecError`` if any entry is NaN or infinite.
+    """
+    n_tiles, tile_len = tiles_abs.shape
+    if k >= tile_len:
+        if not bool(torch.isfinite(tiles_abs).all()):
+            raise CodecError(f"tensor {name!r} contains NaN or infinite values")
+        return torch.arange(tile_len, dtype=torch.int64).expand(n_tiles, tile_len).contiguous()
+    # The k-subset is unique unless the k-th and (k+1)-th largest magnitudes are equal, so
+    # asking for one extra entry detects exactly the rows that need the tie-break rule.
+    vals, idx = torch.topk(tiles_abs, k + 1, dim=1, largest=True, sorted=True)
+    # topk orders NaN above everything and inf is the largest magnitude, so a tile holds a
+    # non-finite entry exactly when its largest selected value is not finite.
+    if not bool(torch.isfinite(vals[:, 0]).all()):
+        raise CodecError(f"tensor {name!r} contains NaN or infinite values")
+    positions = idx[:, :k].sort(dim=1).values
+    tied = torch.nonzero(vals[:, k - 1] == vals[:, k]).reshape(-1)
+    if tied.numel():
+        # torch.topk picks arbitrarily among entries equal to the threshold; for those rows
+        # keep every entry above it and then the lowest-positioned equal ones.
+        rows = tiles_abs[tied]
+        t = vals[tied, k - 1 : k]
+        above = rows > t
+        need = k - above.sum(dim=1, keepdim=True)
+        equal = rows == t
+        keep = above | (equal & (torch.cumsum(equal, dim=1) <= need))
+        positions[tied] = torch.nonzero(keep)[:, 1].view(-1, k)
+    return positions
+
+
+def encode_tensor(
+    x: torch.Tensor, geometry: TileGeometry, name: str
+) -> tuple[TensorRecord, torch.Tensor]:
+    """Compress one tensor; returns its record and its dense fp32 reconstruction."""
+    x = x.detach().to(torch.float32).contiguous()
+    recon = torch.zeros(geometry.shape, dtype=torch.float32)
+    if geometry.n_tiles == 0:
+        q = quantize(torch.zeros(0))
+        return TensorRecord(name, geometry.shape, 0, q.stats_bytes(), b"", b"", b""), recon
+    tiles_abs = torch.empty(geometry.n_tiles, geometry.tile_len, dtype=torch.float32)
+    geometry.to_tiles(x.abs(), out=tiles_abs)
+    positions = _select(tiles_abs, geometry.k, name)
+    flat = geometry.flat_index(positions)
+    values = x.view(-1)[flat]
+    q = quantize(values)
+    if not bool(torch.isfinite(q.table()).all()):
+        # Near the top of the fp32 range a level or level + shift overflows; such a buffer
+        # means training diverged, and a payload the decoders would reject helps nobody.
+        raise CodecError(f"tensor {name!r}: values too large to quantise in fp32")
+    recon.view(-1)[flat] = q.table()[q.codes.to(torch.int64)]
+    rice_bits, unary, rem = encode_positions(positions)
+    record = TensorRecord(
+        name, geometry.shape, rice_bits, q.stats_bytes(), pack_codes(q.codes), unary, rem
+    )
+    return record, recon
+
+
+def _check_header(*, run_id: object, round: object, node_id: object, base: object) -> None:
+    """Refuse header values the decoder would reject, so we never emit an unreadable payload."""
+    for field, value in (("run_id", run_id), ("node_id", node_id), ("base", base)):
+        if not isinstance(value, str) or len(value) > MAX_TEXT:
+            raise CodecError(f"{field} must be a str of at most {MAX_TEXT} characters")
+    if isinstance(round, bool) or not isinstance(round, int) or not 0 <= round <= MAX_ROUND:
+        raise CodecError(f"round must be an int in [0, {MAX_ROUND}], got {round!r}")
+
+
+def encode(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    topk: int = DEFAULT_TOPK,
+    tile: int = DEFAULT_TILE,
+    run_id: str = "",
+    round: int = 0,
+    node_id: str = "",
+    base: str = "",
+) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """Compress every tensor of ``tensors`` into one payload.
+
+    Returns ``(payload_bytes, reconstruction)``: the reconstruction maps each name to the dense
+    fp32 tensor (same shape) that ``decode`` will rebuild, bit for bit. Tensors are written in
+    sorted name order. ``run_id``, ``round``, ``node_id`` and ``base`` (the fingerprint of the
+    parameters trained from) go into the header. Raises ``CodecError`` for non-finite values or
+    bad ``topk``/``tile``.
+    """
+    check_codec_params(topk, tile)
+    _check_header(run_id=run_id, round=round, node_id=node_id, base=base)
+    records, recon = [], {}
+    for name in sorted(tensors):
+        x = tensors[name]
+        if not isinstance(x, torch.Tensor) or x.is_complex() or not x.is_floating_point():
+            raise CodecError(f"tensor {name!r} must be a real floating-point torch.Tensor")
+        if not isinstance(name, str) or len(name) > MAX_TEXT or x.dim() > MAX_DIMS:
+            raise CodecError(
+                f"tensor {name!r}: names must be str of at most {MAX_TEXT} "
+                f"characters and tensors have at most {MAX_DIMS} dimensions"
+            )
+        geometry = TileGeometry.of(tuple(x.shape), topk=topk, tile=tile)
+        record, recon[name] = encode_tensor(x.cpu(), geometry, name)
+        records.append(record)
+    env = Envelope(run_id, round, node_id, base, tile, topk, tuple(records))
+    return pack_envelope(env), recon
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def body_limit(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """Largest body a valid payload for ``shapes`` can need: about one byte per parameter.
+
+    Positions cost at most ~1.1 bits and codes 2 bits per parameter even at k = tile size, so a
+    byte per parameter plus fixed overhead per tensor is generous and still bounded.
+    """
+    return 4096 + sum(1024 + math.prod(s) for s in shapes.values())
+
+
+def _decode_record(
+    rec: TensorRecord, env: Envelope, shape: tuple[int, ...], field: str
+) -> SparseTensor:
+    if rec.shape != tuple(shape):
+        raise PayloadError(
+            f"{field}.shape", f"{list(rec.shape)} differs from the model's {list(shape)}"
+        )
+    geometry = TileGeometry.of(rec.shape, topk=env.topk, tile=env.tile)
+    if len(rec.stats) != STATS_SIZE:
+        raise PayloadError(f"{field}.stats", f"expected {STATS_SIZE} bytes, got {len(rec.stats)}")
+    shift, levels = unpack_stats(rec.stats)
+    table = dequant_table(shift, levels)
+    if not all(map(math.isfinite, (shift, *levels))) or not bool(torch.isfinite(table).all()):
+        raise PayloadError(f"{field}.stats", "shift and levels must be finite")
+    codes = unpack_codes(rec.codes, geometry.n_kept)
+    if codes is None:
+        raise PayloadError(
+            f"{field}.codes",
+            f"expected {(geometry.n_kept + 3) // 4} bytes with zero padding, got {len(rec.codes)}",
+        )
+    positions = decode_positions(
+        rec.rice_bits,
+        rec.unary,
+        rec.remainders,
+        n_tiles=geometry.n_tiles,
+        k=geometry.k,
+        tile_len=geometry.tile_len,
+        field=field,
+    )
+    # int16 positions keep G decoded peers small while they wait for aggregation.
+    small = torch.int16 if geometry.tile_len <= 2**15 else torch.int32
+    return SparseTensor(rec.name, geometry, positions.to(small), codes, table)
+
+
+def read_payload(
+    data: bytes,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    topk: int | None = None,
+    tile: int | None = None,
+) -> Payload:
+    """Validate ``data`` completely against the model's ``shapes`` and return it sparse.
+
+    ``topk`` and ``tile``, when given, must match the payload's codec parameters (a run fixes
+    them). Raises ``PayloadError`` naming the field for anything malformed.
+    """
+    env = unpack_envelope(data, max_body=body_limit(shapes))
+    try:
+        check_codec_params(env.topk, env.tile)
+    except CodecError as exc:
+        field = "body.topk" if str(exc).startswith("topk") else "body.tile"
+        raise PayloadError(field, str(exc)) from exc
+    if topk is not None and env.topk != topk:
+        raise PayloadError("body.topk", f"payload uses k={env.topk}, the run uses {topk}")
+    if tile is not None and env.tile != tile:
+        raise PayloadError("body.tile", f"payload uses tile={env.tile}, the run uses {tile}")
+    names = [r.name for r in env.tensors]
+    expected = sorted(shapes)
+    if names != expected:
+        missing = sorted(set(expected) - set(names))
+        extra = sorted(set(names) - set(expected))
+        detail = (
+            f"missing {missing[:3]}, unexpected {extra[:3]}"
+            if missing or extra
+            else ("not in sorted order or repeated")
+        )
+        raise PayloadError("body.tensors", f"tensor names do not match the model: {detail}")
+    tensors = {
+        rec.name: _decode_record(rec, env, tuple(shapes[rec.name]), f"tensors[{i}]")
+        for i, rec in enumerate(env.tensors)
+    }
+    return Payload(env.run_id, env.round, env.node_id, env.base, env.tile, env.topk, tensors)
+
+
+def decode(data: bytes, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The dense fp32 reconstruction of every tensor, identical to what ``encode`` returned."""
+    payload = read_payload(data, shapes)
+    return {name: t.dense() for name, t in payload.tensors.items()}

@@ -1,0 +1,107 @@
+"""The 2-bit quantiser of the kept values, exactly as DESIGN.md specifies.
+
+Per tensor, over all its kept values ``v`` (fp32, at least one):
+
+- ``shift`` = mean of ``v``; ``c = v - shift``;
+- ``sigma`` = unbiased standard deviation of ``c``; ``scale = 6 * sigma / 4``, or 1 when that is
+  zero or not finite (a single kept value);
+- ``code = clamp(round_half_even(c / scale + 2), 0, 3)``;
+- ``level[j]`` = mean of ``c`` over the values with code ``j`` (0 for an empty code);
+- dequantised value = ``level[code] + shift``, computed in fp32.
+
+Statistics are computed in float64 and rounded once to fp32 for transmission, so the result does
+not depend on the summation order of fp32 arithmetic. What is transmitted is ``shift`` and the
+four ``levels`` as fp32 plus the codes; the receiver rebuilds the four dequantised values with
+one fp32 addition each, so encoder and decoder agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+_STATS = struct.Struct("<5f")  # shift, level0..level3 as little-endian fp32
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """The quantiser's output for one tensor."""
+
+    shift: float  # exactly representable in fp32
+    levels: tuple[float, float, float, float]  # each exactly representable in fp32
+    codes: torch.Tensor  # uint8 in [0, 3], one per kept value
+
+    def table(self) -> torch.Tensor:
+        """The four dequantised values, ``level[j] + shift`` in fp32."""
+        return dequant_table(self.shift, self.levels)
+
+    def stats_bytes(self) -> bytes:
+        """``shift`` and the four levels as 20 bytes of little-endian fp32."""
+        return _STATS.pack(self.shift, *self.levels)
+
+
+def dequant_table(shift: float, levels: tuple[float, ...]) -> torch.Tensor:
+    """``level[j] + shift`` for j in 0..3, one fp32 addition each."""
+    return torch.tensor(levels, dtype=torch.float32) + torch.tensor(shift, dtype=torch.float32)
+
+
+def unpack_stats(data: bytes) -> tuple[float, tuple[float, float, float, float]]:
+    """Parse the 20-byte statistics block into ``(shift, levels)`` (no validation)."""
+    shift, *levels = _STATS.unpack(data)
+    return shift, (levels[0], levels[1], levels[2], levels[3])
+
+
+STATS_SIZE = _STATS.size
+
+
+def _to_f32(x: float) -> float:
+    """Round a float to the nearest fp32 value (inf past the fp32 range, never an error)."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def quantize(values: torch.Tensor) -> Quantized:
+    """Quantise a 1-D fp32 tensor of kept values to 2-bit codes (see module docstring)."""
+    n = values.numel()
+    if n == 0:
+        return Quantized(0.0, (0.0, 0.0, 0.0, 0.0), torch.zeros(0, dtype=torch.uint8))
+    v = values.to(torch.float64)
+    shift = float(v.mean())
+    c = v - shift
+    sigma = float(c.std(correction=1)) if n > 1 else math.nan
+    scale = 6.0 * sigma / 4.0
+    if not math.isfinite(scale) or scale == 0.0:
+        scale = 1.0
+    codes = torch.clamp(torch.round(c / scale + 2.0), 0, 3).to(torch.int64)
+    counts = torch.bincount(codes, minlength=4)
+    sums = torch.bincount(codes, weights=c, minlength=4)
+    levels = tuple(
+        _to_f32(float(sums[j]) / int(counts[j])) if int(counts[j]) else 0.0 for j in range(4)
+    )
+    return Quantized(_to_f32(shift), levels, codes.to(torch.uint8))  # type: ignore[arg-type]
+
+
+def pack_codes(codes: torch.Tensor) -> bytes:
+    """Pack 2-bit codes four to a byte, the first code in the two most significant bits."""
+    n = codes.numel()
+    padded = torch.zeros((n + 3) // 4 * 4, dtype=torch.int32)
+    padded[:n] = codes
+    shifts = torch.tensor([6, 4, 2, 0], dtype=torch.int32)
+    packed = (padded.view(-1, 4) << shifts).sum(1, dtype=torch.int32)
+    return packed.to(torch.uint8).numpy().tobytes()
+
+
+def unpack_codes(data: bytes, count: int) -> torch.Tensor | None:
+    """Inverse of ``pack_codes``; ``None`` when the length or padding is not canonical."""
+    if len(data) != (count + 3) // 4:
+        return None
+    if not data:
+        return torch.zeros(0, dtype=torch.uint8)
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    shifts = torch.tensor([6, 4, 2, 0], dtype=torch.uint8)
+    codes = ((raw.unsqueeze(1) >> shifts) & 3).reshape(-1)
+    if codes[count:].any():
+        return None
+    return codes[:count]

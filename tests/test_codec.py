@@ -1,0 +1,569 @@
+"""Tests for protocol.codec against the slow reference in ``reference_codec``.
+
+Round trips (decode(encode(x)) is the reconstruction, bit for bit), the kept positions and the
+quantiser against the reference on random shapes, tie-breaking, determinism, the payload size
+against the entropy bound, header fields, the wire layout read independently, and the
+encoder's input checks.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import reference_codec as ref
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from protocol.codec import SparseTensor, decode, encode, read_payload
+from protocol.envelope import wrap_body
+from protocol.errors import CodecError, PayloadError
+from protocol.tiles import TileGeometry, k_per_tile
+
+FLT_MAX = float(np.finfo(np.float32).max)
+DIMS = [1, 2, 3, 5, 7, 8, 13, 63, 64, 65, 97, 130]
+MAX_NUMEL = 2600
+NAMES = ["a", "b.weight", "layer.0.bias", "z"]
+KINDS = ["normal", "scaled", "ints", "sparse", "constant", "alternating"]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The fp32 bit patterns of ``t`` (so -0.0 and 0.0 differ, like the bytes do)."""
+    return t.contiguous().view(torch.int32)
+
+
+def make_input(shape: tuple[int, ...], kind: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        return torch.randn(shape, generator=g)
+    if kind == "scaled":
+        exp = int(torch.randint(-6, 7, (), generator=g))
+        return torch.randn(shape, generator=g) * 10.0**exp
+    if kind == "ints":  # many exact ties in magnitude, both signs
+        return torch.randint(-3, 4, shape, generator=g).to(torch.float32)
+    if kind == "sparse":
+        x = torch.randn(shape, generator=g)
+        return x * (torch.rand(shape, generator=g) < 0.1)
+    if kind == "constant":
+        return torch.full(shape, float(torch.randn((), generator=g)))
+    # alternating signs of one magnitude: every entry ties
+    n = math.prod(shape)
+    return (torch.arange(n) % 2 * 2 - 1).to(torch.float32).reshape(shape) * 0.5
+
+
+@st.composite
+def shapes(draw: st.DrawFn) -> tuple[int, ...]:
+    ndim = draw(st.integers(0, 3))
+    shape: list[int] = []
+    for _ in range(ndim):
+        room = MAX_NUMEL // max(1, math.prod(shape))
+        shape.append(draw(st.sampled_from([d for d in DIMS if d <= room])))
+    return tuple(shape)
+
+
+@st.composite
+def codec_params(draw: st.DrawFn) -> tuple[int, int]:
+    tile = draw(st.sampled_from([1, 3, 4, 8, 64]))
+    topk = draw(st.one_of(st.integers(1, tile * tile), st.sampled_from([1, tile * tile])))
+    return topk, tile
+
+
+def near_half(t: float) -> bool:
+    """Whether ``t`` is within 1e-9 of a rounding boundary ``n + 0.5``."""
+    return abs(t - math.floor(t) - 0.5) < 1e-9
+
+
+def stats_by_name(payload: bytes) -> dict[str, tuple[float, tuple[float, ...]]]:
+    """Each tensor's transmitted shift and levels, read from the body independently."""
+    _, _, body = ref.split_payload(payload)
+    out = {}
+    for rec in body["tensors"]:
+        shift, *levels = struct.unpack("<5f", rec[3])
+        out[rec[0]] = (shift, tuple(levels))
+    return out
+
+
+def ref_dense(r: ref.RefEncoded, codes: list[int], table: tuple[float, ...]) -> torch.Tensor:
+    """The reference reconstruction for given codes and table."""
+    numel = math.prod(r.geometry.shape)
+    dense = torch.zeros(numel, dtype=torch.float32)
+    kept = [
+        idx[p]
+        for idx, pos in zip(r.geometry.tile_flat_indices(), r.positions, strict=True)
+        for p in pos
+    ]
+    for i, code in zip(kept, codes, strict=True):
+        dense[i] = table[code]
+    return dense.reshape(r.geometry.shape)
+
+
+def check_against_reference(
+    x: torch.Tensor,
+    sparse: SparseTensor,
+    recon: torch.Tensor,
+    stats: tuple[float, tuple[float, ...]],
+    topk: int,
+    tile: int,
+) -> None:
+    """Compare one tensor's decoded sparse form, statistics and reconstruction with the
+    reference."""
+    r = ref.encode_tensor(x, topk=topk, tile=tile)
+    g = r.geometry
+    geo = sparse.geometry
+    assert (geo.rows, geo.cols, geo.h, geo.w, geo.k) == (g.rows, g.cols, g.h, g.w, g.k)
+    assert sparse.positions.shape == (g.n_tiles, g.k)
+    # The kept set is exactly the reference's Top-k (ties to the lower position).
+    assert sparse.positions.tolist() == r.positions
+    # Codes: equal except where the reference's c/scale + 2 sits on a .5 boundary, where
+    # float64 summation order may legitimately tip the rounding either way.
+    codes = [int(c) for c in sparse.codes.tolist()]
+    assert len(codes) == len(r.quantized.codes)
+    for got, want, t in zip(codes, r.quantized.codes, r.quantized.ratios, strict=True):
+        assert got == want or near_half(t), (got, want, t)
+    # Shift and levels: the reference's, with the levels formed from the codes actually sent.
+    q = ref.quantize(r.values, codes=codes)
+    vmax = max((abs(v) for v in r.values), default=0.0)
+    shift, levels = stats
+    tol = 1e-12 * vmax
+    assert math.isclose(shift, q.shift, rel_tol=1e-6, abs_tol=tol), (shift, q.shift)
+    for a, b in zip(levels, q.levels, strict=True):
+        assert math.isclose(a, b, rel_tol=1e-6, abs_tol=tol), (levels, q.levels)
+    # The table is exactly fp32(level) + fp32(shift) of what was transmitted ...
+    s32 = np.float32(shift)
+    assert sparse.table.tolist() == [float(np.float32(lv) + s32) for lv in levels]
+    # ... and the reconstruction matches the reference's to about an ulp of the operands.
+    atol = 1e-6 * vmax
+    for a, b in zip(sparse.table.tolist(), q.table, strict=True):
+        assert math.isclose(a, b, rel_tol=1e-6, abs_tol=atol)
+    assert torch.allclose(recon, ref_dense(r, codes, q.table), rtol=1e-6, atol=atol)
+    assert torch.equal(bits(recon), bits(ref_dense(r, codes, tuple(sparse.table.tolist()))))
+
+
+PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- round trips against the reference -------------------------------------------------------
+
+
+@PROPERTY
+@given(data=st.data(), params=codec_params())
+def test_round_trip_matches_reference(data: st.DataObject, params: tuple[int, int]) -> None:
+    topk, tile = params
+    names = data.draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=3, unique=True))
+    tensors = {}
+    for name in names:
+        shape = data.draw(shapes(), label=f"{name}.shape")
+        kind = data.draw(st.sampled_from(KINDS), label=f"{name}.kind")
+        seed = data.draw(st.integers(0, 2**31), label=f"{name}.seed")
+        tensors[name] = make_input(shape, kind, seed)
+    model = {name: tuple(t.shape) for name, t in tensors.items()}
+
+    payload, recon = encode(tensors, topk=topk, tile=tile)
+    assert isinstance(payload, bytes)
+    assert set(recon) == set(tensors)
+    decoded = decode(payload, model)
+    sparse = read_payload(payload, model, topk=topk, tile=tile)
+    assert list(sparse.tensors) == sorted(tensors)
+    stats = stats_by_name(payload)
+    for name, x in tensors.items():
+        for t in (recon[name], decoded[name]):
+            assert t.dtype == torch.float32
+            assert t.shape == x.shape
+        assert torch.equal(bits(decoded[name]), bits(recon[name]))
+        st_ = sparse.tensors[name]
+        assert torch.equal(bits(st_.dense()), bits(recon[name]))
+        assert torch.equal(st_.values(), st_.table[st_.codes.long()])
+        want_sq = math.fsum(v * v for v in recon[name].double().reshape(-1).tolist())
+        assert math.isclose(st_.sq_norm(), want_sq, rel_tol=1e-12, abs_tol=1e-300)
+        check_against_reference(x, st_, recon[name], stats[name], topk, tile)
+    # Deterministic: the same input gives the same bytes.
+    assert encode(tensors, topk=topk, tile=tile)[0] == payload
+
+
+@pytest.mark.parametrize(
+    "shape", [(), (0,), (0, 5), (3, 0), (2, 0, 4), (1,), (1, 1), (97,), (4096,), (65, 130)]
+)
+def test_round_trip_edge_shapes(shape: tuple[int, ...]) -> None:
+    x = make_input(shape, "normal", 7)
+    payload, recon = encode({"x": x}, topk=64, tile=64)
+    out = decode(payload, {"x": shape})
+    assert out["x"].shape == shape
+    assert torch.equal(bits(out["x"]), bits(recon["x"]))
+    stats = stats_by_name(payload)["x"]
+    check_against_reference(
+        x, read_payload(payload, {"x": shape}).tensors["x"], recon["x"], stats, 64, 64
+    )
+
+
+def test_empty_model_round_trips() -> None:
+    payload, recon = encode({})
+    assert recon == {}
+    assert decode(payload, {}) == {}
+
+
+def test_input_dtypes_and_layouts_do_not_change_the_payload() -> None:
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+    want, _ = encode({"x": x})
+    assert encode({"x": x.double()})[0] == want
+    assert encode({"x": x.t().contiguous().t()})[0] == want  # non-contiguous view
+    assert encode({"x": x.clone().requires_grad_()})[0] == want
+    both = {"x": x, "a": x[:5]}
+    assert encode(both)[0] == encode(dict(reversed(both.items())))[0]
+
+
+# ---- tile geometry --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tile", [1, 2, 3, 4, 5, 7, 8, 10, 16])
+def test_k_per_tile_rounds_half_to_even(tile: int) -> None:
+    for tile_len in range(1, tile * tile + 1):
+        for topk in range(1, tile * tile + 1):
+            want = ref.k_per_tile(tile_len, topk, tile)
+            assert k_per_tile(tile_len, topk, tile) == want, (tile_len, topk, tile)
+
+
+@pytest.mark.parametrize("tile", [1, 3, 4, 8, 64])
+def test_tile_geometry_matches_reference(tile: int) -> None:
+    for shape in [
+        (),
+        *((n,) for n in range(0, 140)),
+        *((r, c) for r in range(1, 30) for c in (1, 2, 6, 7, 12, 63, 64, 65, 128, 130)),
+        (3, 5, 7),
+        (2, 0, 3),
+        (6, 4, 4, 2),
+    ]:
+        got = TileGeometry.of(shape, topk=max(1, tile * tile // 3), tile=tile)
+        want = ref.geometry(shape, topk=max(1, tile * tile // 3), tile=tile)
+        assert (got.rows, got.cols, got.h, got.w, got.k, got.n_tiles) == (
+            want.rows,
+            want.cols,
+            want.h,
+            want.w,
+            want.k,
+            want.n_tiles,
+        ), shape
+
+
+@pytest.mark.parametrize(
+    ("shape", "topk", "tile", "k"),
+    [
+        ((4, 2), 5, 4, 2),
+        ((8, 4), 5, 8, 2),
+        ((8, 4), 7, 8, 4),
+        ((10,), 4, 4, 1),
+        ((64, 32), 3, 64, 2),
+    ],
+)
+def test_halves_round_to_even_through_the_public_api(
+    shape: tuple[int, ...], topk: int, tile: int, k: int
+) -> None:
+    """tile_len * topk / tile**2 = 2.5, 2.5, 3.5, 0.5, 1.5: k = 2, 2, 4, max(1, 0), 2."""
+    x = make_input(shape, "normal", 0)
+    payload, _ = encode({"x": x}, topk=topk, tile=tile)
+    assert read_payload(payload, {"x": shape}).tensors["x"].geometry.k == k
+
+
+# ---- ties and determinism -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("x", "topk", "tile"),
+    [
+        (torch.ones(64, 128), 64, 64),
+        (torch.zeros(8, 8), 5, 4),
+        ((torch.arange(4096) % 2 * 2 - 1).float() * 0.25, 64, 64),
+        (-torch.ones(3, 5, 7), 5, 8),
+        (torch.full((130,), 2.0), 4096, 64),
+    ],
+    ids=["ones", "zeros", "alternating", "minus-ones-3d", "all-kept"],
+)
+def test_equal_magnitudes_keep_the_lowest_positions(x: torch.Tensor, topk: int, tile: int) -> None:
+    payload, recon = encode({"x": x}, topk=topk, tile=tile)
+    sparse = read_payload(payload, {"x": tuple(x.shape)}).tensors["x"]
+    k = sparse.geometry.k
+    assert sparse.positions.tolist() == [list(range(k))] * sparse.geometry.n_tiles
+    assert encode({"x": x.clone()}, topk=topk, tile=tile)[0] == payload
+    assert torch.equal(decode(payload, {"x": tuple(x.shape)})["x"], recon["x"])
+    if not x.any():
+        assert not recon["x"].any()
+
+
+def test_ties_at_the_threshold_inside_large_tiles() -> None:
+    """Many tiles whose k-th and (k+1)-th magnitudes are equal, mixed with larger entries."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(-2, 3, (128, 128), generator=g).float()
+    x[torch.rand(128, 128, generator=g) < 0.003] = 7.0
+    payload, _ = encode({"x": x}, topk=64, tile=64)
+    sparse = read_payload(payload, {"x": (128, 128)}).tensors["x"]
+    r = ref.encode_tensor(x, topk=64, tile=64)
+    assert sparse.positions.tolist() == r.positions
+    for _ in range(3):
+        assert encode({"x": x.clone()}, topk=64, tile=64)[0] == payload
+
+
+@PROPERTY
+@given(
+    shape=shapes(),
+    params=codec_params(),
+    seed=st.integers(0, 2**31),
+    kind=st.sampled_from(KINDS),
+)
+def test_error_feedback_never_grows_the_buffer(
+    shape: tuple[int, ...], params: tuple[int, int], seed: int, kind: str
+) -> None:
+    """Each kept value is replaced by the mean of its code's members (level + shift), which in
+    exact arithmetic gives ||v - mean||^2 = ||v||^2 - n*mean^2 <= ||v||^2 per code; dropped
+    entries keep their value. So ||x - recon|| <= ||x||, up to the fp32 rounding of the levels
+    and shift (a relative 1e-6 is far above that)."""
+    topk, tile = params
+    x = make_input(shape, kind, seed)
+    _, recon = encode({"x": x}, topk=topk, tile=tile)
+    x64, r64 = x.double().reshape(-1), recon["x"].double().reshape(-1)
+    norm2 = float((x64 * x64).sum())
+    err2 = float(((x64 - r64) ** 2).sum())
+    assert err2 <= norm2 * (1 + 1e-6)
+    kept = r64 != 0
+    assert float(((x64 - r64)[kept] ** 2).sum()) <= float((x64[kept] ** 2).sum()) * (1 + 1e-6)
+
+
+# ---- size -----------------------------------------------------------------------------------
+
+
+def test_payload_size_near_the_entropy_bound() -> None:
+    """1024x1024 gaussian at k=64 of 4096: within 4 % of log2 C(4096, 64) + 2 bits per index,
+    per tile, plus a fixed allowance for the header, names and statistics."""
+    x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    payload, _ = encode({"x": x}, topk=64, tile=64)
+    n_tiles = (1024 // 64) ** 2
+    bound_bits = n_tiles * (math.log2(math.comb(4096, 64)) + 2 * 64)
+    overhead_bits = 8 * 200
+    assert len(payload) * 8 <= 1.04 * bound_bits + overhead_bits
+    bits_per_param = len(payload) * 8 / x.numel()
+    assert bits_per_param < 0.152  # DESIGN.md: the bound with packed codes is 0.146
+
+
+# ---- header fields --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"run_id": "", "round": 0, "node_id": "", "base": ""},
+        {"run_id": "run-1", "round": 12345, "node_id": "node-α✓", "base": "ab" * 32},
+        {"run_id": "r" * 256, "round": 2**63 - 1, "node_id": "n" * 256, "base": "b" * 256},
+    ],
+    ids=["empty", "typical", "limits"],
+)
+@pytest.mark.parametrize(("topk", "tile"), [(64, 64), (5, 8), (1, 1)])
+def test_header_fields_round_trip(header: dict, topk: int, tile: int) -> None:
+    x = {"w": torch.randn(16, 24, generator=torch.Generator().manual_seed(1))}
+    payload, _ = encode(x, topk=topk, tile=tile, **header)
+    p = read_payload(payload, {"w": (16, 24)})
+    assert (p.run_id, p.round, p.node_id, p.base) == (
+        header["run_id"],
+        header["round"],
+        header["node_id"],
+        header["base"],
+    )
+    assert (p.topk, p.tile) == (topk, tile)
+    assert read_payload(payload, {"w": (16, 24)}, topk=topk, tile=tile).topk == topk
+    with pytest.raises(PayloadError) as err:
+        read_payload(payload, {"w": (16, 24)}, topk=topk + 1)
+    assert err.value.field == "body.topk"
+    with pytest.raises(PayloadError) as err:
+        read_payload(payload, {"w": (16, 24)}, tile=tile + 1)
+    assert err.value.field == "body.tile"
+
+
+# ---- the wire layout, read independently ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tensors", "topk", "tile"),
+    [
+        ({"w": (64, 64), "b": (100,)}, 64, 64),
+        ({"t": (3, 5, 7), "s": ()}, 5, 8),
+        ({"m": (96, 130)}, 128, 64),
+        ({"one": torch.ones(64, 64)}, 64, 64),  # compresses: zstd path
+    ],
+)
+def test_wire_layout_matches_the_spec(tensors: dict, topk: int, tile: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    xs = {
+        n: v if isinstance(v, torch.Tensor) else torch.randn(v, generator=g)
+        for n, v in tensors.items()
+    }
+    payload, _ = encode(xs, topk=topk, tile=tile, run_id="r", round=3, node_id="n", base="f")
+    version, flags, body = ref.split_payload(payload)
+    assert version == 1
+    assert flags in (0, 1)
+    assert set(body) == {"run", "round", "node", "base", "tile", "topk", "tensors"}
+    assert (body["run"], body["round"], body["node"], body["base"]) == ("r", 3, "n", "f")
+    assert (body["tile"], body["topk"]) == (tile, topk)
+    # The body is stored compressed exactly when that is smaller.
+    raw = ref.build_payload(body)
+    assert len(payload) <= len(raw)
+    assert (flags == 1) == (len(payload) < len(raw))
+    model = {n: tuple(x.shape) for n, x in xs.items()}
+    sparse = read_payload(payload, model)
+    assert [rec[0] for rec in body["tensors"]] == sorted(xs)
+    for rec in body["tensors"]:
+        name, shape, b, stats, codes, unary, rem = rec
+        st_ = sparse.tensors[name]
+        geo = st_.geometry
+        assert shape == list(xs[name].shape)
+        assert len(stats) == 20
+        assert codes == ref.pack_codes([int(c) for c in st_.codes.tolist()])
+        positions = st_.positions.tolist()
+        assert ref.decode_positions(b, unary, rem, n_tiles=geo.n_tiles, k=geo.k) == positions
+        gaps = ref.gaps_of(positions)
+        assert (unary, rem) == ref.rice_streams(gaps, b)
+        # The Rice parameter minimises the coded size (the smallest b on ties).
+        costs = [sum(g_ >> c for g_ in gaps) + len(gaps) * (c + 1) for c in range(21)]
+        assert b == costs.index(min(costs))
+    # wrap_body builds the same header as the independent builder.
+    assert wrap_body(payload[10:], flags) == payload
+
+
+# ---- encoder input checks -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 17, 63, 4095])
+def test_non_finite_input_is_rejected(bad: float, where: int) -> None:
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
+    x.view(-1)[where] = bad
+    with pytest.raises(CodecError):
+        encode({"ok": torch.ones(3), "x": x})
+
+
+@pytest.mark.parametrize(
+    ("values", "topk", "tile"),
+    [
+        ([math.nan, 1.0, 1.0, 1.0], 8, 4),  # k=2: the NaN loses to the tied ones
+        ([math.nan, 2.0, 1.0, 1.0], 12, 4),  # k=3
+        ([math.nan, math.nan, 1.0, 1.0], 12, 4),  # k=3: currently a RuntimeError
+        ([1.0] * 63 + [math.nan] + [1.0] * 64, 128, 64),  # k=2
+    ],
+    ids=["nan-tie-k2", "nan-tie-k3", "two-nans-k3", "nan-among-ones"],
+)
+def test_nan_among_tied_magnitudes_is_rejected(values: list[float], topk: int, tile: int) -> None:
+    """A NaN anywhere must raise CodecError, also when the tile's k-th and (k+1)-th magnitudes
+    are tied (the Top-k tie-break path)."""
+    with pytest.raises(CodecError):
+        encode({"x": torch.tensor(values)}, topk=topk, tile=tile)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=shapes().filter(lambda s: math.prod(s) > 0),
+    params=codec_params(),
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**31),
+    where=st.integers(0, 10**6),
+    bad=st.sampled_from([math.nan, math.inf, -math.inf]),
+)
+def test_non_finite_anywhere_is_rejected(
+    shape: tuple[int, ...], params: tuple[int, int], kind: str, seed: int, where: int, bad: float
+) -> None:
+    topk, tile = params
+    x = make_input(shape, kind, seed)
+    x.view(-1)[where % x.numel()] = bad
+    with pytest.raises(CodecError):
+        encode({"x": x}, topk=topk, tile=tile)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [FLT_MAX, FLT_MAX / 2, FLT_MAX, FLT_MAX, FLT_MAX],  # level + shift rounds up to inf
+        [3.4e38, -3.4e38, -3.4e38],  # a level beyond fp32 range: OverflowError in struct
+        [FLT_MAX, -FLT_MAX],
+        [FLT_MAX] * 4,
+    ],
+    ids=["table-overflows", "level-overflows", "symmetric", "constant-max"],
+)
+def test_extreme_finite_values_encode_or_raise_codec_error(values: list[float]) -> None:
+    """Finite fp32 input near the range limit: either a payload that decodes to the (finite)
+    reconstruction, or a CodecError; never another exception or an undecodable payload."""
+    x = torch.tensor(values, dtype=torch.float32)
+    try:
+        payload, recon = encode({"x": x}, topk=4096, tile=64)
+    except CodecError:
+        return
+    assert bool(torch.isfinite(recon["x"]).all())
+    assert torch.equal(bits(decode(payload, {"x": x.shape})["x"]), bits(recon["x"]))
+
+
+@pytest.mark.parametrize(
+    ("topk", "tile"),
+    [
+        (0, 64),
+        (4097, 64),
+        (-1, 64),
+        (True, 64),
+        (64.0, 64),
+        ("64", 64),
+        (None, 64),
+        (1, 0),
+        (1, -1),
+        (1, 1025),
+        (1, True),
+        (1, 8.0),
+        (2, 1),
+    ],
+)
+def test_bad_codec_parameters_are_rejected(topk: object, tile: object) -> None:
+    with pytest.raises(CodecError):
+        encode({"x": torch.ones(4, 4)}, topk=topk, tile=tile)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.arange(6),
+        torch.ones(3, dtype=torch.bool),
+        torch.ones(3, dtype=torch.complex64),
+        [1.0, 2.0],
+        None,
+    ],
+    ids=["int", "bool", "complex", "list", "none"],
+)
+def test_non_float_tensors_are_rejected(value: object) -> None:
+    with pytest.raises(CodecError):
+        encode({"x": value})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("tensors", "header"),
+    [
+        ({"x": torch.ones(3)}, {"run_id": "r" * 257}),
+        ({"x": torch.ones(3)}, {"node_id": "n" * 257}),
+        ({"x": torch.ones(3)}, {"round": -1}),
+        ({"x": torch.ones(3)}, {"round": 2**64}),
+        ({"x": torch.ones(3)}, {"node_id": 123}),
+        ({"n" * 257: torch.ones(3)}, {}),
+        ({"x": torch.ones((1,) * 9)}, {}),
+    ],
+    ids=[
+        "long-run-id",
+        "long-node-id",
+        "negative-round",
+        "huge-round",
+        "int-node-id",
+        "long-name",
+        "nine-dims",
+    ],
+)
+def test_encode_never_emits_a_payload_the_decoder_rejects(tensors: dict, header: dict) -> None:
+    """Anything encode accepts must decode; what the format cannot carry is a CodecError."""
+    try:
+        payload, recon = encode(tensors, **header)
+    except CodecError:
+        return
+    model = {n: tuple(t.shape) for n, t in tensors.items()}
+    out = decode(payload, model)
+    assert all(torch.equal(out[n], recon[n]) for n in tensors)

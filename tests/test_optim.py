@@ -1,0 +1,128 @@
+"""Tests for node.optim: the schedule, weight-decay groups, and inner_step against torch's AdamW."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from node.model import PRESETS, build_model
+from node.optim import InnerOptimConfig, inner_step, lr_at, make_adamw
+
+TINY = PRESETS["tiny"]
+CFG = InnerOptimConfig(warmup_steps=10, total_steps=100)
+
+
+def test_defaults_are_the_published_ones() -> None:
+    assert (CFG.lr, CFG.betas, CFG.eps, CFG.weight_decay, CFG.grad_clip) == (
+        1e-3,
+        (0.9, 0.95),
+        1e-8,
+        0.1,
+        1.0,
+    )
+    assert CFG.start_ratio == CFG.final_ratio == 0.1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"warmup_steps": 20, "total_steps": 10}, "warmup_steps"),
+        ({"warmup_steps": 1, "total_steps": 10, "lr": 0.0}, "lr"),
+        ({"warmup_steps": 1, "total_steps": 10, "betas": (0.9, 1.0)}, "betas"),
+        ({"warmup_steps": 1, "total_steps": 10, "momentum": 0.9}, "momentum"),
+    ],
+)
+def test_config_validation(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        InnerOptimConfig.model_validate(kwargs)
+
+
+def test_lr_schedule_endpoints() -> None:
+    assert lr_at(0, CFG) == pytest.approx(1e-4)
+    assert lr_at(5, CFG) == pytest.approx(1e-4 + 0.5 * 9e-4)
+    assert lr_at(10, CFG) == pytest.approx(1e-3)
+    assert lr_at(55, CFG) == pytest.approx(1e-4 + 0.5 * 9e-4)  # cosine midpoint
+    assert lr_at(100, CFG) == pytest.approx(1e-4)
+    assert lr_at(10_000, CFG) == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="step"):
+        lr_at(-1, CFG)
+
+
+def test_lr_schedule_monotonic_pieces() -> None:
+    lrs = [lr_at(s, CFG) for s in range(120)]
+    assert all(a < b for a, b in itertools.pairwise(lrs[:11]))  # warm-up rises
+    assert all(a > b for a, b in itertools.pairwise(lrs[10:101]))  # cosine falls
+    assert len(set(lrs[100:])) == 1  # then flat
+    assert all(math.isfinite(x) and x > 0 for x in lrs)
+
+
+def test_no_warmup() -> None:
+    cfg = InnerOptimConfig(warmup_steps=0, total_steps=10)
+    assert lr_at(0, cfg) == pytest.approx(1e-3)
+
+
+def test_weight_decay_only_on_matrices() -> None:
+    model = build_model(TINY, seed=0)
+    opt = make_adamw(model, CFG)
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decayed["params"])
+    assert all(p.dim() == 1 for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_inner_step_matches_hand_run_adamw() -> None:
+    cfg = InnerOptimConfig(warmup_steps=3, total_steps=8, grad_clip=0.5)
+    ours, ref = build_model(TINY, seed=1), build_model(TINY, seed=1)
+    opt = make_adamw(ours, cfg)
+    ref_opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in ref.parameters() if p.dim() == 2], "weight_decay": 0.1},
+            {"params": [p for p in ref.parameters() if p.dim() == 1], "weight_decay": 0.0},
+        ],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    gen = torch.Generator().manual_seed(0)
+    first_step = 2  # a global step that is not 0: the schedule is not per-round
+    for step in range(first_step, first_step + 6):
+        x = torch.randint(0, 256, (4, TINY.ctx_len), generator=gen)
+        y = torch.randint(0, 256, (4, TINY.ctx_len), generator=gen)
+        loss = inner_step(ours, opt, x, y, step=step, cfg=cfg)
+
+        lr = (
+            1e-3 * (0.1 + 0.9 * step / 3)
+            if step < 3
+            else (1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - 3) / 5))))
+        )
+        for group in ref_opt.param_groups:
+            group["lr"] = lr
+        ref_loss = ref.loss(x, y)
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+        assert loss == ref_loss.item()
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr)
+        for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q), name
+    assert all(p.grad is None for p in ours.parameters())
+
+
+def test_inner_step_rejects_non_finite_loss() -> None:
+    model = build_model(TINY, seed=0)
+    opt = make_adamw(model, CFG)
+    with torch.no_grad():
+        model.norm_f.weight.fill_(float("nan"))
+    before = [p.clone() for p in model.parameters()]
+    x = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(FloatingPointError, match="step 4"):
+        inner_step(model, opt, x, x, step=4, cfg=CFG)
+    for p, q in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
+    assert all(p.grad is None for p in model.parameters())

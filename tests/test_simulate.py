@@ -1,0 +1,126 @@
+"""``sparseloco simulate`` end to end on the tiny preset, through the real console script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node.cli import build_parser, main
+from node.simulate import build_config, simulate
+from protocol.errors import ConfigError
+
+REQUIRED = {
+    "final_eval_loss",
+    "eval_loss_curve",
+    "bytes_sent_per_worker",
+    "tokens_per_worker",
+    "wall_seconds",
+    "config",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_results() -> dict[str, dict]:
+    return {a: simulate(build_config("tiny", algo=a)) for a in ("sparseloco", "diloco", "ddp")}
+
+
+def test_every_algorithm_learns_and_reports(tiny_results: dict[str, dict]) -> None:
+    for algo, res in tiny_results.items():
+        assert set(res) >= REQUIRED, algo
+        curve = res["eval_loss_curve"]
+        assert [r for r, _ in curve] == list(range(res["config"]["rounds"] + 1))
+        assert curve[-1][1] < curve[0][1], f"{algo} did not reduce the held-out loss"
+        assert res["final_eval_loss"] == curve[-1][1]
+        assert res["config"]["algo"] == algo
+
+
+def test_equal_token_budgets(tiny_results: dict[str, dict]) -> None:
+    tokens = {res["tokens_per_worker"] for res in tiny_results.values()}
+    assert len(tokens) == 1
+
+
+def test_bytes_sent(tiny_results: dict[str, dict]) -> None:
+    n = tiny_results["diloco"]["parameters"]
+    cfg = tiny_results["diloco"]["config"]
+    assert tiny_results["diloco"]["bytes_sent_per_worker"] == 4 * n * cfg["rounds"]
+    assert tiny_results["ddp"]["bytes_sent_per_worker"] == (
+        4 * n * cfg["rounds"] * cfg["inner_steps"]
+    )
+    # k=64 of 4096 at 2 bits plus ~7.5 bits per index: far below a dense fp32 copy.
+    assert tiny_results["sparseloco"]["bytes_per_round_per_worker"] < (
+        tiny_results["diloco"]["bytes_per_round_per_worker"] / 100
+    )
+
+
+def test_deterministic_for_a_seed() -> None:
+    a = simulate(build_config("tiny", algo="sparseloco", rounds=2))
+    b = simulate(build_config("tiny", algo="sparseloco", rounds=2))
+    c = simulate(build_config("tiny", algo="sparseloco", rounds=2, seed=1))
+    assert a["final_fingerprint"] == b["final_fingerprint"]
+    assert a["eval_loss_curve"] == b["eval_loss_curve"]
+    assert a["final_fingerprint"] != c["final_fingerprint"]
+
+
+def test_bad_config_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="workers"):
+        build_config("tiny", algo="sparseloco", workers=0)
+    with pytest.raises(ConfigError, match="preset"):
+        build_config("nope", algo="sparseloco")
+    with pytest.raises(ConfigError, match="topk"):
+        build_config("tiny", algo="sparseloco", topk=5000)
+    assert main(["simulate", "--algo", "ddp", "--model", "huge"]) == 2
+
+
+def test_cli_flags_are_pinned() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    sim = sub.choices["simulate"]  # type: ignore[attr-defined]
+    flags = {s for a in sim._actions for s in a.option_strings}
+    assert {
+        "--algo",
+        "--workers",
+        "--inner-steps",
+        "--rounds",
+        "--data",
+        "--preset",
+        "--topk",
+        "--seed",
+        "--json",
+    } <= flags
+
+
+def test_console_script_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    data = tmp_path / "corpus.txt"
+    data.write_bytes(b"To be, or not to be, that is the question.\n" * 400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "simulate",
+            "--algo",
+            "sparseloco",
+            "--preset",
+            "tiny",
+            "--rounds",
+            "2",
+            "--data",
+            str(data),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    assert set(res) >= REQUIRED
+    assert res["config"]["data"] == str(data)
+    assert res["config"]["rounds"] == 2
