@@ -95,6 +95,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--preset", default="base", help="model whose shapes are encoded")
     c.add_argument("--peers", type=int, default=16)
     c.add_argument("--repeat", type=int, default=3)
+    c.add_argument("--threads", type=int, help="torch threads for the timings (default: all)")
     c.add_argument("--json", dest="json_out", metavar="OUT")
     c.set_defaults(func=_cmd_bench_codec)
     q = bench.add_parser("quality", help="SparseLoCo vs DiLoCo vs DDP on the bench preset")
@@ -109,7 +110,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _cmd_bench_codec(args: argparse.Namespace) -> int:
     from node.bench.codec_bench import run
 
-    run(args.json_out, args.preset, args.peers, args.repeat)
+    run(args.json_out, args.preset, args.peers, args.repeat, threads=args.threads)
     return 0
 
 

@@ -72,34 +72,70 @@ def clip_scales(parts: Sequence[SparseTensor]) -> list[float]:
     return [1.0 if n == 0.0 or n <= median else median / n for n in norms]
 
 
-def aggregate_tensor(parts: Sequence[SparseTensor], *, clip: bool = True) -> torch.Tensor:
-    """Mean over contributors of one tensor, as a dense fp32 tensor of the tensor's shape.
+class _Scratch:
+    """Dense sum and count buffers reused from tensor to tensor.
 
-    ``parts`` must already be in the canonical (sorted node id) order. A coordinate nobody
-    selected is 0. With ``clip``, each peer's tensor is first scaled by
-    ``min(1, median_norm / its_norm)``.
+    They are zero between uses: after each tensor only the touched entries are cleared again,
+    so aggregating a whole model writes about as much memory as the payloads select, not a
+    dense pass per tensor, and holds one tensor-sized pair of buffers at a time.
+    """
+
+    def __init__(self) -> None:
+        self.sums = torch.zeros(0, dtype=torch.float32)
+        self.counts = torch.zeros(0, dtype=torch.float32)
+        self.ones = torch.ones(0, dtype=torch.float32)
+
+    def reserve(self, size: int, kept: int) -> None:
+        if self.sums.numel() < size:
+            self.sums = torch.zeros(size, dtype=torch.float32)
+            self.counts = torch.zeros(size, dtype=torch.float32)
+        if self.ones.numel() < kept:
+            self.ones = torch.ones(kept, dtype=torch.float32)
+
+
+def sparse_mean(
+    parts: Sequence[SparseTensor], *, clip: bool = True, scratch: _Scratch | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean over contributors of one tensor, as ``(index, mean)`` over the touched entries.
+
+    ``parts`` must already be in the canonical (sorted node id) order. ``index`` is sorted
+    (int64, row-major into the flattened tensor); every other entry of the aggregate is 0.
+    With ``clip``, each peer's tensor is first scaled by ``min(1, median_norm / its_norm)``.
     """
     if not parts:
-        raise ValueError("aggregate_tensor needs at least one payload")
+        raise ValueError("aggregation needs at least one payload")
     geometry = parts[0].geometry
     for p in parts[1:]:
         if p.geometry != geometry:
             raise ValueError(f"tensor {p.name!r}: peers disagree on the tile geometry")
-    size = geometry.n_tiles * geometry.tile_len
-    sums = torch.zeros(size, dtype=torch.float32)
-    counts = torch.zeros(size, dtype=torch.float32)
+    scratch = scratch or _Scratch()
+    scratch.reserve(geometry.numel, max(p.index.numel() for p in parts))
+    sums, counts = scratch.sums, scratch.counts
     scales = clip_scales(parts) if clip else [1.0] * len(parts)
     for part, scale in zip(parts, scales, strict=True):
         table = part.table
         if scale != 1.0:
             table = table * torch.tensor(scale, dtype=torch.float32)
-        idx = geometry.tile_major_index(part.positions)
         # Indices are distinct within one peer, so each element receives exactly one addition
         # per call and the result cannot depend on how the kernel orders its work.
-        sums.index_add_(0, idx, table[part.codes.to(torch.int64)])
-        counts.index_add_(0, idx, torch.ones(idx.numel(), dtype=torch.float32))
-    mean = sums.div_(counts.clamp_(min=1.0))
-    return geometry.from_tiles(mean)
+        sums.index_add_(0, part.index, table[part.codes.to(torch.int64)])
+        counts.index_add_(0, part.index, scratch.ones[: part.index.numel()])
+    index = torch.nonzero(counts[: geometry.numel]).view(-1)
+    mean = sums[index] / counts[index]
+    sums[index] = 0.0
+    counts[index] = 0.0
+    return index, mean
+
+
+def aggregate_tensor(parts: Sequence[SparseTensor], *, clip: bool = True) -> torch.Tensor:
+    """Mean over contributors of one tensor, as a dense fp32 tensor of the tensor's shape.
+
+    A coordinate nobody selected is 0. See ``sparse_mean`` for the rules.
+    """
+    index, mean = sparse_mean(parts, clip=clip)
+    out = torch.zeros(parts[0].geometry.numel, dtype=torch.float32)
+    out[index] = mean
+    return out.view(parts[0].geometry.shape)
 
 
 def ordered(payloads: Mapping[str, Payload]) -> list[Payload]:
@@ -117,14 +153,19 @@ def apply_aggregate(
     """Steps 7-8 in place: ``theta -= alpha * aggregate`` for every tensor.
 
     ``payloads`` maps node id to its validated payload; the mapping's own order is ignored.
-    With no payloads the parameters stay unchanged (an empty round).
+    With no payloads the parameters stay unchanged (an empty round). Only the entries some
+    peer selected change; elsewhere the aggregate is 0 and ``theta - 0`` is ``theta``.
     """
     peers = ordered(payloads)
     if not peers:
         return
+    scratch = _Scratch()
     with torch.no_grad():
         for name, theta in params.items():
-            update = aggregate_tensor([p.tensors[name] for p in peers], clip=clip)
+            index, update = sparse_mean(
+                [p.tensors[name] for p in peers], clip=clip, scratch=scratch
+            )
             if alpha != 1.0:
                 update.mul_(alpha)
-            theta.sub_(update.to(theta.dtype))
+            flat = theta.view(-1)
+            flat[index] = flat[index] - update.to(theta.dtype)

@@ -52,16 +52,28 @@ DEFAULT_TILE = 64
 
 @dataclass(frozen=True)
 class SparseTensor:
-    """One tensor of a decoded payload: kept positions per tile, their codes, the value table."""
+    """One tensor of a decoded payload: where its kept values are, their codes, the value table.
+
+    ``index`` holds the row-major indices into the flattened tensor, in the payload's order
+    (tile by tile, ascending position inside each tile): exactly what aggregation scatters to.
+    """
 
     name: str
     geometry: TileGeometry
-    positions: torch.Tensor  # (n_tiles, k) ascending positions inside each tile
+    index: torch.Tensor  # (n_tiles * k,) int32 (int64 for tensors of 2**31 elements or more)
     codes: torch.Tensor  # (n_tiles * k,) uint8 in [0, 3]
     table: torch.Tensor  # (4,) fp32: the dequantised value of each code
 
+    @property
+    def positions(self) -> torch.Tensor:
+        """Kept positions inside each tile, ``(n_tiles, k)`` ascending (int64)."""
+        g = self.geometry
+        idx = self.index.to(torch.int64)
+        row, col = idx // g.cols, idx % g.cols
+        return ((row % g.h) * g.w + col % g.w).view(g.n_tiles, g.k)
+
     def values(self) -> torch.Tensor:
-        """The dequantised kept values, in the order of ``positions`` flattened."""
+        """The dequantised kept values, in the order of ``index``."""
         return self.table[self.codes.to(torch.int64)]
 
     def code_counts(self) -> list[int]:
@@ -80,7 +92,7 @@ class SparseTensor:
     def dense(self) -> torch.Tensor:
         """The dense fp32 tensor this sparse tensor stands for."""
         out = torch.zeros(self.geometry.numel, dtype=torch.float32)
-        out[self.geometry.flat_index(self.positions)] = self.values()
+        out[self.index.to(torch.int64)] = self.values()
         return out.view(self.geometry.shape)
 
 
@@ -110,20 +122,20 @@ def _select(tiles_abs: torch.Tensor, k: int, name: str) -> torch.Tensor:
         if not bool(torch.isfinite(tiles_abs).all()):
             raise CodecError(f"tensor {name!r} contains NaN or infinite values")
         return torch.arange(tile_len, dtype=torch.int64).expand(n_tiles, tile_len).contiguous()
-    # The k-subset is unique unless the k-th and (k+1)-th largest magnitudes are equal, so
-    # asking for one extra entry detects exactly the rows that need the tie-break rule.
-    vals, idx = torch.topk(tiles_abs, k + 1, dim=1, largest=True, sorted=True)
+    vals, idx = torch.topk(tiles_abs, k, dim=1, largest=True, sorted=False)
     # topk orders NaN above everything and inf is the largest magnitude, so a tile holds a
-    # non-finite entry exactly when its largest selected value is not finite.
-    if not bool(torch.isfinite(vals[:, 0]).all()):
+    # non-finite entry exactly when the largest selected value is not finite.
+    if not bool(torch.isfinite(vals.amax(dim=1)).all()):
         raise CodecError(f"tensor {name!r} contains NaN or infinite values")
-    positions = idx[:, :k].sort(dim=1).values
-    tied = torch.nonzero(vals[:, k - 1] == vals[:, k]).reshape(-1)
+    thr = vals.amin(dim=1, keepdim=True)
+    positions = idx.sort(dim=1).values
+    # The k-subset is unique unless more than k entries reach the k-th largest magnitude.
+    tied = torch.nonzero((tiles_abs >= thr).sum(dim=1, dtype=torch.int32) > k).reshape(-1)
     if tied.numel():
         # torch.topk picks arbitrarily among entries equal to the threshold; for those rows
         # keep every entry above it and then the lowest-positioned equal ones.
         rows = tiles_abs[tied]
-        t = vals[tied, k - 1 : k]
+        t = thr[tied]
         above = rows > t
         need = k - above.sum(dim=1, keepdim=True)
         equal = rows == t
@@ -141,8 +153,7 @@ def encode_tensor(
     if geometry.n_tiles == 0:
         q = quantize(torch.zeros(0))
         return TensorRecord(name, geometry.shape, 0, q.stats_bytes(), b"", b"", b""), recon
-    tiles_abs = torch.empty(geometry.n_tiles, geometry.tile_len, dtype=torch.float32)
-    geometry.to_tiles(x.abs(), out=tiles_abs)
+    tiles_abs = geometry.abs_tiles(x)
     positions = _select(tiles_abs, geometry.k, name)
     flat = geometry.flat_index(positions)
     values = x.view(-1)[flat]
@@ -229,8 +240,8 @@ def _decode_record(
         raise PayloadError(f"{field}.stats", f"expected {STATS_SIZE} bytes, got {len(rec.stats)}")
     shift, levels = unpack_stats(rec.stats)
     table = dequant_table(shift, levels)
-    if not all(map(math.isfinite, (shift, *levels))) or not bool(torch.isfinite(table).all()):
-        raise PayloadError(f"{field}.stats", "shift and levels must be finite")
+    if not all(map(math.isfinite, (shift, *levels, *table.tolist()))):
+        raise PayloadError(f"{field}.stats", "shift, levels and their sums must be finite")
     codes = unpack_codes(rec.codes, geometry.n_kept)
     if codes is None:
         raise PayloadError(
@@ -246,9 +257,11 @@ def _decode_record(
         tile_len=geometry.tile_len,
         field=field,
     )
-    # int16 positions keep G decoded peers small while they wait for aggregation.
-    small = torch.int16 if geometry.tile_len <= 2**15 else torch.int32
-    return SparseTensor(rec.name, geometry, positions.to(small), codes, table)
+    # int32 indices keep G decoded peers small while they wait for aggregation.
+    index = geometry.flat_index(positions)
+    if geometry.numel < 2**31:
+        index = index.to(torch.int32)
+    return SparseTensor(rec.name, geometry, index, torch.from_numpy(codes), table)
 
 
 def read_payload(

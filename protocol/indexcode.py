@@ -45,13 +45,11 @@ def pack_ones(one_positions: np.ndarray, n_bits: int) -> bytes:
 
 
 def pack_fields(values: np.ndarray, width: int) -> bytes:
-    """Fixed-width unsigned fields (< 2**32), ``width`` bits each, most significant bit first."""
+    """Fixed-width unsigned fields, ``width`` bits each, most significant bit first."""
     if width == 0 or values.size == 0:
         return b""
-    # Big-endian 32-bit words unpack to bits MSB first; keep each word's low ``width`` bits.
-    words = values.astype(">u4").view(np.uint8).reshape(-1, 4)
-    bits = np.unpackbits(words, axis=1)[:, 32 - width :]
-    return pack_bits(bits.reshape(-1))
+    shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
+    return pack_bits(((values[:, None] >> shifts) & 1).astype(np.uint8).reshape(-1))
 
 
 def unpack_fields(data: bytes, count: int, width: int, field: str) -> np.ndarray:
@@ -63,12 +61,20 @@ def unpack_fields(data: bytes, count: int, width: int, field: str) -> np.ndarray
         )
     if width == 0 or count == 0:
         return np.zeros(count, dtype=np.int64)
-    bits = unpack_bits(data)
-    if bits[count * width :].any():
+    pad = expected * 8 - count * width
+    if data[-1] & ((1 << pad) - 1):
         raise PayloadError(field, "non-zero padding bits")
-    words = np.zeros((count, 32), dtype=np.uint8)
-    words[:, 32 - width :] = bits[: count * width].reshape(count, width)
-    return np.packbits(words, axis=1).view(">u4").reshape(-1).astype(np.int64)
+    # A field of <= 20 bits starting at any bit offset lies inside the 4 bytes from its first
+    # byte: read them as one big-endian word, then shift and mask the field out.
+    start = np.arange(0, count * width, width, dtype=np.int64)
+    first = start >> 3
+    if width <= 9:  # the common case: every field lies within two bytes
+        raw16 = np.frombuffer(data + b"\0", dtype=np.uint8).astype(np.int64)
+        word = (raw16[first] << 8) | raw16[first + 1]
+        return (word >> (16 - width - (start & 7))) & ((1 << width) - 1)
+    raw = np.frombuffer(data + b"\0\0\0", dtype=np.uint8).astype(np.int64)
+    word = (raw[first] << 24) | (raw[first + 1] << 16) | (raw[first + 2] << 8) | raw[first + 3]
+    return (word >> (32 - width - (start & 7))) & ((1 << width) - 1)
 
 
 def gaps_of(positions: torch.Tensor) -> torch.Tensor:

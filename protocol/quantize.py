@@ -21,6 +21,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _STATS = struct.Struct("<5f")  # shift, level0..level3 as little-endian fp32
@@ -44,8 +45,10 @@ class Quantized:
 
 
 def dequant_table(shift: float, levels: tuple[float, ...]) -> torch.Tensor:
-    """``level[j] + shift`` for j in 0..3, one fp32 addition each."""
-    return torch.tensor(levels, dtype=torch.float32) + torch.tensor(shift, dtype=torch.float32)
+    """``level[j] + shift`` for j in 0..3, one IEEE fp32 addition each."""
+    with np.errstate(over="ignore"):  # an overflow to inf is reported by the callers
+        table = np.array(levels, dtype=np.float32) + np.float32(shift)
+    return torch.from_numpy(table)
 
 
 def unpack_stats(data: bytes) -> tuple[float, tuple[float, float, float, float]]:
@@ -59,7 +62,8 @@ STATS_SIZE = _STATS.size
 
 def _to_f32(x: float) -> float:
     """Round a float to the nearest fp32 value (inf past the fp32 range, never an error)."""
-    return float(torch.tensor(x, dtype=torch.float32))
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
 def quantize(values: torch.Tensor) -> Quantized:
@@ -67,41 +71,40 @@ def quantize(values: torch.Tensor) -> Quantized:
     n = values.numel()
     if n == 0:
         return Quantized(0.0, (0.0, 0.0, 0.0, 0.0), torch.zeros(0, dtype=torch.uint8))
-    v = values.to(torch.float64)
+    v = values.numpy().astype(np.float64)
     shift = float(v.mean())
     c = v - shift
-    sigma = float(c.std(correction=1)) if n > 1 else math.nan
+    sigma = float(c.std(ddof=1)) if n > 1 else math.nan
     scale = 6.0 * sigma / 4.0
     if not math.isfinite(scale) or scale == 0.0:
         scale = 1.0
-    codes = torch.clamp(torch.round(c / scale + 2.0), 0, 3).to(torch.int64)
-    counts = torch.bincount(codes, minlength=4)
-    sums = torch.bincount(codes, weights=c, minlength=4)
-    levels = tuple(
-        _to_f32(float(sums[j]) / int(counts[j])) if int(counts[j]) else 0.0 for j in range(4)
-    )
-    return Quantized(_to_f32(shift), levels, codes.to(torch.uint8))  # type: ignore[arg-type]
+    # np.rint rounds halves to even, as the specification requires.
+    codes = np.clip(np.rint(c / scale + 2.0), 0, 3).astype(np.int64)
+    counts = np.bincount(codes, minlength=4)
+    sums = np.bincount(codes, weights=c, minlength=4)
+    levels = tuple(_to_f32(float(sums[j]) / int(counts[j])) if counts[j] else 0.0 for j in range(4))
+    return Quantized(_to_f32(shift), levels, torch.from_numpy(codes.astype(np.uint8)))  # type: ignore[arg-type]
 
 
 def pack_codes(codes: torch.Tensor) -> bytes:
     """Pack 2-bit codes four to a byte, the first code in the two most significant bits."""
     n = codes.numel()
-    padded = torch.zeros((n + 3) // 4 * 4, dtype=torch.int32)
-    padded[:n] = codes
-    shifts = torch.tensor([6, 4, 2, 0], dtype=torch.int32)
-    packed = (padded.view(-1, 4) << shifts).sum(1, dtype=torch.int32)
-    return packed.to(torch.uint8).numpy().tobytes()
+    p = np.zeros((n + 3) // 4 * 4, dtype=np.uint8)
+    p[:n] = codes.numpy()
+    return ((p[0::4] << 6) | (p[1::4] << 4) | (p[2::4] << 2) | p[3::4]).tobytes()
 
 
-def unpack_codes(data: bytes, count: int) -> torch.Tensor | None:
+# Byte -> its four codes, first code from the two most significant bits.
+_CODE_LUT = (np.arange(256, dtype=np.uint8)[:, None] >> np.array([6, 4, 2, 0], np.uint8)) & 3
+
+
+def unpack_codes(data: bytes, count: int) -> np.ndarray | None:
     """Inverse of ``pack_codes``; ``None`` when the length or padding is not canonical."""
     if len(data) != (count + 3) // 4:
         return None
     if not data:
-        return torch.zeros(0, dtype=torch.uint8)
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    shifts = torch.tensor([6, 4, 2, 0], dtype=torch.uint8)
-    codes = ((raw.unsqueeze(1) >> shifts) & 3).reshape(-1)
-    if codes[count:].any():
+        return np.zeros(0, dtype=np.uint8)
+    pad = len(data) * 4 - count  # unused 2-bit slots in the last byte
+    if data[-1] & ((1 << (2 * pad)) - 1):
         return None
-    return codes[:count]
+    return _CODE_LUT[np.frombuffer(data, dtype=np.uint8)].reshape(-1)[:count]

@@ -113,6 +113,14 @@ class TileGeometry:
         out.view(gr, gc, self.h, self.w).copy_(view)
         return out
 
+    def abs_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """``|x|`` in tile-major layout, computed and laid out in a single pass."""
+        gr, gc = self.grid
+        out = torch.empty(self.n_tiles, self.tile_len, dtype=torch.float32)
+        view = x.reshape(gr, self.h, gc, self.w).permute(0, 2, 1, 3)
+        torch.abs(view, out=out.view(gr, gc, self.h, self.w))
+        return out
+
     def from_tiles(self, t: torch.Tensor) -> torch.Tensor:
         """Inverse of ``to_tiles``: a tensor of this geometry's shape (a new contiguous one)."""
         gr, gc = self.grid
@@ -122,11 +130,12 @@ class TileGeometry:
     def flat_index(self, positions: torch.Tensor) -> torch.Tensor:
         """Row-major indices into the flattened tensor of ``(n_tiles, k)`` tile positions."""
         _, gc = self.grid
-        tile_id = torch.arange(self.n_tiles, dtype=torch.int64).unsqueeze(1)
+        tile_id = torch.arange(self.n_tiles, dtype=torch.int64)
+        # Flat index of each tile's top-left element, then the offset of each position in it.
+        origin = (tile_id // gc) * (self.h * self.cols) + (tile_id % gc) * self.w
         pos = positions.to(torch.int64)
-        row = (tile_id // gc) * self.h + pos // self.w
-        col = (tile_id % gc) * self.w + pos % self.w
-        return (row * self.cols + col).reshape(-1)
+        r = pos // self.w
+        return (origin.unsqueeze(1) + r * self.cols + (pos - r * self.w)).reshape(-1)
 
     def tile_major_index(self, positions: torch.Tensor) -> torch.Tensor:
         """Indices into the flattened tile-major layout of ``(n_tiles, k)`` tile positions."""
