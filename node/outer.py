@@ -23,6 +23,8 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+import numba
+import numpy as np
 import torch
 
 from protocol.codec import Payload, SparseTensor, encode
@@ -72,25 +74,48 @@ def clip_scales(parts: Sequence[SparseTensor]) -> list[float]:
     return [1.0 if n == 0.0 or n <= median else median / n for n in norms]
 
 
+@numba.njit(cache=True, nogil=True)
+def _accumulate(sums, counts, touched, n_touched, index, codes, table):
+    # One peer's contribution: its values into the sums, one into the counts, and every entry
+    # seen for the first time appended to ``touched``. Indices are distinct within a peer.
+    for j in range(index.size):
+        i = index[j]
+        if counts[i] == 0:
+            touched[n_touched] = i
+            n_touched += 1
+        sums[i] += table[codes[j]]
+        counts[i] += 1
+    return n_touched
+
+
+@numba.njit(cache=True, nogil=True)
+def _take_mean(sums, counts, touched, mean):
+    # fp32 mean of every touched entry; the buffers are left all zero again.
+    for j in range(touched.size):
+        i = touched[j]
+        mean[j] = sums[i] / np.float32(counts[i])
+        sums[i] = 0.0
+        counts[i] = 0
+
+
 class _Scratch:
     """Dense sum and count buffers reused from tensor to tensor.
 
     They are zero between uses: after each tensor only the touched entries are cleared again,
-    so aggregating a whole model writes about as much memory as the payloads select, not a
-    dense pass per tensor, and holds one tensor-sized pair of buffers at a time.
+    so aggregating a whole model writes about as much memory as the payloads select, and holds
+    one tensor-sized set of buffers at a time.
     """
 
     def __init__(self) -> None:
-        self.sums = torch.zeros(0, dtype=torch.float32)
-        self.counts = torch.zeros(0, dtype=torch.float32)
-        self.ones = torch.ones(0, dtype=torch.float32)
+        self.sums = np.zeros(0, dtype=np.float32)
+        self.counts = np.zeros(0, dtype=np.int32)
+        self.touched = np.zeros(0, dtype=np.int64)
 
-    def reserve(self, size: int, kept: int) -> None:
-        if self.sums.numel() < size:
-            self.sums = torch.zeros(size, dtype=torch.float32)
-            self.counts = torch.zeros(size, dtype=torch.float32)
-        if self.ones.numel() < kept:
-            self.ones = torch.ones(kept, dtype=torch.float32)
+    def reserve(self, size: int) -> None:
+        if self.sums.size < size:
+            self.sums = np.zeros(size, dtype=np.float32)
+            self.counts = np.zeros(size, dtype=np.int32)
+            self.touched = np.zeros(size, dtype=np.int64)
 
 
 def sparse_mean(
@@ -98,9 +123,10 @@ def sparse_mean(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean over contributors of one tensor, as ``(index, mean)`` over the touched entries.
 
-    ``parts`` must already be in the canonical (sorted node id) order. ``index`` is sorted
-    (int64, row-major into the flattened tensor); every other entry of the aggregate is 0.
-    With ``clip``, each peer's tensor is first scaled by ``min(1, median_norm / its_norm)``.
+    ``parts`` must already be in the canonical (sorted node id) order. ``index`` (int64,
+    row-major into the flattened tensor, each entry once, in order of first selection) lists
+    every entry some peer selected; every other entry of the aggregate is 0. With ``clip``,
+    each peer's tensor is first scaled by ``min(1, median_norm / its_norm)``.
     """
     if not parts:
         raise ValueError("aggregation needs at least one payload")
@@ -109,22 +135,28 @@ def sparse_mean(
         if p.geometry != geometry:
             raise ValueError(f"tensor {p.name!r}: peers disagree on the tile geometry")
     scratch = scratch or _Scratch()
-    scratch.reserve(geometry.numel, max(p.index.numel() for p in parts))
-    sums, counts = scratch.sums, scratch.counts
+    scratch.reserve(geometry.numel)
     scales = clip_scales(parts) if clip else [1.0] * len(parts)
+    n = 0
     for part, scale in zip(parts, scales, strict=True):
         table = part.table
         if scale != 1.0:
             table = table * torch.tensor(scale, dtype=torch.float32)
-        # Indices are distinct within one peer, so each element receives exactly one addition
-        # per call and the result cannot depend on how the kernel orders its work.
-        sums.index_add_(0, part.index, table[part.codes.to(torch.int64)])
-        counts.index_add_(0, part.index, scratch.ones[: part.index.numel()])
-    index = torch.nonzero(counts[: geometry.numel]).view(-1)
-    mean = sums[index] / counts[index]
-    sums[index] = 0.0
-    counts[index] = 0.0
-    return index, mean
+        # Peers are added one after another in canonical order, each entry at most once per
+        # peer, so every sum is formed in the same order on every node.
+        n = _accumulate(
+            scratch.sums,
+            scratch.counts,
+            scratch.touched,
+            n,
+            part.index.numpy(),
+            part.codes.numpy(),
+            table.numpy(),
+        )
+    index = scratch.touched[:n].copy()
+    mean = np.empty(n, dtype=np.float32)
+    _take_mean(scratch.sums, scratch.counts, index, mean)
+    return torch.from_numpy(index), torch.from_numpy(mean)
 
 
 def aggregate_tensor(parts: Sequence[SparseTensor], *, clip: bool = True) -> torch.Tensor:

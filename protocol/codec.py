@@ -14,7 +14,8 @@ allocation that depends on the payload's own claims: sizes are checked against l
 from ``shapes``, which come from the run's model, never from the payload.
 
 Selection: the kept positions of a tile are exactly its ``k`` largest entries by magnitude, ties
-broken towards the lower position, so the payload is a deterministic function of the input.
+broken towards the lower position, so the payload is a deterministic function of the input. The
+selection and the index decoding run as compiled loops (``protocol.kernels``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol import kernels
 from protocol.envelope import (
     MAX_DIMS,
     MAX_ROUND,
@@ -35,7 +37,7 @@ from protocol.envelope import (
     unpack_envelope,
 )
 from protocol.errors import CodecError, PayloadError
-from protocol.indexcode import decode_positions, encode_positions
+from protocol.indexcode import decode_flat_index, encode_positions
 from protocol.quantize import (
     STATS_SIZE,
     dequant_table,
@@ -112,38 +114,6 @@ class Payload:
 # --------------------------------------------------------------------------- encoding
 
 
-def _select(tiles_abs: torch.Tensor, k: int, name: str) -> torch.Tensor:
-    """Ascending positions of the ``k`` largest entries of each row, ties to the lower index.
-
-    Raises ``CodecError`` if any entry is NaN or infinite.
-    """
-    n_tiles, tile_len = tiles_abs.shape
-    if k >= tile_len:
-        if not bool(torch.isfinite(tiles_abs).all()):
-            raise CodecError(f"tensor {name!r} contains NaN or infinite values")
-        return torch.arange(tile_len, dtype=torch.int64).expand(n_tiles, tile_len).contiguous()
-    vals, idx = torch.topk(tiles_abs, k, dim=1, largest=True, sorted=False)
-    # topk orders NaN above everything and inf is the largest magnitude, so a tile holds a
-    # non-finite entry exactly when the largest selected value is not finite.
-    if not bool(torch.isfinite(vals.amax(dim=1)).all()):
-        raise CodecError(f"tensor {name!r} contains NaN or infinite values")
-    thr = vals.amin(dim=1, keepdim=True)
-    positions = idx.sort(dim=1).values
-    # The k-subset is unique unless more than k entries reach the k-th largest magnitude.
-    tied = torch.nonzero((tiles_abs >= thr).sum(dim=1, dtype=torch.int32) > k).reshape(-1)
-    if tied.numel():
-        # torch.topk picks arbitrarily among entries equal to the threshold; for those rows
-        # keep every entry above it and then the lowest-positioned equal ones.
-        rows = tiles_abs[tied]
-        t = thr[tied]
-        above = rows > t
-        need = k - above.sum(dim=1, keepdim=True)
-        equal = rows == t
-        keep = above | (equal & (torch.cumsum(equal, dim=1) <= need))
-        positions[tied] = torch.nonzero(keep)[:, 1].view(-1, k)
-    return positions
-
-
 def encode_tensor(
     x: torch.Tensor, geometry: TileGeometry, name: str
 ) -> tuple[TensorRecord, torch.Tensor]:
@@ -153,10 +123,22 @@ def encode_tensor(
     if geometry.n_tiles == 0:
         q = quantize(torch.zeros(0))
         return TensorRecord(name, geometry.shape, 0, q.stats_bytes(), b"", b"", b""), recon
-    tiles_abs = geometry.abs_tiles(x)
-    positions = _select(tiles_abs, geometry.k, name)
-    flat = geometry.flat_index(positions)
-    values = x.view(-1)[flat]
+    g = geometry
+    if g.k >= g.tile_len:  # everything is kept
+        if not bool(torch.isfinite(x).all()):
+            raise CodecError(f"tensor {name!r} contains NaN or infinite values")
+        positions = torch.arange(g.tile_len, dtype=torch.int64).expand(g.n_tiles, g.tile_len)
+        flat = g.flat_index(positions)
+        values = x.view(-1)[flat]
+    else:
+        pos, idx, vals, finite = kernels.select_topk(x.view(g.rows, g.cols).numpy(), g.h, g.w, g.k)
+        if not finite:
+            raise CodecError(f"tensor {name!r} contains NaN or infinite values")
+        positions, flat, values = (
+            torch.from_numpy(pos),
+            torch.from_numpy(idx),
+            torch.from_numpy(vals),
+        )
     q = quantize(values)
     if not bool(torch.isfinite(q.table()).all()):
         # Near the top of the fp32 range a level or level + shift overflows; such a buffer
@@ -248,19 +230,10 @@ def _decode_record(
             f"{field}.codes",
             f"expected {(geometry.n_kept + 3) // 4} bytes with zero padding, got {len(rec.codes)}",
         )
-    positions = decode_positions(
-        rec.rice_bits,
-        rec.unary,
-        rec.remainders,
-        n_tiles=geometry.n_tiles,
-        k=geometry.k,
-        tile_len=geometry.tile_len,
-        field=field,
-    )
     # int32 indices keep G decoded peers small while they wait for aggregation.
-    index = geometry.flat_index(positions)
-    if geometry.numel < 2**31:
-        index = index.to(torch.int32)
+    index = decode_flat_index(
+        rec.rice_bits, rec.unary, rec.remainders, geometry=geometry, field=field
+    )
     return SparseTensor(rec.name, geometry, index, torch.from_numpy(codes), table)
 
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from protocol import kernels
 from protocol.errors import PayloadError
+from protocol.tiles import TileGeometry
 
 #: Largest Rice parameter the format allows (gaps are < MAX_TILE**2 = 2**20).
 MAX_RICE_BITS = 20
@@ -125,38 +127,57 @@ def max_unary_bytes(n_tiles: int, k: int, tile_len: int, b: int) -> int:
     return (n_tiles * per_tile + 7) // 8
 
 
-def decode_positions(
-    b: int, unary: bytes, rem: bytes, *, n_tiles: int, k: int, tile_len: int, field: str
-) -> torch.Tensor:
-    """Inverse of ``encode_positions``: validated positions ``(n_tiles, k)`` as int64.
+_STATUS = {
+    kernels.TOO_FEW_CODES: ("unary", "fewer codes than the tiles keep"),
+    kernels.GAP_OUT_OF_TILE: ("indices", "a position lies outside its tile"),
+    kernels.TRAILING_BITS: ("unary", "one bits after the last code"),
+    kernels.TRAILING_BYTES: ("unary", "trailing bytes after the last code"),
+    kernels.REMAINDER_PADDING: ("remainders", "non-zero padding bits"),
+    kernels.QUOTIENT_TOO_LARGE: ("unary", "a run of zeros longer than any gap inside a tile"),
+}
 
-    Raises ``PayloadError`` (naming ``field``) unless the streams have exactly the right number
-    of codes, canonical padding, and every position lies inside its tile.
+
+def decode_flat_index(
+    b: int, unary: bytes, rem: bytes, *, geometry: TileGeometry, field: str
+) -> torch.Tensor:
+    """Inverse of ``encode_positions``, straight to row-major indices into the flat tensor.
+
+    Returns ``n_kept`` indices (int32, or int64 for tensors of 2**31 elements or more) in
+    payload order: tile by tile, ascending inside each tile. Raises ``PayloadError`` (naming
+    ``field``) unless the streams hold exactly the right number of codes, are canonically
+    padded, and every position lies inside its tile.
     """
     if not 0 <= b <= MAX_RICE_BITS:
         raise PayloadError(f"{field}.rice_bits", f"must be in [0, {MAX_RICE_BITS}], got {b}")
-    n = n_tiles * k
-    limit = max_unary_bytes(n_tiles, k, tile_len, b)
+    g = geometry
+    n = g.n_kept
+    limit = max_unary_bytes(g.n_tiles, g.k, g.tile_len, b)
     if len(unary) > limit:
         raise PayloadError(f"{field}.unary", f"{len(unary)} bytes exceeds the limit {limit}")
-    r = unpack_fields(rem, n, b, f"{field}.remainders")
-    ones = np.flatnonzero(unpack_bits(unary))
-    if ones.size != n:
-        raise PayloadError(f"{field}.unary", f"expected {n} codes, found {ones.size}")
+    expected = (n * b + 7) // 8
+    if len(rem) != expected:
+        raise PayloadError(
+            f"{field}.remainders",
+            f"expected {expected} bytes for {n} fields of {b} bits, got {len(rem)}",
+        )
+    flat = np.empty(n, dtype=np.int32 if g.numel < 2**31 else np.int64)
     if n == 0:
         if unary:
             raise PayloadError(f"{field}.unary", "must be empty when nothing is kept")
-        return torch.zeros(n_tiles, k, dtype=torch.int64)
-    if int(ones[-1]) // 8 != len(unary) - 1:
-        raise PayloadError(f"{field}.unary", "trailing bytes after the last code")
-    q = np.diff(ones, prepend=-1) - 1
-    # Bound quotients and gaps before shifting and summing so no arithmetic can overflow.
-    if int(q.max()) > (tile_len >> b):
-        raise PayloadError(f"{field}.indices", f"gap outside its tile of {tile_len}")
-    gaps = ((q << b) | r).reshape(n_tiles, k)
-    if int(gaps.max()) >= tile_len:
-        raise PayloadError(f"{field}.indices", f"gap outside its tile of {tile_len}")
-    positions = torch.from_numpy(np.cumsum(gaps + 1, axis=1) - 1)
-    if int(positions[:, -1].max()) >= tile_len:
-        raise PayloadError(f"{field}.indices", f"position outside its tile of {tile_len}")
-    return positions
+        return torch.from_numpy(flat)
+    status = kernels.decode_positions(
+        np.frombuffer(unary, dtype=np.uint8),
+        np.frombuffer(rem, dtype=np.uint8),
+        b,
+        g.n_tiles,
+        g.k,
+        g.tile_len,
+        g.h,
+        g.w,
+        g.cols,
+        flat,
+    )
+    if status != kernels.OK:
+        part, message = _STATUS[status]
+        raise PayloadError(f"{field}.{part}", message)
+    return torch.from_numpy(flat)
