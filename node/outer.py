@@ -98,6 +98,13 @@ def _take_mean(sums, counts, touched, mean):
         counts[i] = 0
 
 
+@numba.njit(cache=True, nogil=True)
+def _subtract_at(theta, index, update):
+    # theta[index] -= update, one fp32 subtraction per entry (update already holds alpha).
+    for j in range(index.size):
+        theta[index[j]] -= update[j]
+
+
 class _Scratch:
     """Dense sum and count buffers reused from tensor to tensor.
 
@@ -199,5 +206,12 @@ def apply_aggregate(
             )
             if alpha != 1.0:
                 update.mul_(alpha)
-            flat = theta.view(-1)
-            flat[index] = flat[index] - update.to(theta.dtype)
+            if (
+                theta.dtype == torch.float32
+                and theta.is_contiguous()
+                and theta.device.type == "cpu"
+            ):
+                _subtract_at(theta.detach().view(-1).numpy(), index.numpy(), update.numpy())
+            else:
+                flat = theta.view(-1)
+                flat[index] = flat[index] - update.to(device=theta.device, dtype=theta.dtype)

@@ -46,62 +46,104 @@ def _sift_down(heap: np.ndarray, i: int, n: int) -> None:
     heap[i] = v
 
 
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
+def _gather_abs(x, row0, col0, h, w, mags):
+    # |x| of one tile into ``mags`` (row-major in the tile); False if any value is NaN or inf.
+    # x * 0 is NaN exactly for NaN and +-inf; "reassoc" lets the probe sum vectorise without
+    # assuming anything about NaN or inf.
+    probe = np.float32(0.0)
+    for r in range(h):
+        for c in range(w):
+            v = x[row0 + r, col0 + c]
+            probe += v * np.float32(0.0)
+            mags[r * w + c] = abs(v)
+    return probe == probe
+
+
+@numba.njit(cache=True, nogil=True)
+def _kth_largest(vals, n, k, heap):
+    # The k-th largest of vals[:n] (k <= n) with a min-heap of size k.
+    for p in range(k):
+        v = vals[p]
+        j = p
+        while j > 0:
+            parent = (j - 1) // 2
+            if heap[parent] <= v:
+                break
+            heap[j] = heap[parent]
+            j = parent
+        heap[j] = v
+    for p in range(k, n):
+        if vals[p] > heap[0]:
+            heap[0] = vals[p]
+            _sift_down(heap, 0, k)
+    return heap[0]
+
+
+@numba.njit(cache=True, nogil=True)
+def _keep(mags, cand, n, k, thr, out):
+    # From candidate positions cand[:n] (ascending; every entry reaching thr among them), write
+    # to out the k kept ones: all above thr, then the lowest-positioned equal to thr.
+    above = 0
+    for i in range(n):
+        if mags[cand[i]] > thr:
+            above += 1
+    ties = k - above
+    m = 0
+    for i in range(n):
+        p = cand[i]
+        v = mags[p]
+        if v > thr or (v == thr and ties > 0):
+            if v == thr:
+                ties -= 1
+            out[m] = p
+            m += 1
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _select(x, h, w, k, positions, flat, values, bad):
     rows, cols = x.shape
     gc = cols // w
     n_tiles = (rows // h) * gc
     tile_len = h * w
+    stride = 8  # sample every 8th magnitude to guess a threshold
+    n_sample = tile_len // stride
+    m = k // stride + k // (2 * stride) + 2  # sample rank of the guess, with a safety margin
+    sampled = m <= n_sample // 2
     for t in numba.prange(n_tiles):
         ti = t // gc
         tj = t - ti * gc
-        heap = np.empty(k, dtype=np.float32)
         mags = np.empty(tile_len, dtype=np.float32)
-        n = 0
-        finite = True
-        for r in range(h):
-            row = ti * h + r
-            for c in range(w):
-                v = abs(x[row, tj * w + c])
-                if not np.isfinite(v):
-                    finite = False
-                mags[r * w + c] = v
-                if n < k:
-                    # Fill phase: insert and sift up.
-                    j = n
-                    n += 1
-                    while j > 0:
-                        parent = (j - 1) // 2
-                        if heap[parent] <= v:
-                            break
-                        heap[j] = heap[parent]
-                        j = parent
-                    heap[j] = v
-                elif v > heap[0]:
-                    heap[0] = v
-                    _sift_down(heap, 0, k)
-        if not finite:
+        cand = np.empty(tile_len, dtype=np.int64)
+        heap = np.empty(max(k, m), dtype=np.float32)
+        if not _gather_abs(x, ti * h, tj * w, h, w, mags):
             bad[t] = 1
             continue
-        thr = heap[0]  # the k-th largest magnitude of the tile
-        above = 0
-        for p in range(tile_len):
-            if mags[p] > thr:
-                above += 1
-        ties = k - above  # entries equal to thr that are kept: the lowest positions
-        out = t * k
-        for p in range(tile_len):
-            m = mags[p]
-            if m > thr or (m == thr and ties > 0):
-                if m == thr:
-                    ties -= 1
-                r = p // w
-                c = p - r * w
-                positions[t, out - t * k] = p
-                idx = (ti * h + r) * cols + tj * w + c
-                flat[out] = idx
-                values[out] = x[ti * h + r, tj * w + c]
-                out += 1
+        n = 0
+        if sampled:
+            # Guess a threshold from a sample; if at least k entries reach it, the guess is at
+            # or below the true k-th largest, and the exact answer lies among those entries.
+            sample = mags[::stride].copy()
+            guess = _kth_largest(sample, n_sample, m, heap)
+            for p in range(tile_len):
+                if mags[p] >= guess:
+                    cand[n] = p
+                    n += 1
+        if n < k:  # no usable guess: every position is a candidate
+            for p in range(tile_len):
+                cand[p] = p
+            n = tile_len
+        cmags = np.empty(n, dtype=np.float32)
+        for i in range(n):
+            cmags[i] = mags[cand[i]]
+        thr = _kth_largest(cmags, n, k, heap)
+        _keep(mags, cand, n, k, thr, positions[t])
+        for i in range(k):
+            p = positions[t, i]
+            r = p // w
+            c = p - r * w
+            flat[t * k + i] = (ti * h + r) * cols + tj * w + c
+            values[t * k + i] = x[ti * h + r, tj * w + c]
 
 
 def select_topk(
@@ -123,18 +165,25 @@ def select_topk(
     return positions, flat, values, not bad.any()
 
 
+# Leading zero bits of every byte value (8 for zero).
+_CLZ8 = np.array([8] + [7 - int(v).bit_length() + 1 for v in range(1, 256)], dtype=np.int64)
+
+
 @numba.njit(cache=True, nogil=True)
 def decode_positions(unary, rem, b, n_tiles, k, tile_len, h, w, cols, flat):
     """Decode Rice-coded gaps straight into flat indices; returns a status code.
 
-    ``unary`` and ``rem`` are uint8 arrays; ``flat`` (int32 or int64, n_tiles * k) receives the
-    row-major index of every kept entry, tile by tile. Rejects quotients or positions past the
-    tile, missing codes, and any bit or byte after the last code.
+    ``unary`` is a uint8 array; ``rem`` the remainder stream followed by 4 zero bytes (so a
+    field can always be read from a 4-byte window). ``flat`` (int32 or int64, n_tiles * k)
+    receives the row-major index of every kept entry, tile by tile. Rejects quotients or
+    positions past the tile, missing codes, and any bit or byte after the last code.
     """
-    n_bits = unary.size * 8
+    n_bytes = unary.size
+    rem_bytes = rem.size - 4
     bit = 0  # read position in the unary stream
     qmax = tile_len >> b
     gc = cols // w
+    mask = (1 << b) - 1
     j = 0
     for t in range(n_tiles):
         ti = t // gc
@@ -144,34 +193,99 @@ def decode_positions(unary, rem, b, n_tiles, k, tile_len, h, w, cols, flat):
         for _ in range(k):
             q = 0
             while True:
-                if bit >= n_bits:
+                byte = bit >> 3
+                if byte >= n_bytes:
                     return TOO_FEW_CODES
-                one = (unary[bit >> 3] >> (7 - (bit & 7))) & 1
-                bit += 1
-                if one:
-                    break
-                q += 1
-                if q > qmax:
-                    return QUOTIENT_TOO_LARGE
+                used = bit & 7
+                cur = (unary[byte] << used) & 0xFF  # the unread bits of this byte, at the top
+                if cur == 0:
+                    q += 8 - used
+                    bit = (byte + 1) << 3
+                    if q > qmax:
+                        return QUOTIENT_TOO_LARGE
+                    continue
+                lz = _CLZ8[cur]
+                q += lz
+                bit += lz + 1
+                break
+            if q > qmax:
+                return QUOTIENT_TOO_LARGE
             r = 0
             if b:
-                start = j * b
-                for i in range(b):
-                    s = start + i
-                    r = (r << 1) | ((rem[s >> 3] >> (7 - (s & 7))) & 1)
+                s = j * b
+                i = s >> 3
+                window = (
+                    (np.int64(rem[i]) << 24)
+                    | (np.int64(rem[i + 1]) << 16)
+                    | (np.int64(rem[i + 2]) << 8)
+                    | rem[i + 3]
+                )
+                r = (window >> (32 - (s & 7) - b)) & mask
             pos += ((q << b) | r) + 1
             if pos >= tile_len:
                 return GAP_OUT_OF_TILE
             row = pos // w
             flat[j] = base + row * cols + (pos - row * w)
             j += 1
-    if (bit + 7) // 8 != unary.size:
+    if (bit + 7) // 8 != n_bytes:
         return TRAILING_BYTES
-    for s in range(bit, n_bits):
+    for s in range(bit, n_bytes * 8):
         if (unary[s >> 3] >> (7 - (s & 7))) & 1:
             return TRAILING_BITS
-    total = j * b
-    for s in range(total, rem.size * 8):
+    for s in range(j * b, rem_bytes * 8):
         if (rem[s >> 3] >> (7 - (s & 7))) & 1:
             return REMAINDER_PADDING
     return OK
+
+
+@numba.njit(cache=True, nogil=True)
+def rice_encode(positions, max_bits):
+    """Rice-code ascending tile positions ``(n_tiles, k)``; returns ``(b, unary, remainders)``.
+
+    ``b`` minimises ``sum(g >> b) + n * (b + 1)`` over a window around log2 of the mean gap
+    (the smallest such ``b`` on ties); the streams are uint8 arrays as ``protocol.indexcode``
+    describes.
+    """
+    n_tiles, k = positions.shape
+    n = n_tiles * k
+    gaps = np.empty(n, dtype=np.int64)
+    total = 0
+    for t in range(n_tiles):
+        prev = -1
+        for i in range(k):
+            g = positions[t, i] - prev - 1
+            prev = positions[t, i]
+            gaps[t * k + i] = g
+            total += g
+    if n == 0:
+        return 0, np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.uint8)
+    mean = total // n  # int(mean) of the exact mean, as the bit length only needs its floor
+    guess = 0
+    while (mean >> (guess + 1)) > 0:
+        guess += 1
+    best_b = -1
+    best_cost = 0
+    for b in range(max(0, guess - 2), min(max_bits, guess + 3) + 1):
+        cost = n * (b + 1)
+        for j in range(n):
+            cost += gaps[j] >> b
+        if best_b < 0 or cost < best_cost:
+            best_b = b
+            best_cost = cost
+    b = best_b
+    n_unary_bits = best_cost - n * b  # sum(q) + n
+    unary = np.zeros((n_unary_bits + 7) // 8, dtype=np.uint8)
+    rem = np.zeros((n * b + 7) // 8, dtype=np.uint8)
+    bit = 0
+    mask = (1 << b) - 1
+    for j in range(n):
+        g = gaps[j]
+        bit += g >> b
+        unary[bit >> 3] |= np.uint8(0x80 >> (bit & 7))
+        bit += 1
+        r = g & mask
+        s = j * b
+        for i in range(b):
+            if (r >> (b - 1 - i)) & 1:
+                rem[(s + i) >> 3] |= np.uint8(0x80 >> ((s + i) & 7))
+    return b, unary, rem

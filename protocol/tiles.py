@@ -104,29 +104,6 @@ class TileGeometry:
     def n_kept(self) -> int:
         return self.n_tiles * self.k
 
-    def to_tiles(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` (of this geometry's shape) in tile-major layout, ``(n_tiles, tile_len)``."""
-        gr, gc = self.grid
-        view = x.reshape(gr, self.h, gc, self.w).permute(0, 2, 1, 3)
-        if out is None:
-            return view.reshape(self.n_tiles, self.tile_len)
-        out.view(gr, gc, self.h, self.w).copy_(view)
-        return out
-
-    def abs_tiles(self, x: torch.Tensor) -> torch.Tensor:
-        """``|x|`` in tile-major layout, computed and laid out in a single pass."""
-        gr, gc = self.grid
-        out = torch.empty(self.n_tiles, self.tile_len, dtype=torch.float32)
-        view = x.reshape(gr, self.h, gc, self.w).permute(0, 2, 1, 3)
-        torch.abs(view, out=out.view(gr, gc, self.h, self.w))
-        return out
-
-    def from_tiles(self, t: torch.Tensor) -> torch.Tensor:
-        """Inverse of ``to_tiles``: a tensor of this geometry's shape (a new contiguous one)."""
-        gr, gc = self.grid
-        x = t.reshape(gr, gc, self.h, self.w).permute(0, 2, 1, 3).reshape(self.shape)
-        return x.contiguous()
-
     def flat_index(self, positions: torch.Tensor) -> torch.Tensor:
         """Row-major indices into the flattened tensor of ``(n_tiles, k)`` tile positions."""
         _, gc = self.grid
@@ -136,8 +113,3 @@ class TileGeometry:
         pos = positions.to(torch.int64)
         r = pos // self.w
         return (origin.unsqueeze(1) + r * self.cols + (pos - r * self.w)).reshape(-1)
-
-    def tile_major_index(self, positions: torch.Tensor) -> torch.Tensor:
-        """Indices into the flattened tile-major layout of ``(n_tiles, k)`` tile positions."""
-        base = torch.arange(self.n_tiles, dtype=torch.int64).unsqueeze(1) * self.tile_len
-        return (base + positions.to(torch.int64)).reshape(-1)
