@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from node.data import ByteCorpus, load_corpus
 from node.model import GPT, build_model, count_parameters, evaluate, get_preset
@@ -107,8 +107,13 @@ def build_config(preset: str | None, **options: Any) -> SimConfig:
     values.update({k: v for k, v in options.items() if v is not None})
     try:
         return SimConfig(**values)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
+            message = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{flag}: {message}" if err["loc"] else message)
+        raise ConfigError("; ".join(problems)) from exc
 
 
 class Simulation:
