@@ -77,7 +77,8 @@ def quantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     """DESIGN.md's 2-bit quantiser in fp32: ``(shift, levels, codes)``."""
     shift = v.mean()
     c = v - shift
-    scale = c.std() * 1.5  # 6 * sigma / 4, unbiased sigma
+    # 6 * sigma / 4 with the unbiased sigma, undefined (so 1 below) for a single value
+    scale = c.std() * 1.5 if c.numel() > 1 else torch.tensor(float("nan"))
     if not bool(torch.isfinite(scale)) or float(scale) == 0.0:
         scale = torch.tensor(1.0)
     codes = torch.clamp(torch.round(c / scale + 2.0), 0, 3).long()  # round half to even

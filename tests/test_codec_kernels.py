@@ -1,0 +1,70 @@
+"""The compiled selection kernel on the inputs that take its rarer paths.
+
+The kernel guesses each tile's threshold from a sample and falls back to scanning the whole
+tile when fewer than k entries reach the guess; heavy ties go through the tie rule. Both paths
+must give exactly the reference's Top-k (largest magnitudes, ties to the lower position).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import reference_codec as ref
+import torch
+
+from protocol import kernels
+from protocol.codec import encode, read_payload
+
+
+def reference_positions(tile: np.ndarray, k: int) -> list[int]:
+    return ref.top_k_positions([float(v) for v in tile.reshape(-1)], k)
+
+
+def check(x: np.ndarray, k: int) -> None:
+    positions, flat, values, finite = kernels.select_topk(x, 64, 64, k)
+    assert finite
+    gr, gc = x.shape[0] // 64, x.shape[1] // 64
+    for t in range(gr * gc):
+        ti, tj = divmod(t, gc)
+        tile = x[ti * 64 : ti * 64 + 64, tj * 64 : tj * 64 + 64]
+        assert positions[t].tolist() == reference_positions(tile, k), f"tile {t}"
+    assert np.array_equal(x.reshape(-1)[flat], values)
+
+
+@pytest.mark.parametrize("k", [64, 128, 300])
+def test_fallback_when_the_sampled_guess_is_too_high(k: int) -> None:
+    # Every large value sits on a sampled position (every 8th), and there are fewer of them
+    # than k: the guess lands among them, too few entries reach it, the kernel must fall back.
+    rng = np.random.default_rng(k)
+    x = rng.normal(size=(64, 128)).astype(np.float32) * 1e-3
+    for tile_origin in (0, 64):
+        tile = x[:, tile_origin : tile_origin + 64].reshape(-1).copy()
+        tile[0 : 8 * max(1, k // 3) : 8] = 100.0 + rng.random(max(1, k // 3)).astype(np.float32)
+        x[:, tile_origin : tile_origin + 64] = tile.reshape(64, 64)
+    check(x, k)
+
+
+@pytest.mark.parametrize("k", [1, 7, 64, 128])
+def test_heavy_ties_at_the_threshold(k: int) -> None:
+    rng = np.random.default_rng(100 + k)
+    x = rng.choice(np.array([0.0, 1.0, -1.0, 2.0], dtype=np.float32), size=(128, 64))
+    check(x, k)
+    check(np.zeros((64, 64), dtype=np.float32), k)
+
+
+def test_non_finite_anywhere_is_reported() -> None:
+    for value in (np.nan, np.inf, -np.inf):
+        x = np.ones((64, 128), dtype=np.float32)
+        x[37, 100] = value
+        *_, finite = kernels.select_topk(x, 64, 64, 64)
+        assert not finite
+
+
+def test_encode_matches_reference_on_a_real_model_sized_tensor() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(192, 256, generator=gen) * torch.rand(192, 1, generator=gen)
+    data, recon = encode({"w": x}, topk=64, tile=64)
+    sparse = read_payload(data, {"w": (192, 256)}).tensors["w"]
+    r = ref.encode_tensor(x, topk=64, tile=64)
+    assert sparse.positions.tolist() == r.positions
+    assert torch.equal(sparse.dense(), recon["w"])
