@@ -5,16 +5,17 @@ One round on a node, in DESIGN.md's numbering (inner training, step 1, lives in 
 2. ``pseudo_gradient``: ``delta = theta_t - theta_i`` (a descent direction);
 3. ``feed_error``: ``e = beta * e + delta``;
 4-5. ``compress``: encode ``e`` and subtract what was sent, ``e -= c_hat``;
-7. ``aggregate_tensor``: per coordinate, the mean over the payloads that selected it, with
-   optional per-tensor clipping of each peer to the median norm;
+7. ``sparse_mean`` (dense: ``aggregate_tensor``): per coordinate, the mean over the payloads
+   that selected it, with optional per-tensor clipping of each peer to the median norm;
 8. ``apply_aggregate``: ``theta -= alpha * aggregate``;
 9. ``add_back``: ``e += c_hat`` when the node's own payload was not in the gather set.
 
 Determinism is the point of this module: every honest node must end each round with
 bit-identical parameters. So peers are always taken in sorted node-id order, norms are computed
 exactly (``SparseTensor.sq_norm``), every arithmetic step is a separate fp32 operation (no fused
-multiply-add), and scatter-adds only ever touch distinct indices within one call. Aggregation
-holds one tensor's sums and counts at a time, never a dense copy per peer.
+multiply-add), and each peer is added in turn, one addition per entry it selected (compiled
+loops, ``_accumulate``). Aggregation holds one tensor's sums and counts at a time, never a dense
+copy per peer, and only the selected entries of the parameters are touched.
 """
 
 from __future__ import annotations
