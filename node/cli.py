@@ -1,9 +1,16 @@
 """The ``sparseloco`` console script: one entry point, one subcommand per job.
 
-Subcommands: ``simulate`` (compare SparseLoCo, DiLoCo and DDP in one process) and ``bench``
-(``codec``: payload size, speed and memory against a straightforward implementation;
-``quality``: the three algorithms on the bench preset, with a plot). Each subcommand parses
-its flags into a validated config; bad values fail at start with a message naming the flag.
+Subcommands:
+
+- ``up``: a whole local run (embedded object store, coordinator, N nodes), the main job;
+- ``node``: the node daemon, joining a coordinator with a token;
+- ``coordinator``: the coordinator service (``python -m coordinator``, run as its own process:
+  ``node`` and ``coordinator`` never import each other);
+- ``simulate``: SparseLoCo, DiLoCo and DDP in one process;
+- ``bench``: ``codec`` (payload size, speed, memory) and ``quality`` (the three algorithms).
+
+Each subcommand parses its flags into a validated config; bad values fail at start with a
+message naming the flag.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from protocol.errors import SparseLoCoError
+from protocol.errors import ConfigError, SparseLoCoError
 
 log = logging.getLogger("sparseloco")
 
@@ -122,6 +129,97 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        help="a whole local run: object store, coordinator and N nodes on this machine",
+        description="Start SeaweedFS, a coordinator and N node processes on loopback, train"
+        " on the bundled corpus, show progress, and stop everything at the end.",
+    )
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--preset", default="tiny", help="run shape: tiny (default) or small")
+    p.add_argument("--data", help="text file, directory or glob (default: bundled corpus)")
+    p.add_argument("--dir", dest="run_dir", help="run folder (default: runs/up-<time>)")
+    p.add_argument("--round-timeout", type=float, default=120.0, help="seconds per round")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the summary here")
+    p.set_defaults(func=_cmd_up)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from node.simulate import write_json
+    from node.up import UpConfig, up
+    from node.up_view import UpView
+
+    try:
+        cfg = UpConfig(
+            nodes=args.nodes,
+            rounds=args.rounds,
+            preset=args.preset,
+            run_dir=args.run_dir,
+            data=args.data,
+            round_timeout_s=args.round_timeout,
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ConfigError(f"--{err['loc'][0]}: {err['msg']}".replace("_", "-")) from exc
+    with UpView(cfg.rounds, cfg.nodes) as view:
+        result = up(cfg, on_status=view.update)
+    view.summary(result)
+    if args.json_out:
+        write_json(result, args.json_out)
+        print(f"wrote {args.json_out}")
+    return 0 if result["fingerprints_agree"] else 1
+
+
+def _add_node(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "node",
+        help="run a node: join a coordinator and train until the run ends",
+        description="The node daemon. The token may also come from SPARSELOCO_NODE_TOKEN.",
+    )
+    p.add_argument("--coordinator", help="coordinator URL (or SPARSELOCO_NODE_COORDINATOR)")
+    p.add_argument("--token", help="join token (better: SPARSELOCO_NODE_TOKEN)")
+    p.add_argument("--state-dir", help="local state folder (or SPARSELOCO_NODE_STATE_DIR)")
+    p.add_argument("--data", help="text file, directory or glob (default: bundled corpus)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=_cmd_node)
+
+
+def _cmd_node(args: argparse.Namespace) -> int:
+    from node.daemon import run_node
+    from node.settings import load_settings
+
+    settings = load_settings(
+        coordinator=args.coordinator,
+        token=args.token,
+        state_dir=args.state_dir,
+        data=args.data,
+        threads=args.threads,
+    )
+    return run_node(settings)
+
+
+def _add_coordinator(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "coordinator",
+        help="run the coordinator service (same flags as python -m coordinator)",
+        add_help=False,
+    )
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_coordinator)
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    # A separate interpreter image: the node package never imports the coordinator.
+    import os
+
+    os.execv(sys.executable, [sys.executable, "-m", "coordinator", *args.rest])
+    return 0  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed so a test can pin the flags)."""
     parser = argparse.ArgumentParser(
@@ -130,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_up(sub)
+    _add_node(sub)
+    _add_coordinator(sub)
     _add_simulate(sub)
     _add_bench(sub)
     return parser

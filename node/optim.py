@@ -103,17 +103,19 @@ def inner_step(
     *,
     step: int,
     cfg: InnerOptimConfig,
+    lr_scale: float = 1.0,
 ) -> float:
     """One inner training step at global step ``step``; returns the batch loss in nats.
 
-    Sets the scheduled learning rate, runs forward (bf16 autocast on CUDA) and backward, clips the
+    Sets the scheduled learning rate (times ``lr_scale``, the re-warm-up factor of a node whose
+    AdamW state is fresh mid-run), runs forward (bf16 autocast on CUDA) and backward, clips the
     global gradient norm to ``cfg.grad_clip``, steps and clears the gradients. A non-finite loss
     raises ``FloatingPointError`` before the step, so a diverged batch never poisons the weights
     or the AdamW moments.
     """
     device = next(model.parameters()).device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    set_lr(opt, lr_at(step, cfg))
+    set_lr(opt, lr_at(step, cfg) * lr_scale)
     with autocast(device):
         loss = model.loss(x, y)
     loss.backward()

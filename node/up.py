@@ -1,0 +1,310 @@
+"""``sparseloco up``: a whole networked run on this machine, from one command, offline.
+
+Starts, in order, the embedded object store (SeaweedFS ``weed mini``), a coordinator process
+and N node processes, each a real process talking HTTP on loopback exactly as on the internet;
+trains on the bundled demo corpus; shows live progress from the coordinator's status endpoint;
+and stops everything again in reverse order, on success, on error and on Ctrl-C. Everything
+(store data, coordinator database, node states, logs) lands in one run folder.
+
+The result (``--json``) has ``run_id``, ``final_eval_loss`` and per round the gather set,
+exclusions and every node's reported fingerprint, plus whether they all agreed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from node.seaweed import EmbeddedStore, StoreEndpoint
+from protocol.errors import SparseLoCoError
+from protocol.messages import RoundState, StatusView
+from protocol.runconfig import RunConfig, Timing
+
+log = logging.getLogger("sparseloco.up")
+
+#: Run shapes for ``--preset``: model preset plus inner steps and batch size.
+UP_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"model": "tiny", "inner_steps": 10, "batch_size": 8},
+    "small": {"model": "small", "inner_steps": 30, "batch_size": 12},
+}
+
+#: Seconds to wait for a process to leave cleanly after SIGTERM before killing it.
+STOP_TIMEOUT_S = 30.0
+#: Seconds for the coordinator to write its address file after start.
+COORDINATOR_START_S = 60.0
+
+
+class UpError(SparseLoCoError, RuntimeError):
+    """A part of the local run failed (a process exited early, a timeout passed)."""
+
+
+class UpConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nodes: int = Field(3, ge=1, le=32)
+    rounds: int = Field(5, ge=1)
+    preset: str = "tiny"
+    run_dir: Path | None = None
+    data: str | None = None
+    #: Seconds a round may run before it closes without missing nodes.
+    round_timeout_s: float = Field(120.0, gt=0)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))
+
+
+def _toml_table(name: str, values: dict[str, Any]) -> list[str]:
+    lines = [f"[{name}]"]
+    nested = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            nested.append((f"{name}.{key}", value))
+        elif value is not None:
+            lines.append(f"{json.dumps(key)} = {_toml_value(value)}")
+    lines.append("")
+    for sub, sub_values in nested:
+        lines += _toml_table(sub, sub_values)
+    return lines
+
+
+def coordinator_toml(
+    run: RunConfig,
+    endpoint: StoreEndpoint,
+    tokens: dict[str, str],
+    state_dir: Path,
+    *,
+    prefix: str = "",
+) -> str:
+    """The coordinator's config file for a local run (see ``deploy/run.example.toml``)."""
+    lines = _toml_table("run", run.model_dump(mode="json"))
+    lines += _toml_table("server", {"host": "127.0.0.1", "port": 0, "state_dir": str(state_dir)})
+    lines += _toml_table(
+        "storage",
+        {
+            "endpoint_url": endpoint.endpoint_url,
+            "bucket": endpoint.bucket,
+            "prefix": prefix,
+            "region": endpoint.region,
+            "access_key": endpoint.access_key,
+            "secret_key": endpoint.secret_key,
+        },
+    )
+    lines += _toml_table("tokens", tokens)
+    return "\n".join(lines)
+
+
+def _quiet_env() -> dict[str, str]:
+    """One compute thread per process: N nodes share a few cores without oversubscribing."""
+    return dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+class Process:
+    """A child process with its log file; stopped by SIGTERM, then SIGKILL."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            self.popen = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def start_coordinator(config_path: Path, state_dir: Path, log_path: Path) -> tuple[Process, str]:
+    """Start ``python -m coordinator`` and return it with its URL once it listens."""
+    address = state_dir / "coordinator.json"
+    address.unlink(missing_ok=True)
+    proc = Process(
+        "coordinator",
+        [sys.executable, "-m", "coordinator", "--config", str(config_path), "--port", "0"],
+        log_path,
+        _quiet_env(),
+    )
+    deadline = time.monotonic() + COORDINATOR_START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UpError(f"the coordinator exited with code {proc.poll()}:\n{proc.tail()}")
+        if address.exists():
+            try:
+                return proc, json.loads(address.read_text())["url"]
+            except (ValueError, KeyError):
+                pass  # being written
+        time.sleep(0.1)
+    proc.stop()
+    raise UpError(f"the coordinator did not start within {COORDINATOR_START_S:.0f} s")
+
+
+def start_node(
+    name: str, url: str, token: str, state_dir: Path, log_path: Path, data: str | None
+) -> Process:
+    args = [sys.executable, "-m", "node", "node", "--coordinator", url]
+    args += ["--state-dir", str(state_dir), "--threads", "1"]
+    if data:
+        args += ["--data", data]
+    env = _quiet_env()
+    env["SPARSELOCO_NODE_TOKEN"] = token
+    return Process(name, args, log_path, env)
+
+
+def fetch_status(url: str, rounds: int = 100_000, timeout: float = 10.0) -> StatusView:
+    with urllib.request.urlopen(f"{url}/v1/status?rounds={rounds}", timeout=timeout) as resp:
+        return StatusView.model_validate_json(resp.read())
+
+
+def summarize(status: StatusView) -> dict[str, Any]:
+    """The ``--json`` result from the coordinator's final status."""
+    rounds = []
+    agree = True
+    for summary in status.rounds:
+        if summary.state != RoundState.CLOSED:
+            continue
+        fps = dict(summary.fingerprints)
+        agree = agree and len(set(fps.values())) <= 1
+        rounds.append(
+            {
+                "round": summary.round,
+                "gather": summary.gather,
+                "excluded": summary.excluded,
+                "fingerprints": fps,
+                "eval_loss": _mean([r.eval_loss for r in summary.reports.values()]),
+                "train_loss": _mean([r.train_loss for r in summary.reports.values()]),
+                "bytes_up": sum(r.bytes_up for r in summary.reports.values()),
+                "bytes_down": sum(r.bytes_down for r in summary.reports.values()),
+                "duration_s": summary.duration_s,
+                "timings": {n: r.timings for n, r in summary.reports.items() if r.timings},
+            }
+        )
+    final = rounds[-1]["eval_loss"] if rounds else None
+    return {
+        "run_id": status.run_id,
+        "run": status.run.model_dump(mode="json"),
+        "final_eval_loss": final,
+        "fingerprints_agree": agree,
+        "rounds": rounds,
+    }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> dict[str, Any]:
+    """Run the whole local training run and return its summary."""
+    if cfg.preset not in UP_PRESETS:
+        raise UpError(f"unknown --preset {cfg.preset!r}; choose one of {sorted(UP_PRESETS)}")
+    run_dir = cfg.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = RunConfig(
+        name="up",
+        rounds=cfg.rounds,
+        min_nodes=cfg.nodes,
+        gather_size=max(16, cfg.nodes),
+        timing=Timing(  # type: ignore[call-arg]
+            first_round_s=cfg.round_timeout_s,
+            min_round_s=min(15.0, cfg.round_timeout_s),
+            max_round_s=max(cfg.round_timeout_s, 15.0),
+            heartbeat_timeout_s=30.0,
+        ),
+        **UP_PRESETS[cfg.preset],
+    )
+    store = EmbeddedStore(run_dir / "store")
+    procs: list[Process] = []
+    t0 = time.monotonic()
+    try:
+        endpoint = store.start()
+        tokens = {f"node-{i}": secrets.token_urlsafe(18) for i in range(cfg.nodes)}
+        config_path = run_dir / "coordinator.toml"
+        config_path.write_text(
+            coordinator_toml(run, endpoint, tokens, run_dir / "coordinator"), encoding="utf-8"
+        )
+        (run_dir / "coordinator").mkdir(exist_ok=True)
+        coordinator, url = start_coordinator(
+            config_path, run_dir / "coordinator", run_dir / "logs" / "coordinator.log"
+        )
+        procs.append(coordinator)
+        log.info("event=up_started run_dir=%s coordinator=%s store=%s", run_dir, url, endpoint)
+        nodes = [
+            start_node(
+                name,
+                url,
+                token,
+                run_dir / "nodes" / name,
+                run_dir / "logs" / f"{name}.log",
+                cfg.data,
+            )
+            for name, token in tokens.items()
+        ]
+        procs += nodes
+        status = _watch(url, nodes, on_status)
+        for node in nodes:
+            code = node.stop()
+            if code != 0:
+                raise UpError(f"{node.name} exited with code {code}:\n{node.tail()}")
+        result = summarize(status)
+        result["wall_seconds"] = time.monotonic() - t0
+        result["run_dir"] = str(run_dir)
+        result["nodes"] = cfg.nodes
+        return result
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        store.stop()
+
+
+def _watch(
+    url: str, nodes: list[Process], on_status: Callable[[StatusView], None] | None
+) -> StatusView:
+    """Poll the coordinator until the run finishes and every node has exited."""
+    while True:
+        try:
+            status = fetch_status(url)
+        except (urllib.error.URLError, OSError) as exc:
+            raise UpError(f"the coordinator stopped answering: {exc}") from exc
+        if on_status:
+            on_status(status)
+        for node in nodes:
+            code = node.poll()
+            if code not in (None, 0):
+                raise UpError(f"{node.name} exited with code {code}:\n{node.tail()}")
+        if status.state == RoundState.FINISHED and all(n.poll() is not None for n in nodes):
+            return status
+        time.sleep(0.5)

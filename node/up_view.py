@@ -1,0 +1,133 @@
+"""What ``sparseloco up`` shows while it runs: a live table on a terminal, log lines otherwise.
+
+Fed with the coordinator's ``StatusView`` a couple of times a second. The table has one row
+per node (state, last loss, bytes up and down, whether it was in the last gather set); below it
+the round, the gather set and whether the fingerprints agreed. Without a terminal (CI, a pipe)
+it writes one line per closed round instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from protocol.messages import RoundState, RoundSummary, StatusView
+
+log = logging.getLogger("sparseloco.up")
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+def _agree(summary: RoundSummary) -> str:
+    values = set(summary.fingerprints.values())
+    if not values:
+        return "-"
+    return "agree" if len(values) == 1 else f"DIFFER ({len(values)} values)"
+
+
+class UpView:
+    """Context manager rendering the run's progress."""
+
+    def __init__(self, rounds: int, nodes: int) -> None:
+        self.rounds = rounds
+        self.nodes = nodes
+        self.tty = sys.stderr.isatty()
+        self.console = Console(stderr=True)
+        self.live: Live | None = None
+        self.logged: set[int] = set()
+        self.totals: dict[str, list[int]] = {}
+
+    def __enter__(self) -> UpView:
+        if self.tty:
+            self.live = Live(
+                Text("starting the object store and the coordinator..."),
+                console=self.console,
+                refresh_per_second=4,
+            )
+            self.live.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.live is not None:
+            self.live.__exit__(exc_type, exc, tb)
+
+    def update(self, status: StatusView) -> None:
+        closed = [r for r in status.rounds if r.state == RoundState.CLOSED]
+        self.totals = {}
+        for summary in closed:
+            for node, report in summary.reports.items():
+                up, down = self.totals.setdefault(node, [0, 0])
+                self.totals[node] = [up + report.bytes_up, down + report.bytes_down]
+        if self.live is not None:
+            self.live.update(self._render(status, closed))
+            return
+        for summary in closed:
+            if summary.round in self.logged or len(summary.reports) < len(summary.gather):
+                continue
+            self.logged.add(summary.round)
+            losses = [r.eval_loss for r in summary.reports.values() if r.eval_loss is not None]
+            log.info(
+                "event=round_closed round=%d/%d gather=%s excluded=%s eval_loss=%s"
+                " fingerprints=%s duration_s=%.2f",
+                summary.round + 1,
+                self.rounds,
+                ",".join(summary.gather) or "-",
+                summary.excluded or "-",
+                f"{losses[0]:.4f}" if losses else "-",
+                _agree(summary),
+                summary.duration_s or 0.0,
+            )
+
+    def _render(self, status: StatusView, closed: list[RoundSummary]) -> Group:
+        last = closed[-1] if closed else None
+        table = Table(title=f"run {status.run_id}", expand=False)
+        for col in ("node", "state", "train loss", "eval loss", "up", "down", "gathered"):
+            table.add_column(col)
+        for member in status.members:
+            report = last.reports.get(member.node_id) if last else None
+            up, down = self.totals.get(member.node_id, [0, 0])
+            table.add_row(
+                member.node_id,
+                member.state.value,
+                f"{report.train_loss:.4f}" if report and report.train_loss else "-",
+                f"{report.eval_loss:.4f}" if report and report.eval_loss else "-",
+                _bytes(up),
+                _bytes(down),
+                "yes" if last and member.node_id in last.gather else "-",
+            )
+        done = len(closed)
+        line = f"round {min(done + 1, self.rounds)}/{self.rounds} ({status.state.value})"
+        if last is not None:
+            line += f" | last gather {','.join(last.gather) or '-'} | fingerprints {_agree(last)}"
+        return Group(table, Text(line))
+
+    def summary(self, result: dict[str, Any]) -> None:
+        rounds = result["rounds"]
+        loss = result["final_eval_loss"]
+        first = rounds[0]["eval_loss"] if rounds else None
+        agree = "identical on all nodes" if result["fingerprints_agree"] else "DIFFERED"
+        print(
+            f"run {result['run_id']}: {len(rounds)} rounds with {result['nodes']} nodes in"
+            f" {result['wall_seconds']:.1f} s; eval loss"
+            f" {first:.4f} -> {loss:.4f}; fingerprints {agree}; files in {result['run_dir']}"
+            if loss is not None and first is not None
+            else f"run {result['run_id']}: {len(rounds)} rounds; fingerprints {agree}"
+        )

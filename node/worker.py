@@ -1,0 +1,207 @@
+"""The node's compute: inner training, compression and the outer step, on plain tensors.
+
+Synchronous and free of network I/O: the daemon runs every method here in its single compute
+thread, off the event loop, one call at a time (numba's parallel pool and torch must not be
+entered from two threads at once). Holds the model (whose parameters *are* θ between rounds),
+the error-feedback buffer, AdamW, the data stream and the evaluation batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from node.data import ByteCorpus, load_corpus
+from node.model import build_model, evaluate, get_preset
+from node.optim import InnerOptimConfig, inner_step, make_adamw
+from node.outer import add_back, apply_aggregate, compress, feed_error, pseudo_gradient
+from node.state import NodeState, adam_tensors, restore_adam
+from protocol.codec import Payload, decode, read_payload
+from protocol.errors import PayloadError
+from protocol.fingerprint import fingerprint
+from protocol.runconfig import RunConfig
+
+log = logging.getLogger("sparseloco.worker")
+
+
+class Abandoned(Exception):
+    """Training stopped between inner steps because the node is shutting down."""
+
+
+@dataclass
+class TrainResult:
+    payload: bytes
+    base: str
+    train_loss: float
+    train_s: float
+    encode_s: float
+
+
+class Worker:
+    """One participant's model, optimiser, error buffer and data."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        *,
+        run_id: str,
+        node_id: str,
+        slot: int,
+        data: str | None = None,
+        eval_batches: int = 4,
+        eval_batch_size: int = 8,
+    ) -> None:
+        self.run = run
+        self.run_id = run_id
+        self.node_id = node_id
+        self.slot = slot
+        self.model_cfg = get_preset(run.model)
+        self.model = build_model(self.model_cfg, seed=run.seed)
+        self.corpus = ByteCorpus(load_corpus(data), ctx_len=self.model_cfg.ctx_len)
+        self.eval_set = self.corpus.eval_batches(eval_batches, eval_batch_size)
+        self.optim_cfg = InnerOptimConfig(
+            lr=run.inner_lr,
+            warmup_steps=run.warmup_steps,
+            total_steps=run.total_inner_steps,
+        )
+        self.opt = make_adamw(self.model, self.optim_cfg)
+        self.error = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
+        self.round = 0
+        self.local_steps = 0
+        self.stop = threading.Event()
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.data for n, p in self.model.named_parameters()}
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.params)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def snapshot(self, phase: str = "idle") -> NodeState:
+        return NodeState(
+            run_id=self.run_id,
+            node_id=self.node_id,
+            round=self.round,
+            theta=self.params,
+            error=self.error,
+            adam=adam_tensors(self.opt),
+            local_steps=self.local_steps,
+            phase=phase,  # type: ignore[arg-type]
+            fingerprint=self.fingerprint(),
+        )
+
+    def restore(self, state: NodeState) -> None:
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(state.theta[name])
+                self.error[name].copy_(state.error[name])
+        if state.adam:
+            restore_adam(self.opt, state.adam)
+        self.round = state.round
+        self.local_steps = state.local_steps
+
+    # -- one round -------------------------------------------------------------------------------
+
+    def lr_scale(self) -> float:
+        """Linear re-warm-up for an AdamW state that started fresh after round 0."""
+        warm = self.run.rewarmup_steps
+        if self.round == 0 or warm == 0 or self.local_steps >= warm:
+            return 1.0
+        return (self.local_steps + 1) / (warm + 1)
+
+    def train_and_compress(self) -> TrainResult:
+        """Steps 1-5: H inner steps from θ_round, pseudo-gradient, error feedback, encode.
+
+        Afterwards the model holds θ_round again and ``error`` has the sent part subtracted.
+        Raises ``Abandoned`` (θ and e untouched) if ``stop`` is set between inner steps.
+        """
+
+        t0 = time.perf_counter()
+        start = {n: p.clone() for n, p in self.params.items()}
+        base = fingerprint(start)
+        H = self.run.inner_steps
+        losses = []
+        try:
+            for h in range(H):
+                if self.stop.is_set():
+                    raise Abandoned()
+                step = self.round * H + h
+                x, y = self.corpus.train_batch(
+                    worker=self.slot % self.run.data_slots,
+                    n_workers=self.run.data_slots,
+                    step=step,
+                    batch_size=self.run.batch_size,
+                    seed=self.run.seed,
+                )
+                losses.append(
+                    inner_step(
+                        self.model,
+                        self.opt,
+                        x,
+                        y,
+                        step=step,
+                        cfg=self.optim_cfg,
+                        lr_scale=self.lr_scale(),
+                    )
+                )
+                self.local_steps += 1
+        except BaseException:
+            # θ goes back to θ_round; e was not touched yet. The AdamW moments keep the steps
+            # taken: they are local and never shared, so that loses nothing.
+            self._reset_to(start)
+            raise
+        delta = pseudo_gradient(start, self.params)
+        self._reset_to(start)
+        t1 = time.perf_counter()
+        feed_error(self.error, delta, self.run.beta)
+        payload, _ = compress(
+            self.error,
+            topk=self.run.topk,
+            tile=self.run.tile,
+            run_id=self.run_id,
+            round=self.round,
+            node_id=self.node_id,
+            base=base,
+        )
+        t2 = time.perf_counter()
+        return TrainResult(payload, base, sum(losses) / len(losses), t1 - t0, t2 - t1)
+
+    def _reset_to(self, theta: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(theta[name])
+
+    def read(self, data: bytes) -> Payload:
+        """Validate a peer's payload against this run's model and codec (``PayloadError``)."""
+        return read_payload(data, self.shapes, topk=self.run.topk, tile=self.run.tile)
+
+    def apply(self, payloads: Mapping[str, Payload]) -> None:
+        """Steps 7-8: θ -= α · aggregate, in canonical order; then the next round."""
+        apply_aggregate(self.params, payloads, alpha=self.run.alpha, clip=self.run.clip)
+        self.round += 1
+
+    def return_own(self, payload: bytes) -> None:
+        """Step 9: the node's own payload was not aggregated; put ĉ back into e."""
+        add_back(self.error, decode(payload, self.shapes))
+
+    def evaluate(self) -> float:
+        return evaluate(self.model, self.eval_set)
+
+
+def check_payload_header(payload: Payload, *, run_id: str, round_: int, node_id: str) -> None:
+    """A gathered payload must say it is for this run, this round and the node it came from."""
+    for field, got, want in (
+        ("header.run", payload.run_id, run_id),
+        ("header.round", payload.round, round_),
+        ("header.node", payload.node_id, node_id),
+    ):
+        if got != want:
+            raise PayloadError(field, f"payload says {got!r}, manifest says {want!r}")

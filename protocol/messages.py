@@ -1,0 +1,212 @@
+"""The coordinator's HTTP API as pydantic models: what node and coordinator say to each other.
+
+Every request body is validated with these models (unknown fields are rejected), and every
+response is built from them, so both sides share one definition and the OpenAPI document is
+generated from the same source. Endpoints (all under ``/v1``, bearer-token auth)::
+
+    POST /v1/join                       JoinRequest        -> JoinResponse
+    POST /v1/heartbeat                                     -> RoundView
+    POST /v1/leave                                         -> Ack
+    GET  /v1/round                                         -> RoundView
+    POST /v1/rounds/{r}/upload          UploadRequest      -> UploadGrant
+    POST /v1/rounds/{r}/submit          SubmitRequest      -> SubmitResponse
+    GET  /v1/rounds/{r}/manifest?wait=s                    -> ManifestView (202 RoundView if open)
+    POST /v1/rounds/{r}/report          RoundReport        -> Ack
+    GET  /v1/status                                        -> StatusView
+
+A ``Manifest`` is the record of one closed round. The coordinator signs its canonical JSON
+(``manifest_bytes``) with Ed25519 and stores ``SignedManifest`` in the object store; nodes verify
+the signature with the public key they received at join.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from protocol.keys import ID_PATTERN
+from protocol.runconfig import RunConfig, canonical_json
+
+MANIFEST_VERSION = 1
+
+NodeId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+FingerprintHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RoundState(StrEnum):
+    WAITING = "waiting"  # fewer active members than the run's minimum; nothing trains yet
+    OPEN = "open"  # accepting submissions until every expected node submitted or the deadline
+    CLOSED = "closed"
+    FINISHED = "finished"  # the run's last round has closed
+
+
+class Exclusion(StrEnum):
+    """Why a node is not in a round's gather set (the manifest's ``excluded`` values)."""
+
+    MISSED_DEADLINE = "missed deadline"
+    BAD_DIGEST = "bad digest"
+    WRONG_BASE = "wrong base fingerprint"
+    OVER_LIMIT = "over limit"
+    LEFT = "left"
+    TIMED_OUT = "timed out"
+
+
+class MemberState(StrEnum):
+    ACTIVE = "active"
+    LEFT = "left"
+    TIMED_OUT = "timed out"
+
+
+class JoinRequest(Message):
+    client: str = Field("", max_length=128, description="free-form client name and version")
+
+
+class RoundView(Message):
+    """The current round as one node sees it."""
+
+    run_id: str
+    round: int = Field(ge=0, description="the round now in progress (or the run's length)")
+    state: RoundState
+    expected: bool = Field(description="whether this node is expected to submit to this round")
+    submitted: bool = False
+    deadline_in_s: float | None = None
+    last_closed: int = Field(-1, ge=-1, description="the newest closed round, -1 if none")
+
+
+class JoinResponse(Message):
+    node_id: NodeId
+    run_id: str
+    run: RunConfig
+    slot: int = Field(ge=0, description="this node's data stream, in join order")
+    manifest_public_key: str = Field(description="hex Ed25519 key that signs manifests")
+    heartbeat_interval_s: float = Field(gt=0)
+    round: RoundView
+
+
+class UploadRequest(Message):
+    size: int = Field(gt=0, description="payload bytes")
+    sha256: Sha256Hex
+
+
+class UploadGrant(Message):
+    """A presigned PUT for this node's own payload key only, bound to the size and checksum."""
+
+    key: str
+    url: str
+    headers: dict[str, str] = Field(description="headers the PUT must send exactly")
+    expires_in_s: float
+
+
+class SubmitRequest(Message):
+    size: int = Field(gt=0)
+    sha256: Sha256Hex
+    base_fingerprint: FingerprintHex = Field(description="fingerprint of the θ it trained from")
+
+
+class SubmitResponse(Message):
+    accepted: bool
+    reason: str | None = None
+
+
+class ManifestEntry(Message):
+    node_id: NodeId
+    key: str
+    sha256: Sha256Hex
+    size: int = Field(gt=0)
+
+
+class Manifest(Message):
+    """One closed round: who is aggregated (in canonical order) and who is not, and why."""
+
+    version: int = MANIFEST_VERSION
+    run_id: str
+    round: int = Field(ge=0)
+    base_fingerprint: FingerprintHex | None = Field(
+        description="fingerprint of θ_round every gathered payload was trained from"
+    )
+    gather: list[ManifestEntry] = Field(description="sorted by node id")
+    excluded: dict[str, str] = Field(description="node id -> reason")
+    opened_at: float
+    closed_at: float
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The canonical bytes of a manifest: what the coordinator signs and nodes verify."""
+    return canonical_json(manifest.model_dump(mode="json"))
+
+
+class SignedManifest(Message):
+    """A manifest as stored at ``rounds/{r}/manifest.json``."""
+
+    manifest: Manifest
+    signature: str = Field(pattern=r"^[0-9a-f]{128}$", description="hex Ed25519 signature")
+
+
+class ManifestView(Message):
+    """A closed round for a node: the signed manifest and presigned GETs for the gather set."""
+
+    signed: SignedManifest
+    urls: dict[str, str] = Field(description="node id -> presigned GET of its payload")
+
+
+class RoundReport(Message):
+    """What a node reports after applying a round."""
+
+    fingerprint: FingerprintHex = Field(description="fingerprint of θ after applying the round")
+    rejected: dict[str, str] = Field(
+        default_factory=dict, description="gathered payloads this node could not use, and why"
+    )
+    train_loss: float | None = None
+    eval_loss: float | None = None
+    bytes_up: int = Field(0, ge=0)
+    bytes_down: int = Field(0, ge=0)
+    timings: dict[str, float] = Field(
+        default_factory=dict, description="seconds per phase of the round on this node"
+    )
+
+
+class Ack(Message):
+    ok: bool = True
+
+
+class MemberView(Message):
+    node_id: NodeId
+    state: MemberState
+    slot: int
+    joined_round: int
+    last_seen_s: float = Field(description="seconds since the last heartbeat")
+
+
+class RoundSummary(Message):
+    round: int
+    state: RoundState
+    gather: list[str] = Field(default_factory=list)
+    excluded: dict[str, str] = Field(default_factory=dict)
+    base_fingerprint: str | None = None
+    fingerprints: dict[str, str] = Field(default_factory=dict)
+    reports: dict[str, RoundReport] = Field(default_factory=dict)
+    duration_s: float | None = None
+
+
+class StatusView(Message):
+    run_id: str
+    run: RunConfig
+    round: int
+    state: RoundState
+    members: list[MemberView]
+    rounds: list[RoundSummary] = Field(description="recent rounds, newest last")
+
+
+class ErrorBody(Message):
+    """Every error response: a short machine-readable code, a message, and the field if any."""
+
+    error: str
+    message: str
+    field: str | None = None

@@ -1,0 +1,110 @@
+"""The run configuration: everything every node must agree on, and the run id derived from it.
+
+The coordinator holds one ``RunConfig`` and hands it to each node that joins; its hash is the
+run id, so two runs with any difference in model, codec, optimiser, schedule or timing can never
+be mixed up in the object store or the coordinator's database. Node-local choices (data path,
+threads, state directory) are not part of it.
+
+The model is named by preset (``node.model.PRESETS``); the coordinator never builds it, so this
+module only checks that the name is well formed and leaves the list of presets to the node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: Hex digits of the sha256 of the canonical config kept as the run id.
+RUN_ID_HEX = 16
+
+
+class Timing(BaseModel):
+    """How long a round may take before it closes without the missing nodes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: Deadline of a round with no history yet, counted from when its first node is expected.
+    first_round_s: float = Field(300.0, gt=0)
+    #: Later deadlines: ``factor`` times the median of recent round durations, plus ``margin_s``,
+    #: clamped to [min_round_s, max_round_s].
+    factor: float = Field(2.0, ge=1.0)
+    margin_s: float = Field(10.0, ge=0)
+    min_round_s: float = Field(15.0, gt=0)
+    max_round_s: float = Field(3600.0, gt=0)
+    #: A member with no heartbeat for this long is timed out and no longer expected.
+    heartbeat_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Timing:
+        if self.min_round_s > self.max_round_s:
+            raise ValueError(
+                f"min_round_s={self.min_round_s} exceeds max_round_s={self.max_round_s}"
+            )
+        return self
+
+
+class RunConfig(BaseModel):
+    """The shared definition of one training run (DESIGN.md defaults)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("demo", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    #: Model preset name, resolved by the node (tiny, small, base, medium, large, 1b).
+    model: str = Field("tiny", min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")
+    seed: int = Field(0, ge=0)
+    #: Total rounds of the run; the inner learning-rate schedule spans rounds x inner_steps.
+    rounds: int = Field(20, ge=1)
+    inner_steps: int = Field(30, ge=1, description="H, inner AdamW steps per round")
+    batch_size: int = Field(8, ge=1)
+    # Codec
+    topk: int = Field(64, ge=1, description="kept entries per 4096-element tile")
+    tile: int = Field(64, ge=1, le=1024)
+    # Outer step
+    beta: float = Field(0.95, ge=0.0, le=1.0)
+    alpha: float = Field(1.0, gt=0.0)
+    clip: bool = True
+    # Inner optimiser
+    inner_lr: float = Field(1e-3, gt=0.0)
+    warmup_frac: float = Field(0.05, ge=0.0, le=1.0)
+    #: Steps of linear re-warm-up for a node starting with a fresh AdamW state mid-run.
+    rewarmup_steps: int = Field(10, ge=0)
+    # Membership and rounds
+    gather_size: int = Field(16, ge=1, description="G, most payloads aggregated per round")
+    #: Data is cut into this many disjoint streams; a node trains on stream slot % data_slots.
+    data_slots: int = Field(16, ge=1)
+    #: Rounds wait (state "waiting") until at least this many members are active.
+    min_nodes: int = Field(1, ge=1)
+    timing: Timing = Timing()  # type: ignore[call-arg]
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.topk > self.tile * self.tile:
+            raise ValueError(f"topk={self.topk} exceeds tile**2={self.tile**2}; lower topk")
+        return self
+
+    def canonical(self) -> bytes:
+        """The config as canonical JSON bytes (sorted keys, no spaces): what the run id hashes."""
+        return canonical_json(self.model_dump(mode="json"))
+
+    @property
+    def run_id(self) -> str:
+        """``{name}-{hash}``: readable, and different for any change to the config."""
+        digest = hashlib.sha256(self.canonical()).hexdigest()[:RUN_ID_HEX]
+        return f"{self.name}-{digest}"
+
+    @property
+    def total_inner_steps(self) -> int:
+        return self.rounds * self.inner_steps
+
+    @property
+    def warmup_steps(self) -> int:
+        total = self.total_inner_steps
+        return min(total, max(1, round(self.warmup_frac * total)))
+
+
+def canonical_json(value: Any) -> bytes:
+    """Deterministic JSON encoding used for hashing and signing."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
