@@ -1,4 +1,18 @@
-"""The coordinator service (issue 3): membership, round state machine, gather sets, manifests.
+"""The coordinator service: membership, round state machine, gather sets, signed manifests.
 
-Empty for now; it will never import ``node`` (DESIGN.md layering rules).
+Modules, one concept each (it never imports ``node``; DESIGN.md layering rules)::
+
+    config.py     the config tree (TOML + env + flags) and its readable errors
+    rounds.py     the round rules as pure functions (expected set, gather policy, deadlines)
+    db.py         SQLite persistence (WAL), the single source of truth
+    machine.py    the round state machine over the database (synchronous, injected clock)
+    status.py     the run's status view for dashboards
+    signing.py    the Ed25519 manifest key in the state directory
+    storage.py    the object-store Protocol and its boto3 implementation (presigning, HEAD, PUT)
+    publisher.py  uploads signed manifests to the store, retrying
+    metrics.py    Prometheus metrics
+    openapi.py    the route table and the OpenAPI document generated from it
+    app.py        the aiohttp routes, auth, validation and error mapping
+    server.py     running as a process: listen, announce, stop cleanly on a signal
+    __main__.py   ``python -m coordinator`` CLI
 """

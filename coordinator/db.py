@@ -1,0 +1,335 @@
+"""The coordinator's persistent state: one SQLite database (WAL) in the state directory.
+
+It holds the run id and config, the members, the rounds (with each closed round's signed
+manifest), every submission in arrival order, and the nodes' round reports. Every state change
+is one transaction committed before the HTTP response goes out, so a restart (or a crash) never
+loses an answer a node has already seen. Heartbeat times are not stored: after a restart every
+active member is given a fresh heartbeat window anyway.
+
+The database is the single source of truth; the round machine queries it for every decision.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocol.messages import Exclusion, MemberState, RoundState
+
+DB_FILE = "coordinator.sqlite"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS members (
+    node_id TEXT PRIMARY KEY,
+    slot INTEGER NOT NULL UNIQUE,
+    state TEXT NOT NULL,
+    joined_round INTEGER NOT NULL,
+    gone_in_round INTEGER,
+    client TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    round INTEGER PRIMARY KEY,
+    state TEXT NOT NULL,
+    started_at REAL,
+    deadline REAL,
+    closed_at REAL,
+    base_fingerprint TEXT,
+    signed_manifest TEXT,
+    published INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS submissions (
+    round INTEGER NOT NULL,
+    node_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,
+    base_fingerprint TEXT NOT NULL,
+    rejected TEXT,
+    PRIMARY KEY (round, node_id),
+    UNIQUE (round, seq)
+);
+CREATE TABLE IF NOT EXISTS reports (
+    round INTEGER NOT NULL,
+    node_id TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    report TEXT NOT NULL,
+    PRIMARY KEY (round, node_id)
+);
+"""
+
+
+@dataclass(frozen=True)
+class MemberRow:
+    node_id: str
+    slot: int
+    state: MemberState
+    joined_round: int
+    gone_in_round: int | None
+
+
+@dataclass(frozen=True)
+class RoundRow:
+    round: int
+    state: RoundState
+    started_at: float | None
+    deadline: float | None
+    closed_at: float | None
+    base_fingerprint: str | None
+    signed_manifest: str | None
+    published: bool
+
+
+@dataclass(frozen=True)
+class SubmissionRow:
+    round: int
+    node_id: str
+    seq: int
+    size: int
+    sha256: str
+    base_fingerprint: str
+    rejected: Exclusion | None
+
+
+class Database:
+    """Typed queries over the coordinator's SQLite file. Not shared across threads."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        # Autocommit mode: transactions are explicit (``tx``), so nothing commits by accident.
+        self._conn = sqlite3.connect(path, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self._conn.executescript(_SCHEMA)
+        self._depth = 0
+
+    def close(self) -> None:
+        self._conn.close()
+
+    @contextmanager
+    def tx(self) -> Iterator[None]:
+        """One write transaction (nested calls join the outer one); rolled back on error."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._conn.execute("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        else:
+            self._conn.execute("COMMIT")
+        finally:
+            self._depth = 0
+
+    # meta
+    def get_meta(self, key: str) -> str | None:
+        row = self._conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._conn.execute(
+            "INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=?",
+            (key, value, value),
+        )
+
+    # members
+    def members(self) -> list[MemberRow]:
+        rows = self._conn.execute(
+            "SELECT node_id, slot, state, joined_round, gone_in_round FROM members ORDER BY slot"
+        )
+        return [MemberRow(r[0], r[1], MemberState(r[2]), r[3], r[4]) for r in rows]
+
+    def member(self, node_id: str) -> MemberRow | None:
+        row = self._conn.execute(
+            "SELECT node_id, slot, state, joined_round, gone_in_round FROM members WHERE node_id=?",
+            (node_id,),
+        ).fetchone()
+        return None if row is None else MemberRow(row[0], row[1], MemberState(row[2]), *row[3:])
+
+    def add_member(self, node_id: str, joined_round: int, client: str) -> int:
+        (slot,) = self._conn.execute("SELECT COUNT(*) FROM members").fetchone()
+        self._conn.execute(
+            "INSERT INTO members(node_id, slot, state, joined_round, client) VALUES(?,?,?,?,?)",
+            (node_id, slot, MemberState.ACTIVE.value, joined_round, client),
+        )
+        return int(slot)
+
+    def set_member(
+        self, node_id: str, state: MemberState, joined_round: int, gone_in_round: int | None
+    ) -> None:
+        self._conn.execute(
+            "UPDATE members SET state=?, joined_round=?, gone_in_round=? WHERE node_id=?",
+            (state.value, joined_round, gone_in_round, node_id),
+        )
+
+    # rounds
+    @staticmethod
+    def _round(row: Any) -> RoundRow | None:
+        if row is None:
+            return None
+        return RoundRow(
+            round=int(row[0]),
+            state=RoundState(row[1]),
+            started_at=row[2],
+            deadline=row[3],
+            closed_at=row[4],
+            base_fingerprint=row[5],
+            signed_manifest=row[6],
+            published=bool(row[7]),
+        )
+
+    _ROUND_COLS = (
+        "round, state, started_at, deadline, closed_at, base_fingerprint, signed_manifest,"
+        " published"
+    )
+
+    def current_round(self) -> RoundRow | None:
+        """The newest round (the one in progress, or the last closed one when finished)."""
+        return self._round(
+            self._conn.execute(
+                f"SELECT {self._ROUND_COLS} FROM rounds ORDER BY round DESC LIMIT 1"
+            ).fetchone()
+        )
+
+    def get_round(self, round_: int) -> RoundRow | None:
+        return self._round(
+            self._conn.execute(
+                f"SELECT {self._ROUND_COLS} FROM rounds WHERE round=?", (round_,)
+            ).fetchone()
+        )
+
+    def recent_rounds(self, n: int) -> list[RoundRow]:
+        rows = self._conn.execute(
+            f"SELECT {self._ROUND_COLS} FROM rounds ORDER BY round DESC LIMIT ?", (n,)
+        ).fetchall()
+        return [r for r in (self._round(row) for row in reversed(rows)) if r is not None]
+
+    def closed_durations(self, n: int) -> list[float]:
+        """Durations of the newest ``n`` closed rounds, oldest first."""
+        rows = self._conn.execute(
+            "SELECT closed_at - started_at FROM rounds WHERE state=? ORDER BY round DESC LIMIT ?",
+            (RoundState.CLOSED.value, n),
+        ).fetchall()
+        return [float(r[0]) for r in reversed(rows)]
+
+    def insert_round(
+        self, round_: int, state: RoundState, started_at: float | None, deadline: float | None
+    ) -> None:
+        self._conn.execute(
+            "INSERT INTO rounds(round, state, started_at, deadline) VALUES(?,?,?,?)",
+            (round_, state.value, started_at, deadline),
+        )
+
+    def open_round(self, round_: int, started_at: float, deadline: float) -> bool:
+        cur = self._conn.execute(
+            "UPDATE rounds SET state=?, started_at=?, deadline=? WHERE round=? AND state=?",
+            (RoundState.OPEN.value, started_at, deadline, round_, RoundState.WAITING.value),
+        )
+        return cur.rowcount == 1
+
+    def close_round(
+        self, round_: int, closed_at: float, base: str | None, signed_manifest: str
+    ) -> bool:
+        """Mark an open round closed; ``False`` (and no change) if it was not open."""
+        cur = self._conn.execute(
+            "UPDATE rounds SET state=?, closed_at=?, base_fingerprint=?, signed_manifest=?"
+            " WHERE round=? AND state=?",
+            (RoundState.CLOSED.value, closed_at, base, signed_manifest, round_, "open"),
+        )
+        return cur.rowcount == 1
+
+    def unpublished(self) -> list[tuple[int, str]]:
+        rows = self._conn.execute(
+            "SELECT round, signed_manifest FROM rounds WHERE state=? AND published=0"
+            " ORDER BY round",
+            (RoundState.CLOSED.value,),
+        ).fetchall()
+        return [(int(r[0]), str(r[1])) for r in rows]
+
+    def mark_published(self, round_: int) -> None:
+        self._conn.execute("UPDATE rounds SET published=1 WHERE round=?", (round_,))
+
+    # submissions
+    def submissions(self, round_: int) -> list[SubmissionRow]:
+        rows = self._conn.execute(
+            "SELECT round, node_id, seq, size, sha256, base_fingerprint, rejected"
+            " FROM submissions WHERE round=? ORDER BY seq",
+            (round_,),
+        )
+        return [
+            SubmissionRow(
+                r[0], r[1], r[2], r[3], r[4], r[5], None if r[6] is None else Exclusion(r[6])
+            )
+            for r in rows
+        ]
+
+    def submission(self, round_: int, node_id: str) -> SubmissionRow | None:
+        return next((s for s in self.submissions(round_) if s.node_id == node_id), None)
+
+    def add_submission(
+        self,
+        round_: int,
+        node_id: str,
+        size: int,
+        sha256: str,
+        base: str,
+        rejected: Exclusion | None,
+    ) -> int:
+        (seq,) = self._conn.execute(
+            "SELECT COUNT(*) FROM submissions WHERE round=?", (round_,)
+        ).fetchone()
+        self._conn.execute(
+            "INSERT INTO submissions(round, node_id, seq, size, sha256, base_fingerprint,"
+            " rejected) VALUES(?,?,?,?,?,?,?)",
+            (
+                round_,
+                node_id,
+                seq,
+                size,
+                sha256,
+                base,
+                None if rejected is None else rejected.value,
+            ),
+        )
+        return int(seq)
+
+    def count_submissions(self, round_: int) -> int:
+        (n,) = self._conn.execute(
+            "SELECT COUNT(*) FROM submissions WHERE round=?", (round_,)
+        ).fetchone()
+        return int(n)
+
+    # reports
+    def upsert_report(self, round_: int, node_id: str, fingerprint: str, report_json: str) -> None:
+        self._conn.execute(
+            "INSERT INTO reports(round, node_id, fingerprint, report) VALUES(?,?,?,?)"
+            " ON CONFLICT(round, node_id) DO UPDATE SET fingerprint=excluded.fingerprint,"
+            " report=excluded.report",
+            (round_, node_id, fingerprint, report_json),
+        )
+
+    def reported_fingerprints(self, round_: int) -> list[str]:
+        rows = self._conn.execute(
+            "SELECT fingerprint FROM reports WHERE round=? ORDER BY node_id", (round_,)
+        )
+        return [str(r[0]) for r in rows]
+
+    def reports(self, round_: int) -> dict[str, dict[str, object]]:
+        rows = self._conn.execute(
+            "SELECT node_id, report FROM reports WHERE round=? ORDER BY node_id", (round_,)
+        )
+        return {str(r[0]): json.loads(r[1]) for r in rows}

@@ -1,0 +1,159 @@
+"""The round rules as pure functions: no clock, no database, no network.
+
+Everything the coordinator decides about a round is computed here from plain values, so it can
+be tested exhaustively (``tests/test_coordinator_rounds.py``) and read in one place:
+
+- who is expected to submit to round r (active members that joined at or before r);
+- the round a (re)joining member first takes part in;
+- when an open round closes (all expected submitted, or the deadline passed);
+- the base fingerprint a round's payloads must have been trained from (a majority vote);
+- the gather set (at most G valid submissions, first come first served) and every exclusion;
+- the adaptive deadline (a multiple of recent round durations plus a margin, clamped).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from protocol.messages import Exclusion, MemberState, RoundState
+from protocol.runconfig import Timing
+
+#: Closed rounds whose durations set the next deadline.
+DEADLINE_HISTORY = 5
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    state: MemberState
+    joined_round: int
+    #: The round that was current when the member left or timed out (``None`` while active).
+    gone_in_round: int | None = None
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One node's submission to a round, as recorded on arrival."""
+
+    node_id: str
+    seq: int  # arrival order within the round, 0-based
+    sha256: str
+    size: int
+    base_fingerprint: str
+    rejected: Exclusion | None = None  # decided on arrival (bad digest, known wrong base)
+
+
+@dataclass(frozen=True)
+class CloseDecision:
+    """What closing a round decides: the gather set (sorted by node id) and the exclusions."""
+
+    base_fingerprint: str | None
+    gather: tuple[Submission, ...]
+    excluded: Mapping[str, Exclusion]
+
+
+def is_expected(member: Member, round_: int) -> bool:
+    """Whether ``member`` must submit to ``round_`` before it can close early."""
+    return member.state == MemberState.ACTIVE and member.joined_round <= round_
+
+
+def expected_set(members: Iterable[Member], round_: int) -> set[str]:
+    return {m.node_id for m in members if is_expected(m, round_)}
+
+
+def joined_round_for(state: RoundState, round_: int, has_submissions: bool) -> int:
+    """The first round a member joining now takes part in.
+
+    It can still take part in the current round while nothing has happened in it that it missed:
+    the round is waiting, or open with no submission yet. Otherwise it starts with the next one.
+    """
+    if state == RoundState.WAITING or (state == RoundState.OPEN and not has_submissions):
+        return round_
+    return round_ + 1
+
+
+def should_close(expected: set[str], submitted: Iterable[str], now: float, deadline: float) -> bool:
+    """An open round closes once every expected member submitted, or at its deadline."""
+    return now >= deadline or expected <= set(submitted)
+
+
+def majority(values: Iterable[str]) -> str | None:
+    """The most frequent value; ties go to the smallest string; ``None`` for no values."""
+    counts = Counter(values)
+    if not counts:
+        return None
+    return min(counts, key=lambda v: (-counts[v], v))
+
+
+def base_fingerprint(reported: Sequence[str], submissions: Iterable[Submission]) -> str | None:
+    """The fingerprint of θ_r the round's payloads must be trained from.
+
+    The nodes' reports of the fingerprint after applying round r-1 win when there are any;
+    otherwise (round 0, or nobody reported) the majority of the submissions not already rejected.
+    """
+    if reported:
+        return majority(reported)
+    return majority(s.base_fingerprint for s in submissions if s.rejected is None)
+
+
+def decide_close(
+    submissions: Sequence[Submission],
+    members: Iterable[Member],
+    round_: int,
+    reported: Sequence[str],
+    gather_size: int,
+) -> CloseDecision:
+    """Gather at most ``gather_size`` valid submissions in arrival order; say why others are out.
+
+    Valid: not rejected on arrival, and trained from the round's base fingerprint. Expected
+    members without a submission are excluded as missed deadline, left or timed out.
+    """
+    if gather_size < 1:
+        raise ValueError(f"gather_size must be >= 1, got {gather_size}")
+    base = base_fingerprint(reported, submissions)
+    excluded: dict[str, Exclusion] = {}
+    gather: list[Submission] = []
+    for sub in sorted(submissions, key=lambda s: (s.seq, s.node_id)):
+        if sub.rejected is not None:
+            excluded[sub.node_id] = sub.rejected
+        elif sub.base_fingerprint != base:
+            excluded[sub.node_id] = Exclusion.WRONG_BASE
+        elif len(gather) < gather_size:
+            gather.append(sub)
+        else:
+            excluded[sub.node_id] = Exclusion.OVER_LIMIT
+    submitted = {s.node_id for s in submissions}
+    for member in members:
+        if member.joined_round > round_ or member.node_id in submitted:
+            continue
+        # A member that left or timed out is named only if it went during this round; one that
+        # was gone before is not worth a line in every later manifest.
+        if member.state == MemberState.ACTIVE or member.gone_in_round == round_:
+            excluded[member.node_id] = absent_reason(member.state)
+    gather.sort(key=lambda s: s.node_id)
+    return CloseDecision(base_fingerprint=base, gather=tuple(gather), excluded=excluded)
+
+
+def absent_reason(state: MemberState) -> Exclusion:
+    """Why an expected member without a submission is excluded."""
+    if state == MemberState.LEFT:
+        return Exclusion.LEFT
+    if state == MemberState.TIMED_OUT:
+        return Exclusion.TIMED_OUT
+    return Exclusion.MISSED_DEADLINE
+
+
+def deadline_length(durations: Sequence[float], timing: Timing) -> float:
+    """Seconds a new round may stay open.
+
+    ``durations`` are the closed rounds' durations, oldest first. With none, the first-round
+    allowance; else ``factor`` x the median of the last few plus ``margin_s``, clamped.
+    """
+    if not durations:
+        return timing.first_round_s
+    recent = durations[-DEADLINE_HISTORY:]
+    raw = timing.factor * statistics.median(recent) + timing.margin_s
+    return min(timing.max_round_s, max(timing.min_round_s, raw))

@@ -1,0 +1,66 @@
+"""Running the coordinator as a process: listen, announce the URL, stop cleanly on a signal.
+
+``serve`` runs on one uvloop event loop. Once the socket listens it writes
+``{state_dir}/coordinator.json`` (``url``, ``pid``, ``run_id``) atomically, so tests and
+``sparseloco up`` can find a port chosen with ``--port 0``. SIGTERM or SIGINT stops it in a fixed
+order: stop accepting, release long-polls, let in-flight requests finish, cancel the ticker, then
+the publisher, close the database, remove ``coordinator.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from coordinator.app import COORDINATOR, create_app
+from coordinator.config import CoordinatorConfig
+
+log = logging.getLogger("sparseloco.coordinator.server")
+
+ANNOUNCE_FILE = "coordinator.json"
+#: Seconds in-flight requests get to finish after a stop signal.
+SHUTDOWN_GRACE_S = 10.0
+
+
+def write_announce(state_dir: Path, url: str, run_id: str) -> Path:
+    """Write ``coordinator.json`` atomically (write a temporary file, then rename)."""
+    path = state_dir / ANNOUNCE_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"url": url, "pid": os.getpid(), "run_id": run_id}))
+    os.replace(tmp, path)
+    return path
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    """Run the service until SIGTERM or SIGINT."""
+    app = create_app(config)
+    run_id = app[COORDINATOR].machine.run_id
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    announce: Path | None = None
+    try:
+        site = web.TCPSite(runner, config.server.host, config.server.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}"
+        announce = write_announce(config.server.state_dir, url, run_id)
+        log.info("event=listening url=%s run=%s pid=%d", url, run_id, os.getpid())
+        await stop.wait()
+        log.info("event=stopping run=%s", run_id)
+    finally:
+        await runner.cleanup()
+        if announce is not None:
+            announce.unlink(missing_ok=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("event=stopped run=%s", run_id)

@@ -1,0 +1,135 @@
+"""The coordinator's seam to the object store: a four-method Protocol and its boto3 backend.
+
+The coordinator never moves payload bytes itself. It presigns a PUT that only accepts the
+announced size and sha256 and only once (``If-None-Match: *``), presigns GETs for the gather
+set, checks uploads with HEAD, and writes the signed manifests. boto3 is blocking, so the two
+calls that talk to the network run in a thread executor; presigning is local computation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from protocol.errors import SparseLoCoError
+
+#: Seconds for one store request (connect and read) before it counts as failed.
+STORE_TIMEOUT_S = 20.0
+
+
+class StorageError(SparseLoCoError, OSError):
+    """The object store did not answer or refused a request the coordinator needed."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    size: int
+    sha256_b64: str | None  # the stored checksum when the store keeps one
+
+
+def sha256_b64(sha256_hex: str) -> str:
+    """The base64 form of a hex sha256, as the ``x-amz-checksum-sha256`` header carries it."""
+    return base64.b64encode(bytes.fromhex(sha256_hex)).decode()
+
+
+class ObjectStore(Protocol):
+    def presign_put(self, key: str, size: int, sha256_hex: str) -> tuple[str, dict[str, str]]:
+        """A URL and the exact headers for one write of ``size`` bytes hashing to ``sha256``."""
+        ...
+
+    def presign_get(self, key: str) -> str: ...
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        """Size and checksum of ``key``, or ``None`` if it does not exist."""
+        ...
+
+    async def put_bytes(self, key: str, data: bytes) -> None: ...
+
+
+class S3Store:
+    """``ObjectStore`` on any S3-compatible endpoint through boto3 (SigV4 presigning)."""
+
+    def __init__(
+        self,
+        *,
+        endpoint_url: str,
+        bucket: str,
+        access_key: str,
+        secret_key: str,
+        region: str = "us-east-1",
+        expiry_s: int = 900,
+    ) -> None:
+        self.bucket = bucket
+        self.expiry_s = expiry_s
+        self._client: Any = boto3.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key,
+            region_name=region,
+            config=Config(
+                signature_version="s3v4",
+                connect_timeout=STORE_TIMEOUT_S,
+                read_timeout=STORE_TIMEOUT_S,
+                retries={"max_attempts": 3, "mode": "standard"},
+            ),
+        )
+
+    def presign_put(self, key: str, size: int, sha256_hex: str) -> tuple[str, dict[str, str]]:
+        checksum = sha256_b64(sha256_hex)
+        url = self._client.generate_presigned_url(
+            "put_object",
+            Params={
+                "Bucket": self.bucket,
+                "Key": key,
+                "ContentLength": size,
+                "ChecksumSHA256": checksum,
+                "IfNoneMatch": "*",
+            },
+            ExpiresIn=self.expiry_s,
+        )
+        headers = {
+            "Content-Length": str(size),
+            "x-amz-checksum-sha256": checksum,
+            "If-None-Match": "*",
+        }
+        return url, headers
+
+    def presign_get(self, key: str) -> str:
+        url: str = self._client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=self.expiry_s
+        )
+        return url
+
+    async def _call(self, method: str, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        call = functools.partial(getattr(self._client, method), Bucket=self.bucket, **kwargs)
+        try:
+            return await loop.run_in_executor(None, call)
+        except ClientError:
+            raise
+        except BotoCoreError as exc:
+            raise StorageError(f"{method} {kwargs.get('Key')}: {exc}") from exc
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        try:
+            resp = await self._call("head_object", Key=key, ChecksumMode="ENABLED")
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in {"404", "NoSuchKey", "NotFound"}:
+                return None
+            raise StorageError(f"head {key}: {exc}") from exc
+        return ObjectInfo(size=int(resp["ContentLength"]), sha256_b64=resp.get("ChecksumSHA256"))
+
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        try:
+            await self._call("put_object", Key=key, Body=data, ContentType="application/json")
+        except ClientError as exc:
+            raise StorageError(f"put {key}: {exc}") from exc

@@ -1,0 +1,24 @@
+"""Shared fixtures: a real S3-compatible object store (SeaweedFS ``weed mini``) for the session.
+
+Tests that touch storage use this one store and keep apart by key prefix (one per test), so the
+few seconds the store takes to start are paid once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from node.seaweed import EmbeddedStore
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
+    """A started ``EmbeddedStore`` (its ``.endpoint`` has the URL, bucket and credentials)."""
+    embedded = EmbeddedStore(tmp_path_factory.mktemp("store"))
+    embedded.start()
+    try:
+        yield embedded
+    finally:
+        embedded.stop()

@@ -1,0 +1,150 @@
+"""Helpers for integration tests that run a real coordinator process.
+
+``write_coordinator_config`` writes the TOML a coordinator reads; ``CoordinatorProcess`` starts
+``python -m coordinator`` on a free port, waits for the ``coordinator.json`` it announces, and
+always stops it (SIGTERM, then SIGKILL) when the ``with`` block ends. The process log goes to
+``{state_dir}/coordinator.log`` so a failing test can show it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+from node.seaweed import StoreEndpoint
+from protocol.runconfig import RunConfig
+
+#: Seconds for the coordinator to listen after start (includes the interpreter's imports).
+START_TIMEOUT_S = 60.0
+#: Seconds for a clean exit after SIGTERM.
+STOP_TIMEOUT_S = 30.0
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def _section(name: str, values: dict[str, object]) -> list[str]:
+    lines = [f"[{name}]"]
+    nested: list[str] = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            nested += ["", *_section(f"{name}.{key}", value)]
+        elif value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
+    return lines + nested
+
+
+def write_coordinator_config(
+    path: str | os.PathLike[str],
+    *,
+    run: RunConfig,
+    endpoint: StoreEndpoint,
+    tokens: dict[str, str],
+    prefix: str,
+    state_dir: str | os.PathLike[str],
+    server: dict[str, object] | None = None,
+) -> Path:
+    """Write a coordinator TOML config at ``path`` and return the path."""
+    lines = _section("run", run.model_dump(mode="json"))
+    lines += ["", *_section("server", {"state_dir": str(state_dir), **(server or {})})]
+    storage = {
+        "endpoint_url": endpoint.endpoint_url,
+        "bucket": endpoint.bucket,
+        "prefix": prefix,
+        "region": endpoint.region,
+        "access_key": endpoint.access_key,
+        "secret_key": endpoint.secret_key,
+    }
+    lines += ["", *_section("storage", storage), "", *_section("tokens", dict(tokens))]
+    out = Path(path)
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+class CoordinatorProcess:
+    """``python -m coordinator --config CONFIG --port 0`` as a managed child process."""
+
+    def __init__(
+        self,
+        config: str | os.PathLike[str],
+        state_dir: str | os.PathLike[str],
+        *,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.config = Path(config)
+        self.state_dir = Path(state_dir)
+        self.extra_args = extra_args or []
+        self.log_path = self.state_dir / "coordinator.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.run_id = ""
+
+    def start(self) -> CoordinatorProcess:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        announce = self.state_dir / "coordinator.json"
+        announce.unlink(missing_ok=True)  # a stale file from a killed run must not be read
+        cmd = [sys.executable, "-m", "coordinator", "--config", str(self.config), "--port", "0"]
+        cmd += ["--state-dir", str(self.state_dir), *self.extra_args]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"coordinator exited with {self.process.returncode}:\n{self.log()}"
+                )
+            if announce.exists():
+                info = json.loads(announce.read_text())
+                if info.get("pid") == self.process.pid:
+                    self.url, self.run_id = info["url"], info["run_id"]
+                    return self
+            time.sleep(0.05)
+        self.kill()
+        raise TimeoutError(f"coordinator did not listen within {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def terminate(self) -> int:
+        """SIGTERM and wait for the exit code (SIGKILL if it does not stop in time)."""
+        proc = self.process
+        if proc is None:
+            raise RuntimeError("the coordinator is not started")
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> CoordinatorProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.kill()

@@ -1,0 +1,371 @@
+"""The coordinator's HTTP API in-process, against the real object store (SeaweedFS).
+
+Each test builds a fresh app (its own state directory and key prefix) and drives it over HTTP
+with the nodes' bearer tokens; payloads go to the store through the presigned URLs exactly as a
+node sends them. Waiting is done with the manifest long-poll, never with sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import pytest_asyncio
+from aiohttp import ClientSession
+from aiohttp.test_utils import TestClient, TestServer
+from yarl import URL
+
+from coordinator.app import COORDINATOR, create_app
+from coordinator.config import CoordinatorConfig, load_config
+from coordinator.signing import verify
+from node.seaweed import EmbeddedStore
+from protocol.keys import manifest_key
+from protocol.messages import SignedManifest
+from protocol.runconfig import RunConfig, Timing
+
+FP_A = "a" * 32
+FP_B = "b" * 32
+FP_C = "c" * 32
+NODES = ("n0", "n1", "n2")
+
+
+def token(node: str) -> str:
+    return f"token-of-{node}-0123456789"
+
+
+def make_config(
+    store: EmbeddedStore, state_dir: Path, *, run: RunConfig, **server: Any
+) -> CoordinatorConfig:
+    e = store.endpoint
+    overrides = {
+        "run": run.model_dump(mode="json"),
+        "server": {"state_dir": str(state_dir), **server},
+        "storage": {
+            "endpoint_url": e.endpoint_url,
+            "bucket": e.bucket,
+            "access_key": e.access_key,
+            "secret_key": e.secret_key,
+            "prefix": f"t-{uuid.uuid4().hex[:8]}",
+        },
+        "tokens": {n: token(n) for n in NODES},
+    }
+    return load_config(None, overrides)
+
+
+class Api:
+    """The test client plus helpers that speak as a node."""
+
+    def __init__(self, client: TestClient[Any, Any], config: CoordinatorConfig) -> None:
+        self.client = client
+        self.config = config
+
+    @property
+    def coord(self) -> Any:
+        return self.client.app[COORDINATOR]  # type: ignore[index]
+
+    async def call(
+        self, method: str, path: str, node: str | None, body: Any = None, **kw: Any
+    ) -> tuple[int, Any]:
+        headers = {} if node is None else {"Authorization": f"Bearer {token(node)}"}
+        resp = await self.client.request(method, path, json=body, headers=headers, **kw)
+        data = await resp.json() if resp.content_type == "application/json" else await resp.text()
+        return resp.status, data
+
+    async def put_payload(self, node: str, round_: int, body: bytes, *, claimed: bytes) -> int:
+        """Ask for an upload grant for ``claimed`` and PUT ``body`` with it: the store's status."""
+        status, grant = await self.call(
+            "POST",
+            f"/v1/rounds/{round_}/upload",
+            node,
+            {"size": len(claimed), "sha256": hashlib.sha256(claimed).hexdigest()},
+        )
+        assert status == 200, grant
+        async with (
+            ClientSession() as http,
+            http.put(URL(grant["url"], encoded=True), data=body, headers=grant["headers"]) as r,
+        ):
+            return r.status
+
+    async def contribute(
+        self, node: str, round_: int, base: str, body: bytes | None = None
+    ) -> dict[str, Any]:
+        """Upload a payload and submit it; the submit response."""
+        body = body or f"payload {node} {round_}".encode()
+        assert await self.put_payload(node, round_, body, claimed=body) == 200
+        status, resp = await self.submit(node, round_, body, base)
+        assert status == 200, resp
+        return dict(resp)
+
+    async def submit(self, node: str, round_: int, body: bytes, base: str) -> tuple[int, Any]:
+        req = {
+            "size": len(body),
+            "sha256": hashlib.sha256(body).hexdigest(),
+            "base_fingerprint": base,
+        }
+        return await self.call("POST", f"/v1/rounds/{round_}/submit", node, req)
+
+    async def manifest(self, node: str, round_: int, wait: float = 30) -> tuple[int, Any]:
+        return await self.call("GET", f"/v1/rounds/{round_}/manifest?wait={wait}", node)
+
+
+ApiFactory = Callable[..., Any]
+
+
+@pytest_asyncio.fixture
+async def make_api(store: EmbeddedStore, tmp_path: Path) -> AsyncIterator[ApiFactory]:
+    clients: list[TestClient[Any, Any]] = []
+
+    async def factory(run: RunConfig, **server: Any) -> Api:
+        config = make_config(store, tmp_path / f"state{len(clients)}", run=run, **server)
+        client = TestClient(TestServer(create_app(config)))
+        await client.start_server()
+        clients.append(client)
+        return Api(client, config)
+
+    yield factory
+    for client in clients:
+        await client.close()
+
+
+def run_config(**kw: Any) -> RunConfig:
+    return RunConfig(name="apitest", **kw)
+
+
+@pytest.mark.asyncio
+async def test_auth_and_validation_errors(make_api: ApiFactory) -> None:
+    api = await make_api(run_config(), max_body_bytes=2048)
+    status, body = await api.call("POST", "/v1/join", None, {})
+    assert (status, body["error"]) == (401, "unauthorized")
+    resp = await api.client.post("/v1/join", json={}, headers={"Authorization": "Bearer nope"})
+    assert resp.status == 401
+    status, body = await api.call("POST", "/v1/join", "n0", data=b"{not json")
+    assert (status, body["error"]) == (400, "bad_json")
+    status, body = await api.call("POST", "/v1/join", "n0", {"client": "x", "extra": 1})
+    assert (status, body["error"], body["field"]) == (422, "invalid", "extra")
+    status, body = await api.call("POST", "/v1/join", "n0", {"client": "x" * 4000})
+    assert (status, body["error"]) == (413, "too_large")
+    status, joined = await api.call("POST", "/v1/join", "n0", {"client": "test"})
+    assert status == 200 and joined["node_id"] == "n0" and joined["slot"] == 0
+    status, body = await api.call(
+        "POST", "/v1/rounds/0/upload", "n0", {"size": 10, "sha256": "XYZ"}
+    )
+    assert (status, body["field"]) == (422, "sha256")
+    too_big = api.config.storage.max_payload_bytes + 1
+    status, body = await api.call(
+        "POST", "/v1/rounds/0/upload", "n0", {"size": too_big, "sha256": "0" * 64}
+    )
+    assert (status, body["field"]) == (413, "size")
+    status, body = await api.call(
+        "POST", "/v1/rounds/5/upload", "n0", {"size": 1, "sha256": "0" * 64}
+    )
+    assert (status, body["error"]) == (404, "unknown_round")
+    status, body = await api.call("GET", "/v1/rounds/7/manifest", "n0")
+    assert (status, body["error"]) == (404, "unknown_round")
+    status, body = await api.call("GET", "/v1/status?rounds=-3", None)
+    assert (status, body["field"]) == (422, "rounds")
+    status, body = await api.call("GET", "/v1/nowhere", None)
+    assert (status, body["error"]) == (404, "not_found")
+    status, body = await api.call("POST", "/v1/rounds/0/report", "n0", {"fingerprint": FP_A})
+    assert (status, body["error"]) == (409, "round_open")
+
+
+@pytest.mark.asyncio
+async def test_full_round_with_presigned_upload(make_api: ApiFactory, store: EmbeddedStore) -> None:
+    api = await make_api(run_config(min_nodes=2, gather_size=4, rounds=5))
+    status, j0 = await api.call("POST", "/v1/join", "n0", {})
+    assert j0["round"]["state"] == "waiting" and j0["round"]["expected"] is False
+    status, j1 = await api.call("POST", "/v1/join", "n1", {})
+    assert j1["slot"] == 1 and j1["round"]["state"] == "open" and j1["round"]["expected"]
+
+    body = b"n0 payload for round 0" * 10
+    assert await api.put_payload("n0", 0, b"X" * len(body), claimed=body) in (400, 403)
+    assert await api.put_payload("n0", 0, body, claimed=body) == 200
+    assert await api.put_payload("n0", 0, body, claimed=body) == 412  # write-once
+    status, first = await api.submit("n0", 0, body, FP_A)
+    assert (status, first) == (200, {"accepted": True, "reason": None})
+    assert await api.submit("n0", 0, body, FP_A) == (200, first)  # a retry: same answer
+    status, err = await api.submit("n0", 0, body + b"!", FP_A)
+    assert (status, err["error"]) == (409, "already_submitted")
+    status, pending = await api.manifest("n0", 0, wait=0)
+    assert status == 202 and pending["submitted"] is True
+
+    # A node joining now missed part of round 0: it starts with round 1.
+    status, j2 = await api.call("POST", "/v1/join", "n2", {})
+    assert j2["round"]["expected"] is False
+    status, err = await api.call(
+        "POST", "/v1/rounds/0/upload", "n2", {"size": 3, "sha256": "0" * 64}
+    )
+    assert (status, err["error"]) == (409, "not_expected")
+
+    # n1 claims a payload it never uploaded: rejected as a bad digest; the round closes.
+    status, resp = await api.submit("n1", 0, b"never uploaded", FP_A)
+    assert resp == {"accepted": False, "reason": "bad digest"}
+    status, view = await api.manifest("n2", 0)
+    assert status == 200
+    signed = SignedManifest.model_validate(view["signed"])
+    assert verify(signed, j0["manifest_public_key"])
+    manifest = signed.manifest
+    assert [e.node_id for e in manifest.gather] == ["n0"]
+    assert manifest.excluded == {"n1": "bad digest"}
+    assert manifest.base_fingerprint == FP_A
+    assert manifest.gather[0].sha256 == hashlib.sha256(body).hexdigest()
+    async with ClientSession() as http, http.get(URL(view["urls"]["n0"], encoded=True)) as r:
+        assert await r.read() == body
+
+    # The stored manifest object equals the signed one (published in the background).
+    e = store.endpoint
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=e.endpoint_url,
+        aws_access_key_id=e.access_key,
+        aws_secret_access_key=e.secret_key,
+        region_name=e.region,
+    )
+    key = manifest_key(api.config.storage.prefix, api.config.run.run_id, 0)
+    await asyncio.wait_for(api.coord.publisher.published.wait(), 30)
+    stored = s3.get_object(Bucket=e.bucket, Key=key)["Body"].read()
+    assert SignedManifest.model_validate_json(stored) == signed
+
+    status, err = await api.submit("n0", 1, body, FP_A)  # nothing uploaded for round 1 yet
+    assert status == 200 and err["reason"] == "bad digest"
+    status, err = await api.call(
+        "POST", "/v1/rounds/0/upload", "n0", {"size": 1, "sha256": "0" * 64}
+    )
+    assert (status, err["error"]) == (409, "round_closed")
+    status, ack = await api.call("POST", "/v1/rounds/0/report", "n1", {"fingerprint": FP_B})
+    assert (status, ack) == (200, {"ok": True})
+    status, st = await api.call("GET", "/v1/status", None)
+    assert st["rounds"][0]["gather"] == ["n0"] and st["rounds"][0]["fingerprints"] == {"n1": FP_B}
+    assert st["rounds"][1]["state"] == "open"
+    assert [m["node_id"] for m in st["members"]] == ["n0", "n1", "n2"]
+
+
+@pytest.mark.asyncio
+async def test_deadline_closes_round_with_missed_deadline(make_api: ApiFactory) -> None:
+    timing = Timing(first_round_s=1.0, min_round_s=1.0, margin_s=0.0, max_round_s=2.0)
+    api = await make_api(run_config(min_nodes=2, timing=timing))
+    await api.call("POST", "/v1/join", "n0", {})
+    await api.call("POST", "/v1/join", "n1", {})
+    assert (await api.contribute("n0", 0, FP_A))["accepted"]
+    status, view = await api.manifest("n0", 0, wait=30)
+    assert status == 200
+    assert view["signed"]["manifest"]["excluded"] == {"n1": "missed deadline"}
+    assert [e["node_id"] for e in view["signed"]["manifest"]["gather"]] == ["n0"]
+
+
+@pytest.mark.asyncio
+async def test_wrong_base_fingerprint_is_excluded(make_api: ApiFactory) -> None:
+    api = await make_api(run_config(min_nodes=3))
+    for n in NODES:
+        await api.call("POST", "/v1/join", n, {})
+    # Round 0: no reports yet, so the majority of the submissions sets the base.
+    await api.contribute("n0", 0, FP_A)
+    await api.contribute("n1", 0, FP_B)
+    await api.contribute("n2", 0, FP_A)
+    _status, view = await api.manifest("n0", 0)
+    assert view["signed"]["manifest"]["excluded"] == {"n1": "wrong base fingerprint"}
+    assert view["signed"]["manifest"]["base_fingerprint"] == FP_A
+    # Reports for round 0 settle round 1's base: a different one is rejected on arrival.
+    for n, fp in (("n0", FP_C), ("n1", FP_B), ("n2", FP_C)):
+        await api.call("POST", "/v1/rounds/0/report", n, {"fingerprint": fp})
+    assert (await api.contribute("n1", 1, FP_B)) == {
+        "accepted": False,
+        "reason": "wrong base fingerprint",
+    }
+    assert (await api.contribute("n0", 1, FP_C))["accepted"]
+
+
+@pytest.mark.asyncio
+async def test_over_limit_with_gather_size_one(make_api: ApiFactory) -> None:
+    api = await make_api(run_config(min_nodes=2, gather_size=1))
+    await api.call("POST", "/v1/join", "n0", {})
+    await api.call("POST", "/v1/join", "n1", {})
+    await api.contribute("n1", 0, FP_A)
+    await api.contribute("n0", 0, FP_A)
+    _status, view = await api.manifest("n0", 0)
+    manifest = view["signed"]["manifest"]
+    assert [e["node_id"] for e in manifest["gather"]] == ["n1"]  # first come, first gathered
+    assert manifest["excluded"] == {"n0": "over limit"}
+
+
+@pytest.mark.asyncio
+async def test_leave_closes_the_round(make_api: ApiFactory) -> None:
+    api = await make_api(run_config(min_nodes=2))
+    await api.call("POST", "/v1/join", "n0", {})
+    await api.call("POST", "/v1/join", "n1", {})
+    await api.contribute("n0", 0, FP_A)
+    status, _ack = await api.call("POST", "/v1/leave", "n1")
+    assert status == 200
+    status, view = await api.manifest("n0", 0, wait=0)
+    assert status == 200 and view["signed"]["manifest"]["excluded"] == {"n1": "left"}
+    status, err = await api.call("POST", "/v1/heartbeat", "n1")
+    assert (status, err["error"]) == (409, "not_member")
+    status, rejoined = await api.call("POST", "/v1/join", "n1", {})
+    assert rejoined["slot"] == 1 and rejoined["round"]["round"] == 1
+    assert rejoined["round"]["expected"] is True  # round 1 had no submission yet
+    status, hb = await api.call("POST", "/v1/heartbeat", "n1")
+    assert status == 200 and hb["round"] == 1
+
+
+@pytest.mark.asyncio
+async def test_run_finishes_after_its_rounds(make_api: ApiFactory) -> None:
+    api = await make_api(run_config(rounds=2))
+    await api.call("POST", "/v1/join", "n0", {})
+    for r in range(2):
+        assert (await api.contribute("n0", r, FP_A))["accepted"]
+        assert (await api.manifest("n0", r))[0] == 200
+    status, view = await api.call("GET", "/v1/round", "n0")
+    assert view["state"] == "finished" and view["round"] == 2 and view["last_closed"] == 1
+    status, err = await api.manifest("n0", 2, wait=0)
+    assert (status, err["error"]) == (404, "unknown_round")
+    status, err = await api.call(
+        "POST", "/v1/rounds/1/upload", "n0", {"size": 1, "sha256": "0" * 64}
+    )
+    assert (status, err["error"]) == (409, "round_closed")
+    status, st = await api.call("GET", "/v1/status", None)
+    assert st["state"] == "finished" and [r["round"] for r in st["rounds"]] == [0, 1]
+
+
+@pytest.mark.asyncio
+async def test_openapi_lists_every_route_and_metrics_count(make_api: ApiFactory) -> None:
+    api = await make_api(run_config())
+    status, doc = await api.call("GET", "/openapi.json", None)
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    routes = {
+        (r.method, r.resource.canonical.replace("{round:\\d{1,18}}", "{round}"))
+        for r in api.client.app.router.routes()  # type: ignore[union-attr]
+        if r.resource is not None and r.method != "HEAD"
+    }
+    documented = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+    assert routes == documented
+    await api.call("POST", "/v1/join", "n0", {})
+    await api.contribute("n0", 0, FP_A)
+    assert (await api.manifest("n0", 0))[0] == 200
+    status, text = await api.call("GET", "/metrics", None)
+    assert "sparseloco_rounds_closed_total 1.0" in text
+    assert 'sparseloco_members{state="active"} 1.0' in text
+    assert 'sparseloco_submissions_total{result="accepted"} 1.0' in text
+
+
+@pytest.mark.asyncio
+async def test_heartbeat_timeout_is_enforced(make_api: ApiFactory) -> None:
+    timing = Timing(heartbeat_timeout_s=0.5)
+    api = await make_api(run_config(min_nodes=2, timing=timing))
+    await api.call("POST", "/v1/join", "n0", {})
+    await api.call("POST", "/v1/join", "n1", {})
+    await api.contribute("n0", 0, FP_A)
+    # n1 never heartbeats; keep n0 alive while the round waits for the timeout to close it.
+    deadline = time.monotonic() + 30
+    status = 202
+    while status == 202 and time.monotonic() < deadline:
+        await api.call("POST", "/v1/heartbeat", "n0")
+        status, view = await api.manifest("n0", 0, wait=0.1)
+    assert status == 200
+    assert view["signed"]["manifest"]["excluded"] == {"n1": "timed out"}
