@@ -97,7 +97,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (reported numbers, never pass/fail)")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="{codec,quality}")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="{codec,quality,round}")
     c = bench.add_parser("codec", help="payload size, encode and decode+aggregate speed, memory")
     c.add_argument("--preset", default="base", help="model whose shapes are encoded")
     c.add_argument("--peers", type=int, default=16)
@@ -112,6 +112,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--algos", default="sparseloco,diloco,ddp")
     q.add_argument("--out", default="bench-out/quality", help="folder for JSON and the plot")
     q.set_defaults(func=_cmd_bench_quality)
+    r = bench.add_parser("round", help="time of a networked round, phase by phase (runs up)")
+    r.add_argument("--nodes", type=int, default=4)
+    r.add_argument("--rounds", type=int, default=8)
+    r.add_argument("--preset", default="tiny")
+    r.add_argument("--dir", dest="run_dir", help="run folder (default: runs/up-<time>)")
+    r.add_argument("--json", dest="json_out", metavar="OUT")
+    r.set_defaults(func=_cmd_bench_round)
 
 
 def _cmd_bench_codec(args: argparse.Namespace) -> int:
@@ -218,6 +225,19 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
     os.execv(sys.executable, [sys.executable, "-m", "coordinator", *args.rest])
     return 0  # not reached
+
+
+def _cmd_bench_round(args: argparse.Namespace) -> int:
+    from node.bench.round_bench import run
+
+    run(
+        args.json_out,
+        nodes=args.nodes,
+        rounds=args.rounds,
+        preset=args.preset,
+        run_dir=args.run_dir,
+    )
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

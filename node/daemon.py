@@ -375,12 +375,12 @@ class NodeDaemon:
         if own is not None and self.node_id not in payloads:
             await self.compute(self.w.return_own, own)
             self._log("contribution_kept", reason=manifest.excluded.get(self.node_id, "rejected"))
-        fp, eval_loss = await self.compute(self._after_apply)
+        fp, eval_loss, eval_s = await self.compute(self._after_apply)
         t4 = time.perf_counter()
         down = sum(len(b) for n, b in blobs.items() if n != self.node_id or own is None)
         if own is not None:
             self.timings.update(download=t1 - t0, decode=t2 - t1, aggregate_apply=t3 - t2)
-            self.timings["save"] = t4 - t3
+            self.timings.update(eval=eval_s, save=t4 - t3 - eval_s)
         report = RoundReport(
             fingerprint=fp,
             rejected=rejected,
@@ -403,14 +403,16 @@ class NodeDaemon:
         except CoordinatorError as exc:
             self._log("report_refused", error=exc.error)
 
-    def _after_apply(self) -> tuple[str, float | None]:
-        """Fingerprint, held-out loss, and the new state on disk (pending payload cleared)."""
+    def _after_apply(self) -> tuple[str, float | None, float]:
+        """Held-out loss (and its seconds), then fingerprint and the new state on disk."""
         every = self.settings.eval_every
+        t0 = time.perf_counter()
         eval_loss = self.w.evaluate() if every and self.w.round % every == 0 else None
+        eval_s = time.perf_counter() - t0
         snapshot = self.w.snapshot("idle")
         save_state(self.settings.state_dir, snapshot)
         (self.settings.state_dir / PENDING_FILE).unlink(missing_ok=True)
-        return snapshot.fingerprint, eval_loss
+        return snapshot.fingerprint, eval_loss, eval_s
 
 
 def run_node(settings: NodeSettings) -> int:

@@ -25,6 +25,7 @@ import hashlib
 from dataclasses import dataclass
 
 import aiohttp
+from yarl import URL
 
 from node.retry import TRANSIENT_STATUS, RetryPolicy, TransientError, retry
 from protocol.errors import SparseLoCoError
@@ -64,6 +65,11 @@ class TransferTimeouts:
 DEFAULT_TIMEOUTS = TransferTimeouts()
 
 
+def _signed(url: str) -> URL:
+    # A presigned query string must reach the server byte for byte: no re-quoting.
+    return URL(url, encoded=True)
+
+
 def _check_status(status: int, body: bytes, what: str) -> None:
     if status < 300:
         return
@@ -86,7 +92,7 @@ async def put_object(
 
     async def attempt() -> bool:
         async with session.put(
-            url, data=data, headers=headers, timeout=timeouts.client_timeout()
+            _signed(url), data=data, headers=headers, timeout=timeouts.client_timeout()
         ) as resp:
             body = await resp.read()
             if resp.status == 412:
@@ -107,7 +113,9 @@ async def _get_range(
 ) -> bytes:
     async def attempt() -> bytes:
         headers = {"Range": f"bytes={start}-{end - 1}"}
-        async with session.get(url, headers=headers, timeout=timeouts.client_timeout()) as resp:
+        async with session.get(
+            _signed(url), headers=headers, timeout=timeouts.client_timeout()
+        ) as resp:
             body = await resp.read()
             _check_status(resp.status, body, "download part")
             if len(body) != end - start:
@@ -131,7 +139,7 @@ async def get_object(
     if size <= part_size:
 
         async def attempt() -> bytes:
-            async with session.get(url, timeout=timeouts.client_timeout()) as resp:
+            async with session.get(_signed(url), timeout=timeouts.client_timeout()) as resp:
                 # Read at most one byte more than promised: a longer body is a digest error,
                 # and a hostile server cannot make us buffer more than that.
                 body = await resp.content.read(size + 1)

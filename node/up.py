@@ -148,13 +148,18 @@ class Process:
             return ""
 
 
-def start_coordinator(config_path: Path, state_dir: Path, log_path: Path) -> tuple[Process, str]:
-    """Start ``python -m coordinator`` and return it with its URL once it listens."""
+def start_coordinator(
+    config_path: Path, state_dir: Path, log_path: Path, *, port: int = 0
+) -> tuple[Process, str]:
+    """Start ``python -m coordinator`` and return it with its URL once it listens.
+
+    ``port`` 0 picks a free port; a restart passes the previous one so nodes find it again.
+    """
     address = state_dir / "coordinator.json"
     address.unlink(missing_ok=True)
     proc = Process(
         "coordinator",
-        [sys.executable, "-m", "coordinator", "--config", str(config_path), "--port", "0"],
+        [sys.executable, "-m", "coordinator", "--config", str(config_path), "--port", str(port)],
         log_path,
         _quiet_env(),
     )
@@ -261,7 +266,12 @@ def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> 
             config_path, run_dir / "coordinator", run_dir / "logs" / "coordinator.log"
         )
         procs.append(coordinator)
-        log.info("event=up_started run_dir=%s coordinator=%s store=%s", run_dir, url, endpoint)
+        log.info(
+            "event=up_started run_dir=%s coordinator=%s store=%s",
+            run_dir,
+            url,
+            endpoint.endpoint_url,
+        )
         nodes = [
             start_node(
                 name,

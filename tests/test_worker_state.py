@@ -7,8 +7,8 @@ the state file must round-trip exactly and refuse to be used for another model.
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from node.state import StateError, load_state, save_state
 from node.worker import Worker, check_payload_header
@@ -50,9 +50,9 @@ def test_payload_header_must_match_the_manifest() -> None:
     w = _pair()[0]
     payload = w.read(w.train_and_compress().payload)
     check_payload_header(payload, run_id=RUN.run_id, round_=0, node_id="n0")
-    with pytest.raises(PayloadError, match="header.node"):
+    with pytest.raises(PayloadError, match=r"header\.node"):
         check_payload_header(payload, run_id=RUN.run_id, round_=0, node_id="n1")
-    with pytest.raises(PayloadError, match="header.round"):
+    with pytest.raises(PayloadError, match=r"header\.round"):
         check_payload_header(payload, run_id=RUN.run_id, round_=1, node_id="n0")
 
 

@@ -1,0 +1,93 @@
+"""``sparseloco bench round``: where the time of a networked round goes.
+
+Runs ``sparseloco up`` (embedded SeaweedFS, a coordinator and N node processes on loopback) and
+collects the per-phase timings every node reported for every round it took part in:
+
+    train | encode | upload | wait | download | decode | aggregate+apply | save | eval
+
+``wait`` is from the node's submit to the manifest's arrival: the slowest peer's train and
+upload plus the coordinator's close, i.e. the synchronisation cost. The round itself is
+measured by the coordinator (first expected node to close). Round 0 is reported separately from
+the steady state, since it includes the compiled codec loops loading in every process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from node.up import UpConfig, up
+
+log = logging.getLogger("sparseloco.bench.round")
+
+PHASES = (
+    "train",
+    "encode",
+    "upload",
+    "wait",
+    "download",
+    "decode",
+    "aggregate_apply",
+    "save",
+    "eval",
+)
+
+
+def phase_table(result: dict[str, Any], skip_first: bool = True) -> dict[str, float]:
+    """Median seconds per phase over every (node, round) report, and the round duration."""
+    samples: dict[str, list[float]] = {p: [] for p in PHASES}
+    durations = []
+    for entry in result["rounds"]:
+        if skip_first and entry["round"] == 0:
+            continue
+        if entry["duration_s"] is not None:
+            durations.append(entry["duration_s"])
+        for timings in entry["timings"].values():
+            for phase in PHASES:
+                if phase in timings:
+                    samples[phase].append(timings[phase])
+    out = {p: statistics.median(v) for p, v in samples.items() if v}
+    if durations:
+        out["round"] = statistics.median(durations)
+    return out
+
+
+def markdown(table: dict[str, float]) -> str:
+    total = sum(table.get(p, 0.0) for p in PHASES)
+    head = "| phase | median s | share |\n|---|---:|---:|"
+    rows = [
+        f"| {p.replace('_', '+')} | {table[p]:.3f} | {100 * table[p] / total:.1f} % |"
+        for p in PHASES
+        if p in table
+    ]
+    non_train = total - table.get("train", 0.0)
+    rows.append(f"| sum of phases | {total:.3f} | |")
+    rows.append(f"| non-training share | {non_train:.3f} | {100 * non_train / total:.1f} % |")
+    if "round" in table:
+        rows.append(f"| round (coordinator: open to close) | {table['round']:.3f} | |")
+    return "\n".join([head, *rows])
+
+
+def run(
+    json_out: str | None, *, nodes: int, rounds: int, preset: str, run_dir: str | None
+) -> dict[str, Any]:
+    cfg = UpConfig(
+        nodes=nodes,
+        rounds=rounds,
+        preset=preset,
+        run_dir=Path(run_dir) if run_dir else None,
+        data=None,
+        round_timeout_s=120.0,
+    )
+    result = up(cfg)
+    table = phase_table(result)
+    report = {"nodes": nodes, "rounds": rounds, "preset": preset, "phases": table, "up": result}
+    print(markdown(table))
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_out}")
+    return report

@@ -1,0 +1,118 @@
+"""A local cluster for integration tests: real coordinator and node processes on loopback.
+
+Built from the same pieces as ``sparseloco up`` (``node.up``), but started one by one so a test
+can add a node late, or kill and restart the coordinator on the same port. Every wait is keyed to
+the run's progress as the coordinator reports it (rounds closed, run finished); the timeouts
+are only a safety net against a hang. ``stop()`` ends every process the cluster started, and the
+fixture calls it even when the test fails.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import urllib.error
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlparse
+
+from node.seaweed import EmbeddedStore
+from node.up import Process, coordinator_toml, fetch_status, start_coordinator, start_node
+from protocol.messages import RoundState, StatusView
+from protocol.runconfig import RunConfig
+
+#: Safety net for any single wait; a healthy tiny run needs a small fraction of it.
+WAIT_S = 240.0
+
+
+class Cluster:
+    def __init__(self, root: Path, store: EmbeddedStore, run: RunConfig, nodes: int) -> None:
+        self.root = root
+        self.run = run
+        self.tokens = {f"node-{i}": secrets.token_urlsafe(12) for i in range(nodes)}
+        self.state_dir = root / "coordinator"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.prefix = f"it-{root.name}"
+        self.config = root / "coordinator.toml"
+        self.config.write_text(
+            coordinator_toml(run, store.endpoint, self.tokens, self.state_dir, prefix=self.prefix)
+        )
+        self.coordinator: Process | None = None
+        self.url = ""
+        self.nodes: dict[str, Process] = {}
+        self.starts = 0
+
+    def start_coordinator(self) -> None:
+        port = urlparse(self.url).port or 0 if self.url else 0
+        self.starts += 1
+        self.coordinator, self.url = start_coordinator(
+            self.config,
+            self.state_dir,
+            self.root / "logs" / f"coordinator-{self.starts}.log",
+            port=port,
+        )
+
+    def kill_coordinator(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.popen.kill()
+            self.coordinator.popen.wait()
+
+    def start_node(self, name: str) -> Process:
+        proc = start_node(
+            name,
+            self.url,
+            self.tokens[name],
+            self.root / "nodes" / name,
+            self.root / "logs" / f"{name}.log",
+            None,
+        )
+        self.nodes[name] = proc
+        return proc
+
+    def status(self) -> StatusView:
+        return fetch_status(self.url)
+
+    def wait_for(self, what: str, predicate: Callable[[StatusView], bool]) -> StatusView:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            for name, proc in self.nodes.items():
+                code = proc.poll()
+                if code not in (None, 0):
+                    raise AssertionError(f"{name} exited with {code}:\n{proc.tail(40)}")
+            try:
+                status = self.status()
+                if predicate(status):
+                    return status
+            except (urllib.error.URLError, OSError):
+                pass  # the coordinator is restarting
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}; logs in {self.root / 'logs'}")
+
+    def wait_closed(self, rounds: int) -> StatusView:
+        return self.wait_for(f"{rounds} closed rounds", lambda s: closed_count(s) >= rounds)
+
+    def wait_finished(self) -> StatusView:
+        """The run finished, every node exited 0 and reported the last round."""
+        last = self.run.rounds - 1
+
+        def done(status: StatusView) -> bool:
+            if status.state != RoundState.FINISHED:
+                return False
+            return not any(p.poll() is None for p in self.nodes.values())
+
+        status = self.wait_for("the run to finish", done)
+        for name, proc in self.nodes.items():
+            assert proc.poll() == 0, f"{name} exited with {proc.poll()}:\n{proc.tail(40)}"
+        final = [r for r in status.rounds if r.round == last]
+        assert final and final[0].state == RoundState.CLOSED
+        return status
+
+    def stop(self) -> None:
+        for proc in self.nodes.values():
+            proc.stop(timeout=20)
+        if self.coordinator is not None:
+            self.coordinator.stop(timeout=20)
+
+
+def closed_count(status: StatusView) -> int:
+    return sum(1 for r in status.rounds if r.state == RoundState.CLOSED)
