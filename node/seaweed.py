@@ -115,9 +115,14 @@ class EmbeddedStore:
         )
 
     def _command(self, ports: dict[str, int]) -> list[str]:
+        # Logs and local sockets go under the data directory, not /tmp, so nothing outlives
+        # the run folder.
         args = [
             weed_binary(),
+            f"-logdir={self.data_dir}",
             "mini",
+            f"-s3.localSocket={self.data_dir / 's3.sock'}",
+            f"-filer.localSocket={self.data_dir / 'filer.sock'}",
             f"-dir={self.data_dir}",
             "-ip=127.0.0.1",
             "-ip.bind=127.0.0.1",
