@@ -44,7 +44,13 @@ from node.client import ClientTimeouts, CoordinatorClient, CoordinatorError
 from node.retry import RetriesExhausted, RetryPolicy
 from node.settings import NodeSettings
 from node.state import PENDING_FILE, StateError, load_pending, load_state, save_pending, save_state
-from node.transfer import TransferError, TransferTimeouts, get_object, put_object
+from node.transfer import (
+    DigestError,
+    TransferError,
+    TransferTimeouts,
+    get_object,
+    put_object,
+)
 from node.worker import Abandoned, Worker, check_payload_header
 from protocol.codec import Payload
 from protocol.errors import PayloadError, SparseLoCoError
@@ -62,6 +68,9 @@ from protocol.messages import (
 log = logging.getLogger("sparseloco.node")
 
 T = TypeVar("T")
+
+#: Attempts at a round's whole gather set (each with fresh URLs) before the node stops.
+DOWNLOAD_ROUNDS = 3
 
 #: Refusals that mean "this round went on without us"; the contribution stays in e.
 _MISSED = frozenset({"round_closed", "not_expected", "already_submitted", "run_finished"})
@@ -312,6 +321,29 @@ class NodeDaemon:
             )
         return manifest
 
+    async def _download_all(
+        self, r: int, view: ManifestView, manifest: Manifest, own: bytes | None
+    ) -> tuple[dict[str, bytes], dict[str, str]]:
+        """The whole gather set, or an error: never a part of it.
+
+        Leaving out a payload that only *this* node failed to fetch would make it apply another
+        aggregate than its peers and drift away from them. So a failed transfer (after its own
+        retries) fetches the manifest again for fresh URLs and starts over, a few times, and
+        then gives up loudly; a restart resumes from the saved state.
+        """
+        for attempt in range(1, DOWNLOAD_ROUNDS + 1):
+            try:
+                return await self._download(view, manifest, own)
+            except (TransferError, RetriesExhausted) as exc:
+                self._log("download_failed", attempt=attempt, error=repr(exc))
+                if attempt == DOWNLOAD_ROUNDS:
+                    raise
+                fresh = await self._manifest(r)
+                if fresh is None:
+                    raise
+                view = fresh
+        raise AssertionError("unreachable")
+
     async def _download(
         self, view: ManifestView, manifest: Manifest, own: bytes | None
     ) -> tuple[dict[str, bytes], dict[str, str]]:
@@ -332,8 +364,10 @@ class NodeDaemon:
                         sha256=sha,
                         timeouts=self.transfer_timeouts,
                     )
-                except (TransferError, RetriesExhausted, KeyError) as exc:
-                    rejected[node] = f"download failed: {exc}"
+                except DigestError as exc:
+                    # The stored object is not what the manifest promised: every node reads the
+                    # same bytes, so every node leaves this payload out alike.
+                    rejected[node] = f"bad digest: {exc}"
 
         await asyncio.gather(*(fetch(e.node_id, e.size, e.sha256) for e in manifest.gather))
         return blobs, rejected
@@ -365,7 +399,7 @@ class NodeDaemon:
         if manifest.base_fingerprint is not None and manifest.base_fingerprint != base_now:
             self._log("diverged", ours=base_now, manifest=manifest.base_fingerprint)
         t0 = time.perf_counter()
-        blobs, rejected = await self._download(view, manifest, own)
+        blobs, rejected = await self._download_all(r, view, manifest, own)
         t1 = time.perf_counter()
         payloads, invalid = await self.compute(self._decode_all, blobs, r)
         rejected.update(invalid)

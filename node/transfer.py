@@ -70,6 +70,19 @@ def _signed(url: str) -> URL:
     return URL(url, encoded=True)
 
 
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body up to ``limit`` bytes (``StreamReader.read(n)`` may return fewer: loop)."""
+    chunks = []
+    left = limit
+    while left > 0:
+        chunk = await resp.content.read(left)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def _check_status(status: int, body: bytes, what: str) -> None:
     if status < 300:
         return
@@ -142,7 +155,7 @@ async def get_object(
             async with session.get(_signed(url), timeout=timeouts.client_timeout()) as resp:
                 # Read at most one byte more than promised: a longer body is a digest error,
                 # and a hostile server cannot make us buffer more than that.
-                body = await resp.content.read(size + 1)
+                body = await _read_at_most(resp, size + 1)
                 _check_status(resp.status, body, "download")
                 return body
 

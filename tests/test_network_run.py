@@ -13,15 +13,13 @@ import json
 import subprocess
 import sys
 
-import boto3
 import pytest
-from botocore.config import Config
+from cluster import Cluster
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from protocol.keys import manifest_key
 from protocol.messages import RoundState, SignedManifest, StatusView, manifest_bytes
 from protocol.runconfig import RunConfig, Timing
-from tests.cluster import Cluster
 
 TIMING = Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=30)
 
@@ -52,18 +50,6 @@ def cluster_factory(tmp_path, store):
         c.stop()
 
 
-def _s3(store):
-    ep = store.endpoint
-    return boto3.client(
-        "s3",
-        endpoint_url=ep.endpoint_url,
-        aws_access_key_id=ep.access_key,
-        aws_secret_access_key=ep.secret_key,
-        region_name=ep.region,
-        config=Config(signature_version="s3v4"),
-    )
-
-
 def _closed(status: StatusView):
     return [r for r in status.rounds if r.state == RoundState.CLOSED]
 
@@ -77,7 +63,7 @@ def _assert_fingerprints_agree(status: StatusView, nodes: set[str], from_round: 
         assert len(values) == 1, f"round {summary.round}: {summary.fingerprints}"
 
 
-def test_three_nodes_train_one_model(cluster_factory, store) -> None:
+def test_three_nodes_train_one_model(cluster_factory, store, s3) -> None:
     run = _run(rounds=4, min_nodes=3)
     cluster = cluster_factory(run, 3)
     cluster.start_coordinator()
@@ -97,7 +83,6 @@ def test_three_nodes_train_one_model(cluster_factory, store) -> None:
     assert last.pop() < first.pop()
 
     # Every manifest in the bucket is signed by the coordinator and matches the stored payloads.
-    s3 = _s3(store)
     key_pem = (cluster.state_dir / "manifest-key.pem").exists()
     assert key_pem
     joined_key = None

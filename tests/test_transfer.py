@@ -11,9 +11,7 @@ import base64
 import hashlib
 
 import aiohttp
-import boto3
 import pytest
-from botocore.config import Config
 
 from node.retry import RetryPolicy
 from node.transfer import DigestError, TransferError, get_object, put_object
@@ -21,18 +19,6 @@ from node.transfer import DigestError, TransferError, get_object, put_object
 pytestmark = pytest.mark.asyncio
 
 FAST = RetryPolicy(attempts=2, base_s=0.01, budget_s=5.0)
-
-
-def _client(store):
-    ep = store.endpoint
-    return boto3.client(
-        "s3",
-        endpoint_url=ep.endpoint_url,
-        aws_access_key_id=ep.access_key,
-        aws_secret_access_key=ep.secret_key,
-        region_name=ep.region,
-        config=Config(signature_version="s3v4"),
-    )
 
 
 def _presign_put(s3, bucket: str, key: str, body: bytes) -> tuple[str, dict[str, str]]:
@@ -60,8 +46,8 @@ def _presign_get(s3, bucket: str, key: str) -> str:
     return s3.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key})
 
 
-async def test_put_then_get_and_write_once(store, request) -> None:
-    s3, bucket = _client(store), store.bucket
+async def test_put_then_get_and_write_once(store, s3, request) -> None:
+    bucket = store.bucket
     key = f"transfer/{request.node.name}.slc"
     body = bytes(range(256)) * 40
     url, headers = _presign_put(s3, bucket, key, body)
@@ -79,8 +65,8 @@ async def test_put_then_get_and_write_once(store, request) -> None:
     assert got == body
 
 
-async def test_signed_size_and_checksum_are_enforced(store, request) -> None:
-    s3, bucket = _client(store), store.bucket
+async def test_signed_size_and_checksum_are_enforced(store, s3, request) -> None:
+    bucket = store.bucket
     key = f"transfer/{request.node.name}.slc"
     body = b"the payload that was announced"
     url, headers = _presign_put(s3, bucket, key, body)
@@ -96,8 +82,8 @@ async def test_signed_size_and_checksum_are_enforced(store, request) -> None:
     assert "Contents" not in s3.list_objects_v2(Bucket=bucket, Prefix=key)
 
 
-async def test_ranged_download_of_a_large_object(store, request) -> None:
-    s3, bucket = _client(store), store.bucket
+async def test_ranged_download_of_a_large_object(store, s3, request) -> None:
+    bucket = store.bucket
     key = f"transfer/{request.node.name}.bin"
     body = hashlib.sha256(b"seed").digest() * 5000  # 160 kB
     s3.put_object(Bucket=bucket, Key=key, Body=body)
@@ -113,8 +99,8 @@ async def test_ranged_download_of_a_large_object(store, request) -> None:
     assert got == body
 
 
-async def test_digest_and_size_mismatch_are_errors(store, request) -> None:
-    s3, bucket = _client(store), store.bucket
+async def test_digest_and_size_mismatch_are_errors(store, s3, request) -> None:
+    bucket = store.bucket
     key = f"transfer/{request.node.name}.bin"
     body = b"x" * 1000
     s3.put_object(Bucket=bucket, Key=key, Body=body)
