@@ -12,6 +12,9 @@ generated from the same source. Endpoints (all under ``/v1``, bearer-token auth)
     POST /v1/rounds/{r}/submit          SubmitRequest      -> SubmitResponse
     GET  /v1/rounds/{r}/manifest?wait=s                    -> ManifestView (202 RoundView if open)
     POST /v1/rounds/{r}/report          RoundReport        -> Ack
+    POST /v1/checkpoints/{R}/upload     CheckpointUpload   -> UploadGrant (409 not_needed)
+    POST /v1/checkpoints/{R}/commit     CheckpointUpload   -> CheckpointInfo
+    GET  /v1/checkpoints/latest                            -> CheckpointView (404 no_checkpoint)
     GET  /v1/status                                        -> StatusView
 
 A ``Manifest`` is the record of one closed round. The coordinator signs its canonical JSON
@@ -156,6 +159,20 @@ class ManifestView(Message):
     urls: dict[str, str] = Field(description="node id -> presigned GET of its payload")
 
 
+class Mass(Message):
+    """Where this round's error-fed signal went (float64 sums over every tensor's entries).
+
+    ``computed`` = Σ(β·e + Δ) before compression; ``sent`` = Σ of the decoded payload if it was
+    aggregated, else 0; ``held`` = Σ e after the round. Nothing is lost when
+    computed == sent + held, up to rounding (``scale`` = Σ|β·e + Δ| sets the tolerance).
+    """
+
+    computed: float
+    sent: float
+    held: float
+    scale: float = Field(ge=0)
+
+
 class RoundReport(Message):
     """What a node reports after applying a round."""
 
@@ -169,6 +186,9 @@ class RoundReport(Message):
     bytes_down: int = Field(0, ge=0)
     timings: dict[str, float] = Field(
         default_factory=dict, description="seconds per phase of the round on this node"
+    )
+    mass: Mass | None = Field(
+        None, description="error-feedback accounting of this node's own contribution"
     )
 
 
@@ -195,6 +215,32 @@ class RoundSummary(Message):
     duration_s: float | None = None
 
 
+class CheckpointUpload(Message):
+    """A node offering θ_R (the parameters at the start of round R) as a checkpoint."""
+
+    size: int = Field(gt=0, description="bytes of the safetensors file")
+    sha256: Sha256Hex
+    fingerprint: FingerprintHex = Field(description="fingerprint of the parameters in the file")
+
+
+class CheckpointInfo(Message):
+    """An accepted checkpoint: ``checkpoints/latest.json`` and each ``model.json`` sidecar."""
+
+    run_id: str
+    round: int = Field(ge=0, description="θ at the start of this round")
+    fingerprint: FingerprintHex
+    key: str
+    sha256: Sha256Hex
+    size: int = Field(gt=0)
+    node_id: NodeId = Field(description="who uploaded it")
+    created_at: float
+
+
+class CheckpointView(Message):
+    info: CheckpointInfo
+    url: str = Field(description="presigned GET of the safetensors file")
+
+
 class StatusView(Message):
     run_id: str
     run: RunConfig
@@ -202,6 +248,7 @@ class StatusView(Message):
     state: RoundState
     members: list[MemberView]
     rounds: list[RoundSummary] = Field(description="recent rounds, newest last")
+    checkpoint: CheckpointInfo | None = None
 
 
 class ErrorBody(Message):

@@ -77,12 +77,26 @@ class RunConfig(BaseModel):
     data_slots: int = Field(16, ge=1)
     #: Rounds wait (state "waiting") until at least this many members are active.
     min_nodes: int = Field(1, ge=1)
+    # Checkpoints and retention
+    #: A checkpoint of θ_R is taken at every round R that is a multiple of this (0: never).
+    checkpoint_every: int = Field(10, ge=0)
+    #: Payloads of rounds older than this many rounds, and older than the newest checkpoint,
+    #: are deleted. Must exceed checkpoint_every so a joiner can always replay from a checkpoint.
+    retention_rounds: int = Field(30, ge=1)
+    #: Checkpoints kept in the store (the newest ones).
+    keep_checkpoints: int = Field(2, ge=1)
     timing: Timing = Timing()  # type: ignore[call-arg]
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         if self.topk > self.tile * self.tile:
             raise ValueError(f"topk={self.topk} exceeds tile**2={self.tile**2}; lower topk")
+        if self.checkpoint_every and self.retention_rounds <= self.checkpoint_every:
+            raise ValueError(
+                f"retention_rounds={self.retention_rounds} must exceed checkpoint_every="
+                f"{self.checkpoint_every}, or a joiner could find neither payloads nor a"
+                " checkpoint to start from; raise retention_rounds"
+            )
         return self
 
     def canonical(self) -> bytes:
