@@ -9,7 +9,8 @@ virtual environment's PATH after the install command. ``EmbeddedStore`` starts i
 - the bucket created at start, the data directory under the caller's run folder;
 - telemetry, WebDAV, the admin UI and the table catalogs switched off (all offline, fewer ports).
 
-``stop()`` sends SIGTERM and waits, then kills; the context manager always stops it. The store's
+``stop()`` sends SIGTERM and waits, then kills; the context manager always stops it.
+``restart()`` brings it back on the same ports with the same data (fault tests use it). The store's
 output goes to ``{data_dir}/weed.log``.
 """
 
@@ -102,6 +103,7 @@ class EmbeddedStore:
         self.secret_key = secret_key or secrets.token_hex(20)
         self.process: subprocess.Popen[bytes] | None = None
         self.s3_port: int | None = None
+        self._ports: dict[str, int] | None = None
 
     @property
     def endpoint(self) -> StoreEndpoint:
@@ -142,8 +144,10 @@ class EmbeddedStore:
         if self.process is not None:
             raise RuntimeError("the store is already started")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        names = [n for name in _PORTS for n in (name, name + ".grpc")]
-        ports = dict(zip(names, free_ports(len(names)), strict=True))
+        if self._ports is None:
+            names = [n for name in _PORTS for n in (name, name + ".grpc")]
+            self._ports = dict(zip(names, free_ports(len(names)), strict=True))
+        ports = self._ports  # a restart keeps the ports, so clients find the store again
         env = dict(
             os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key
         )
@@ -214,6 +218,11 @@ class EmbeddedStore:
         except ProcessLookupError:
             pass
         log.info("event=store_stopped code=%s", proc.returncode)
+
+    def restart(self) -> StoreEndpoint:
+        """Stop and start again on the same ports, data and credentials (an outage, healed)."""
+        self.stop()
+        return self.start()
 
     def __enter__(self) -> EmbeddedStore:
         self.start()

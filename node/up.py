@@ -178,13 +178,21 @@ def start_coordinator(
 
 
 def start_node(
-    name: str, url: str, token: str, state_dir: Path, log_path: Path, data: str | None
+    name: str,
+    url: str,
+    token: str,
+    state_dir: Path,
+    log_path: Path,
+    data: str | None,
+    extra_env: dict[str, str] | None = None,
 ) -> Process:
     args = [sys.executable, "-m", "node", "node", "--coordinator", url]
     args += ["--state-dir", str(state_dir), "--threads", "1"]
     if data:
         args += ["--data", data]
     env = _quiet_env()
+    env.pop("SPARSELOCO_FAULTS", None)
+    env.update(extra_env or {})
     env["SPARSELOCO_NODE_TOKEN"] = token
     return Process(name, args, log_path, env)
 

@@ -57,7 +57,8 @@ class Cluster:
             self.coordinator.popen.kill()
             self.coordinator.popen.wait()
 
-    def start_node(self, name: str) -> Process:
+    def start_node(self, name: str, faults: str | None = None) -> Process:
+        """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS`` (node.faults)."""
         proc = start_node(
             name,
             self.url,
@@ -65,6 +66,7 @@ class Cluster:
             self.root / "nodes" / name,
             self.root / "logs" / f"{name}.log",
             None,
+            {"SPARSELOCO_FAULTS": faults} if faults else None,
         )
         self.nodes[name] = proc
         return proc

@@ -1,0 +1,86 @@
+"""Deterministic fault injection for the chaos suite, keyed to rounds and phases, never to time.
+
+A node reads ``SPARSELOCO_FAULTS`` once at start: a comma-separated list of ``action@round``.
+Unset (the normal case) means no faults and no cost. Actions:
+
+- ``crash:<point>@R``: ``os._exit(137)`` at that point of round R, the same as a ``kill -9``
+  landing there: nothing is flushed, no leave is sent. Points, in round order:
+  ``after_train`` (trained and compressed, nothing saved yet), ``mid_upload`` (pending payload
+  and state saved, before the PUT), ``after_upload`` (PUT done, before submit),
+  ``after_submit`` (submitted, before the manifest), ``mid_apply`` (aggregate applied in
+  memory, before the new state is saved).
+- ``slow:<seconds>@R``: sleep that long after training round R, before uploading (a straggler
+  that misses the deadline).
+- ``corrupt@R``: after applying round R, flip the lowest bit of one parameter (a node whose θ
+  silently diverged).
+
+A fault fires at most once per process; the chaos runner restarts a crashed node without the
+variable. Tests only: nothing in a real deployment sets it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+
+from protocol.errors import ConfigError
+
+log = logging.getLogger("sparseloco.faults")
+
+ENV = "SPARSELOCO_FAULTS"
+CRASH_POINTS = ("after_train", "mid_upload", "after_upload", "after_submit", "mid_apply")
+_ENTRY = re.compile(
+    r"^(crash:(?P<point>[a-z_]+)|slow:(?P<secs>[0-9.]+)|(?P<corrupt>corrupt))@(?P<round>\d+)$"
+)
+
+
+@dataclass
+class Faults:
+    crash: dict[int, str] = field(default_factory=dict)
+    slow: dict[int, float] = field(default_factory=dict)
+    corrupt: set[int] = field(default_factory=set)
+
+    @classmethod
+    def parse(cls, text: str | None) -> Faults:
+        faults = cls()
+        for raw in (text or "").split(","):
+            entry = raw.strip()
+            if not entry:
+                continue
+            m = _ENTRY.match(entry)
+            if m is None or (m["point"] and m["point"] not in CRASH_POINTS):
+                raise ConfigError(
+                    f"{ENV}: bad entry {entry!r}; use crash:<{'|'.join(CRASH_POINTS)}>@R,"
+                    " slow:<seconds>@R or corrupt@R"
+                )
+            r = int(m["round"])
+            if m["point"]:
+                faults.crash[r] = m["point"]
+            elif m["secs"]:
+                faults.slow[r] = float(m["secs"])
+            else:
+                faults.corrupt.add(r)
+        return faults
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        return cls.parse(os.environ.get(ENV))
+
+    def crash_point(self, round_: int, point: str) -> None:
+        """Die like ``kill -9`` if a crash was asked for here."""
+        if self.crash.get(round_) == point:
+            log.warning("event=fault_crash round=%d point=%s", round_, point)
+            logging.shutdown()
+            os._exit(137)
+
+    def slow_for(self, round_: int) -> float:
+        return self.slow.pop(round_, 0.0)
+
+    def corrupt_now(self, round_: int) -> bool:
+        if round_ in self.corrupt:
+            self.corrupt.discard(round_)
+            log.warning("event=fault_corrupt round=%d", round_)
+            return True
+        return False
