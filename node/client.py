@@ -20,6 +20,9 @@ from node.retry import TRANSIENT_STATUS, RetryPolicy, TransientError, retry
 from protocol.errors import SparseLoCoError
 from protocol.messages import (
     Ack,
+    CheckpointInfo,
+    CheckpointUpload,
+    CheckpointView,
     ErrorBody,
     JoinRequest,
     JoinResponse,
@@ -169,6 +172,25 @@ class CoordinatorClient:
 
     async def report(self, round_: int, report: RoundReport) -> None:
         await self._call("POST", f"/v1/rounds/{round_}/report", Ack, report)
+
+    async def checkpoint_grant(self, round_: int, offer: CheckpointUpload) -> UploadGrant:
+        """A presigned PUT for θ_round as a checkpoint; ``CoordinatorError`` ``not_needed``."""
+        out = await self._call("POST", f"/v1/checkpoints/{round_}/upload", UploadGrant, offer)
+        return UploadGrant.model_validate(out)
+
+    async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo:
+        out = await self._call("POST", f"/v1/checkpoints/{round_}/commit", CheckpointInfo, offer)
+        return CheckpointInfo.model_validate(out)
+
+    async def latest_checkpoint(self) -> CheckpointView | None:
+        """The newest accepted checkpoint with a presigned GET, or None if there is none."""
+        try:
+            out = await self._call("GET", "/v1/checkpoints/latest", CheckpointView)
+        except CoordinatorError as exc:
+            if exc.status == 404:  # no_checkpoint (or a coordinator without checkpoints)
+                return None
+            raise
+        return CheckpointView.model_validate(out)
 
     async def status(self, rounds: int | None = None) -> StatusView:
         params = {"rounds": str(rounds)} if rounds is not None else None

@@ -37,32 +37,39 @@ from typing import Any, TypeVar
 
 import aiohttp
 import torch
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from node.checkpoints import CheckpointSync
 from node.client import ClientTimeouts, CoordinatorClient, CoordinatorError
+from node.faults import Faults
+from node.gather import decode_gather, fetch_gather, verify_manifest
 from node.retry import RetriesExhausted, RetryPolicy
 from node.settings import NodeSettings
-from node.state import PENDING_FILE, StateError, load_pending, load_state, save_pending, save_state
+from node.state import (
+    PENDING_FILE,
+    STATE_FILE,
+    StateError,
+    load_pending,
+    load_state,
+    save_pending,
+    save_state,
+)
 from node.transfer import (
-    DigestError,
     TransferError,
     TransferTimeouts,
-    get_object,
     put_object,
 )
-from node.worker import Abandoned, Worker, check_payload_header
-from protocol.codec import Payload
-from protocol.errors import PayloadError, SparseLoCoError
+from node.worker import Abandoned, Worker
+from protocol.errors import SparseLoCoError
 from protocol.messages import (
     JoinResponse,
     Manifest,
     ManifestView,
+    Mass,
     RoundReport,
     RoundState,
     RoundView,
     SubmitRequest,
-    manifest_bytes,
 )
 
 log = logging.getLogger("sparseloco.node")
@@ -74,10 +81,6 @@ DOWNLOAD_ROUNDS = 3
 
 #: Refusals that mean "this round went on without us"; the contribution stays in e.
 _MISSED = frozenset({"round_closed", "not_expected", "already_submitted", "run_finished"})
-
-
-class ManifestError(SparseLoCoError, ValueError):
-    """A manifest failed verification (bad signature, other run or round)."""
 
 
 class NodeDaemon:
@@ -94,6 +97,8 @@ class NodeDaemon:
         self.timings: dict[str, float] = {}
         self.bytes_up = 0
         self.train_loss: float | None = None
+        self.mass_in: list[float] | None = None
+        self.faults = Faults.from_env()
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -146,7 +151,13 @@ class NodeDaemon:
                 self.public_key = Ed25519PublicKey.from_public_bytes(
                     bytes.fromhex(self.joined.manifest_public_key)
                 )
-                self.worker = await self.compute(self._setup, self.joined)
+                self.worker, resumed = await self.compute(self._setup, self.joined)
+                self.sync = CheckpointSync(self.client, http, self.transfer_timeouts, self.compute)
+                if not resumed:
+                    # No usable local state: start from the newest checkpoint if there is
+                    # one (else θ_0); the loop replays the manifests since.
+                    await self.sync.restore_latest(self.w)
+                    await self.compute(self._save_idle)
                 self._log("joined", run=self.joined.run_id, slot=self.joined.slot)
                 heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
                 try:
@@ -163,7 +174,8 @@ class NodeDaemon:
             self.executor.shutdown(wait=True)
         return 0
 
-    def _setup(self, joined: JoinResponse) -> Worker:
+    def _setup(self, joined: JoinResponse) -> tuple[Worker, bool]:
+        """The worker, restored from local state when there is usable state (True)."""
         s = self.settings
         if s.threads:
             torch.set_num_threads(s.threads)
@@ -176,10 +188,18 @@ class NodeDaemon:
             eval_batches=s.eval_batches,
             eval_batch_size=s.eval_batch_size,
         )
-        state = load_state(s.state_dir, worker.shapes)
+        try:
+            state = load_state(s.state_dir, worker.shapes)
+        except StateError as exc:
+            # Torn or damaged: keep the evidence, recover from the object store instead.
+            aside = s.state_dir / f"{STATE_FILE}.damaged-{int(time.time())}"
+            (s.state_dir / STATE_FILE).rename(aside)
+            log.warning(
+                "event=state_damaged node=%s moved_to=%s error=%r", joined.node_id, aside, exc
+            )
+            state = None
         if state is None:
-            save_state(s.state_dir, worker.snapshot())
-            return worker
+            return worker, False
         if state.run_id != joined.run_id or state.node_id != joined.node_id:
             raise StateError(
                 f"{s.state_dir} holds node {state.node_id!r} of run {state.run_id!r}, not"
@@ -191,10 +211,11 @@ class NodeDaemon:
             if self.pending is None:
                 raise StateError(f"{s.state_dir}: state says a payload is pending but none is")
             self.phase = "submitting"
+            self.mass_in = state.extra.get("mass_in")
         log.info(
             "event=resumed node=%s round=%d phase=%s", joined.node_id, state.round, state.phase
         )
-        return worker
+        return worker, True
 
     async def _heartbeat(self) -> None:
         interval = self.joined.heartbeat_interval_s if self.joined else 5.0
@@ -250,16 +271,28 @@ class NodeDaemon:
             return
         self.timings.update(train=result.train_s, encode=result.encode_s)
         self.train_loss = result.train_loss
+        self.faults.crash_point(r, "after_train")
         self.pending = result.payload
         self.phase = "submitting"
+        self.mass_in = [result.computed, result.scale]
         await self.compute(self._save_pending, result.payload)
         self._log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload))
+        delay = self.faults.slow_for(r)
+        if delay:
+            self._log("fault_slow", seconds=delay)
+            await self._sleep(delay)
         await self._submit(r, result.payload, result.base)
         await self._finish_round(r, own=result.payload)
 
     def _save_pending(self, payload: bytes) -> None:
         save_pending(self.settings.state_dir, payload)
-        save_state(self.settings.state_dir, self.w.snapshot("submitting"))
+        snapshot = self.w.snapshot("submitting")
+        snapshot.extra["mass_in"] = self.mass_in
+        save_state(self.settings.state_dir, snapshot)
+
+    def _save_idle(self) -> None:
+        save_state(self.settings.state_dir, self.w.snapshot("idle"))
+        (self.settings.state_dir / PENDING_FILE).unlink(missing_ok=True)
 
     async def _resume_pending(self, view: RoundView) -> None:
         """After a restart with a trained, unsent (or unconfirmed) payload for this round."""
@@ -277,6 +310,7 @@ class NodeDaemon:
         self.bytes_up = 0
         try:
             grant = await self.client.upload_grant(r, len(payload), sha)
+            self.faults.crash_point(r, "mid_upload")
             await put_object(
                 self.http,
                 grant.url,
@@ -286,11 +320,13 @@ class NodeDaemon:
             )
             self.bytes_up = len(payload)
             self.timings["upload"] = time.perf_counter() - t0
+            self.faults.crash_point(r, "after_upload")
             response = await self.client.submit(
                 r, SubmitRequest(size=len(payload), sha256=sha, base_fingerprint=base)
             )
             if not response.accepted:
                 self._log("submission_rejected", reason=repr(response.reason))
+            self.faults.crash_point(r, "after_submit")
         except CoordinatorError as exc:
             if exc.error not in _MISSED:
                 raise
@@ -308,19 +344,6 @@ class NodeDaemon:
                 return out
         return None
 
-    def _verify(self, view: ManifestView, r: int) -> Manifest:
-        manifest = view.signed.manifest
-        try:
-            self.public_key.verify(bytes.fromhex(view.signed.signature), manifest_bytes(manifest))
-        except InvalidSignature as exc:
-            raise ManifestError(f"round {r}: manifest signature does not verify") from exc
-        if manifest.run_id != self.w.run_id or manifest.round != r:
-            raise ManifestError(
-                f"manifest is for run {manifest.run_id} round {manifest.round},"
-                f" expected {self.w.run_id} round {r}"
-            )
-        return manifest
-
     async def _download_all(
         self, r: int, view: ManifestView, manifest: Manifest, own: bytes | None
     ) -> tuple[dict[str, bytes], dict[str, str]]:
@@ -333,7 +356,15 @@ class NodeDaemon:
         """
         for attempt in range(1, DOWNLOAD_ROUNDS + 1):
             try:
-                return await self._download(view, manifest, own)
+                return await fetch_gather(
+                    self.http,
+                    view,
+                    manifest,
+                    own=own,
+                    own_id=self.node_id,
+                    parallel=self.settings.parallel_downloads,
+                    timeouts=self.transfer_timeouts,
+                )
             except (TransferError, RetriesExhausted) as exc:
                 self._log("download_failed", attempt=attempt, error=repr(exc))
                 if attempt == DOWNLOAD_ROUNDS:
@@ -344,48 +375,6 @@ class NodeDaemon:
                 view = fresh
         raise AssertionError("unreachable")
 
-    async def _download(
-        self, view: ManifestView, manifest: Manifest, own: bytes | None
-    ) -> tuple[dict[str, bytes], dict[str, str]]:
-        gate = asyncio.Semaphore(self.settings.parallel_downloads)
-        blobs: dict[str, bytes] = {}
-        rejected: dict[str, str] = {}
-
-        async def fetch(node: str, size: int, sha: str) -> None:
-            if node == self.node_id and own and hashlib.sha256(own).hexdigest() == sha:
-                blobs[node] = own
-                return
-            async with gate:
-                try:
-                    blobs[node] = await get_object(
-                        self.http,
-                        view.urls[node],
-                        size=size,
-                        sha256=sha,
-                        timeouts=self.transfer_timeouts,
-                    )
-                except DigestError as exc:
-                    # The stored object is not what the manifest promised: every node reads the
-                    # same bytes, so every node leaves this payload out alike.
-                    rejected[node] = f"bad digest: {exc}"
-
-        await asyncio.gather(*(fetch(e.node_id, e.size, e.sha256) for e in manifest.gather))
-        return blobs, rejected
-
-    def _decode_all(
-        self, blobs: dict[str, bytes], r: int
-    ) -> tuple[dict[str, Payload], dict[str, str]]:
-        payloads: dict[str, Payload] = {}
-        rejected: dict[str, str] = {}
-        for node in sorted(blobs):
-            try:
-                payload = self.w.read(blobs[node])
-                check_payload_header(payload, run_id=self.w.run_id, round_=r, node_id=node)
-                payloads[node] = payload
-            except PayloadError as exc:
-                rejected[node] = f"failed validation: {exc}"
-        return payloads, rejected
-
     async def _finish_round(self, r: int, own: bytes | None) -> None:
         """Steps 6-9 for round r: wait, download, verify, aggregate, apply, save, report."""
         t_wait = time.perf_counter()
@@ -394,21 +383,35 @@ class NodeDaemon:
             return
         if own is not None:
             self.timings["wait"] = time.perf_counter() - getattr(self, "_submitted_at", t_wait)
-        manifest = self._verify(view, r)
+        manifest = verify_manifest(self.public_key, view, run_id=self.w.run_id, round_=r)
         base_now = await self.compute(self.w.fingerprint)
         if manifest.base_fingerprint is not None and manifest.base_fingerprint != base_now:
             self._log("diverged", ours=base_now, manifest=manifest.base_fingerprint)
+            await self._resync()
+            return
         t0 = time.perf_counter()
         blobs, rejected = await self._download_all(r, view, manifest, own)
         t1 = time.perf_counter()
-        payloads, invalid = await self.compute(self._decode_all, blobs, r)
+        payloads, invalid = await self.compute(decode_gather, self.w, blobs, r)
         rejected.update(invalid)
         t2 = time.perf_counter()
         await self.compute(self.w.apply, payloads)
         t3 = time.perf_counter()
-        if own is not None and self.node_id not in payloads:
-            await self.compute(self.w.return_own, own)
-            self._log("contribution_kept", reason=manifest.excluded.get(self.node_id, "rejected"))
+        self.faults.crash_point(r, "mid_apply")
+        if self.faults.corrupt_now(r):
+            await self.compute(self.w.corrupt)
+        mass = None
+        if own is not None:
+            sent = 0.0
+            if self.node_id in payloads:
+                sent = await self.compute(self.w.sent_mass, own)
+            else:
+                await self.compute(self.w.return_own, own)
+                reason = manifest.excluded.get(self.node_id, "rejected")
+                self._log("contribution_kept", reason=repr(reason))
+            if self.mass_in:
+                held = await self.compute(self.w.held_mass)
+                mass = Mass(computed=self.mass_in[0], sent=sent, held=held, scale=self.mass_in[1])
         fp, eval_loss, eval_s = await self.compute(self._after_apply)
         t4 = time.perf_counter()
         down = sum(len(b) for n, b in blobs.items() if n != self.node_id or own is None)
@@ -423,8 +426,9 @@ class NodeDaemon:
             bytes_up=self.bytes_up if own is not None else 0,
             bytes_down=down,
             timings=self.timings if own is not None else {},
+            mass=mass,
         )
-        self.phase, self.pending = "idle", None
+        self.phase, self.pending, self.mass_in = "idle", None, None
         self._log(
             "applied",
             applied_round=r,
@@ -436,6 +440,22 @@ class NodeDaemon:
             await self.client.report(r, report)
         except CoordinatorError as exc:
             self._log("report_refused", error=exc.error)
+        await self.sync.offer(self.w)
+
+    async def _resync(self) -> None:
+        """θ differs from the round's base: start again from the newest checkpoint (or θ_0).
+
+        A pending payload trained from the wrong θ goes back into the error buffer first, so
+        nothing this node computed is lost; the loop then replays the manifests since.
+        """
+        if self.pending is not None:
+            await self.compute(self.w.return_own, self.pending)
+        self.phase, self.pending, self.mass_in = "idle", None, None
+        info = await self.sync.restore_latest(self.w)
+        if info is None:
+            await self.compute(self.w.reset_to_initial)
+        await self.compute(self._save_idle)
+        self._log("resynced", source=f"checkpoint {info.round}" if info else "θ_0")
 
     def _after_apply(self) -> tuple[str, float | None, float]:
         """Held-out loss (and its seconds), then fingerprint and the new state on disk."""

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from node.data import ByteCorpus, load_corpus
 from node.model import build_model, evaluate, get_preset
@@ -22,7 +24,7 @@ from node.optim import InnerOptimConfig, inner_step, make_adamw
 from node.outer import add_back, apply_aggregate, compress, feed_error, pseudo_gradient
 from node.state import NodeState, adam_tensors, restore_adam
 from protocol.codec import Payload, decode, read_payload
-from protocol.errors import PayloadError
+from protocol.errors import PayloadError, SparseLoCoError
 from protocol.fingerprint import fingerprint
 from protocol.runconfig import RunConfig
 
@@ -40,6 +42,18 @@ class TrainResult:
     train_loss: float
     train_s: float
     encode_s: float
+    #: Σ(β·e + Δ) and Σ|β·e + Δ| in float64: the mass this round had to send or keep.
+    computed: float = 0.0
+    scale: float = 0.0
+
+
+def total(tensors: Mapping[str, torch.Tensor]) -> float:
+    """Σ of every entry, in float64."""
+    return float(sum(t.double().sum().item() for t in tensors.values()))
+
+
+class CheckpointError(SparseLoCoError, ValueError):
+    """A checkpoint's contents do not match what it claims (fingerprint, names, shapes)."""
 
 
 class Worker:
@@ -162,6 +176,8 @@ class Worker:
         self._reset_to(start)
         t1 = time.perf_counter()
         feed_error(self.error, delta, self.run.beta)
+        computed = total(self.error)
+        scale = float(sum(e.double().abs().sum().item() for e in self.error.values()))
         payload, _ = compress(
             self.error,
             topk=self.run.topk,
@@ -172,7 +188,9 @@ class Worker:
             base=base,
         )
         t2 = time.perf_counter()
-        return TrainResult(payload, base, sum(losses) / len(losses), t1 - t0, t2 - t1)
+        return TrainResult(
+            payload, base, sum(losses) / len(losses), t1 - t0, t2 - t1, computed, scale
+        )
 
     def _reset_to(self, theta: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -192,8 +210,55 @@ class Worker:
         """Step 9: the node's own payload was not aggregated; put ĉ back into e."""
         add_back(self.error, decode(payload, self.shapes))
 
+    def sent_mass(self, payload: bytes) -> float:
+        """Σ of what a payload carries once decoded (what peers add for this node)."""
+        return total(decode(payload, self.shapes))
+
+    def held_mass(self) -> float:
+        return total(self.error)
+
     def evaluate(self) -> float:
         return evaluate(self.model, self.eval_set)
+
+    def corrupt(self) -> None:
+        """Flip the lowest bit of one parameter (fault injection: a silently diverged node)."""
+        first = next(iter(self.params.values()))
+        with torch.no_grad():
+            first.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def checkpoint_bytes(self) -> tuple[bytes, str]:
+        """θ as a safetensors file, and its fingerprint."""
+        params = {n: t.detach().cpu().contiguous() for n, t in self.params.items()}
+        return save_safetensors(params, metadata={"run_id": self.run_id}), fingerprint(params)
+
+    def load_checkpoint(self, data: bytes, *, round_: int, expected: str) -> None:
+        """Set θ from a checkpoint file after checking names, shapes and fingerprint.
+
+        safetensors holds only tensors (no code), so a hostile file can at worst be wrong,
+        which the fingerprint check catches. The error buffer and AdamW stay as they are.
+        """
+        try:
+            tensors = load_safetensors(data)
+        except Exception as exc:  # safetensors raises several types for bad bytes
+            raise CheckpointError(f"checkpoint of round {round_} is unreadable: {exc}") from exc
+        got = {n: tuple(t.shape) for n, t in tensors.items()}
+        if got != self.shapes or any(t.dtype != torch.float32 for t in tensors.values()):
+            raise CheckpointError(f"checkpoint of round {round_} does not match the model")
+        actual = fingerprint(tensors)
+        if actual != expected:
+            raise CheckpointError(
+                f"checkpoint of round {round_} has fingerprint {actual}, expected {expected}"
+            )
+        self._reset_to(tensors)
+        self.round = round_
+
+    def reset_to_initial(self) -> None:
+        """θ_0 from the run's seed, round 0 (for a replay from the start)."""
+        initial = build_model(self.model_cfg, seed=self.run.seed)
+        self._reset_to({n: p.data for n, p in initial.named_parameters()})
+        self.round = 0
 
 
 def check_payload_header(payload: Payload, *, run_id: str, round_: int, node_id: str) -> None:

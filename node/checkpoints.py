@@ -1,0 +1,109 @@
+"""Checkpoints from the node's side: offering θ every K rounds, and starting from the newest.
+
+- ``offer``: after applying round R-1 (so the model holds θ_R) with R a multiple of the run's
+  ``checkpoint_every``, a node serialises θ as safetensors and asks the coordinator for a
+  presigned PUT. The first node whose reported fingerprint matches the majority gets it; every
+  other node hears ``not_needed`` and carries on. Failures cost the checkpoint, never the round.
+- ``restore_latest``: a node with no usable local state (a new joiner, a wiped disk, a torn
+  state file) or a node that diverged downloads the newest checkpoint, checks its sha256 and
+  the fingerprint of the parameters it holds, and continues from that round; replaying the
+  manifests since then is the round loop's ordinary catch-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+
+from node.client import CoordinatorClient, CoordinatorError
+from node.retry import RetriesExhausted
+from node.transfer import TransferError, TransferTimeouts, get_object, put_object
+from node.worker import CheckpointError, Worker
+from protocol.messages import CheckpointInfo, CheckpointUpload
+
+log = logging.getLogger("sparseloco.checkpoints")
+
+T = TypeVar("T")
+Compute = Callable[..., Awaitable[Any]]
+
+
+class CheckpointSync:
+    """Checkpoint traffic for one node; ``compute`` runs CPU work on the node's compute thread."""
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        http: aiohttp.ClientSession,
+        timeouts: TransferTimeouts,
+        compute: Compute,
+    ) -> None:
+        self.client = client
+        self.http = http
+        self.timeouts = timeouts
+        self.compute = compute
+
+    async def offer(self, worker: Worker) -> CheckpointInfo | None:
+        """Offer θ_{worker.round} if this round is a checkpoint round; the accepted info."""
+        every = worker.run.checkpoint_every
+        r = worker.round
+        if not every or r == 0 or r % every:
+            return None
+        data, fp = await self.compute(worker.checkpoint_bytes)
+        offer = CheckpointUpload(
+            size=len(data), sha256=hashlib.sha256(data).hexdigest(), fingerprint=fp
+        )
+        try:
+            grant = await self.client.checkpoint_grant(r, offer)
+        except CoordinatorError as exc:
+            log.info(
+                "event=checkpoint_declined node=%s round=%d why=%s", worker.node_id, r, exc.error
+            )
+            return None
+        try:
+            await put_object(self.http, grant.url, grant.headers, data, timeouts=self.timeouts)
+            info = await self.client.checkpoint_commit(r, offer)
+        except (CoordinatorError, TransferError, RetriesExhausted) as exc:
+            log.warning("event=checkpoint_failed node=%s round=%d error=%r", worker.node_id, r, exc)
+            return None
+        log.info(
+            "event=checkpoint_uploaded node=%s round=%d bytes=%d fingerprint=%s",
+            worker.node_id,
+            r,
+            len(data),
+            fp,
+        )
+        return info
+
+    async def restore_latest(self, worker: Worker) -> CheckpointInfo | None:
+        """Load the newest checkpoint into ``worker``; None (θ untouched) if there is none
+        or it fails verification."""
+        view = await self.client.latest_checkpoint()
+        if view is None:
+            return None
+        info = view.info
+        try:
+            data = await get_object(
+                self.http, view.url, size=info.size, sha256=info.sha256, timeouts=self.timeouts
+            )
+            await self.compute(
+                lambda: worker.load_checkpoint(data, round_=info.round, expected=info.fingerprint)
+            )
+        except (TransferError, RetriesExhausted, CheckpointError) as exc:
+            log.warning(
+                "event=checkpoint_rejected node=%s round=%d error=%r",
+                worker.node_id,
+                info.round,
+                exc,
+            )
+            return None
+        log.info(
+            "event=checkpoint_loaded node=%s round=%d bytes=%d",
+            worker.node_id,
+            info.round,
+            info.size,
+        )
+        return info
