@@ -1,17 +1,12 @@
-"""The coordinator's HTTP API (aiohttp): authentication, validation, routes, error mapping.
+"""The coordinator's HTTP API (aiohttp): the route handlers and the app's lifecycle.
 
 Handlers are thin: they authenticate the bearer token, validate the body with the wire models of
-``protocol.messages``, call the ``RoundMachine`` (which commits before we answer), and map every
-failure to an ``ErrorBody``::
+``protocol.messages``, call the ``RoundMachine`` or the ``CheckpointBook`` (which commit before
+we answer), and let ``coordinator.handling`` map every failure to an ``ErrorBody``.
 
-    400 bad_json      body is not JSON             401 unauthorized   no or unknown token
-    404 unknown_round / not_found                  409 round_closed, round_open, not_expected,
-    413 too_large     body or payload too big          not_member, already_submitted
-    422 invalid       validation failed (field = dotted location of the first error)
-    503 storage_unavailable                        the object store did not answer
-
-Background tasks (the ticker that times out members and closes overdue rounds, and the manifest
-publisher) are owned by the app's cleanup context and cancelled in that order on shutdown.
+Background tasks (the ticker that times out members and closes overdue rounds, the publisher of
+manifests and checkpoint sidecars, and retention) are owned by the app's cleanup context and
+cancelled in that order on shutdown.
 """
 
 from __future__ import annotations
@@ -20,26 +15,37 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
+from coordinator.checkpoints import CheckpointBook
 from coordinator.config import CoordinatorConfig
 from coordinator.db import DB_FILE, Database
-from coordinator.machine import RoundError, RoundMachine, UnknownRound
+from coordinator.handling import (
+    TOKENS,
+    ApiError,
+    Handler,
+    error_middleware,
+    node_of,
+    ok,
+    query_number,
+    read_body,
+    round_of,
+)
+from coordinator.machine import Conflict, RoundMachine
 from coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
 from coordinator.openapi import ENDPOINTS, openapi_document
 from coordinator.publisher import ManifestPublisher
+from coordinator.retention import Retention
 from coordinator.signing import ManifestSigner
-from coordinator.storage import ObjectStore, S3Store, StorageError, sha256_b64
-from protocol.errors import SparseLoCoError
+from coordinator.storage import ObjectInfo, ObjectStore, S3Store, sha256_b64
 from protocol.keys import payload_key
 from protocol.messages import (
     Ack,
-    ErrorBody,
+    CheckpointUpload,
+    CheckpointView,
     JoinRequest,
     JoinResponse,
     ManifestView,
@@ -54,16 +60,6 @@ log = logging.getLogger("sparseloco.coordinator.app")
 
 #: Seconds between ticks (member timeouts, waiting rounds opening, deadlines).
 TICK_S = 0.25
-M = TypeVar("M", bound=BaseModel)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class ApiError(SparseLoCoError):
-    """An error answered as ``ErrorBody`` with an HTTP status."""
-
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
 
 
 @dataclass
@@ -72,16 +68,18 @@ class Coordinator:
 
     config: CoordinatorConfig
     machine: RoundMachine
+    checkpoints: CheckpointBook
     store: ObjectStore
     signer: ManifestSigner
     metrics: CoordinatorMetrics
     publisher: ManifestPublisher
+    retention: Retention
     tokens: dict[str, str]  # token -> node id
     waiters: dict[int, asyncio.Event] = field(default_factory=dict)
     stopping: bool = False
 
     def after_close(self, closed: list[SignedManifest]) -> None:
-        """Rounds closed: wake their long-polls, count them, publish their manifests."""
+        """Rounds closed: wake their long-polls, count them, publish their manifests, prune."""
         if not closed:
             return
         self.metrics.closed(closed)
@@ -90,6 +88,7 @@ class Coordinator:
             if event is not None:
                 event.set()
         self.publisher.kick()
+        self.retention.kick()
 
     async def wait_closed(self, round_: int, timeout: float) -> None:
         """Return when ``round_`` closes, the server stops, or after ``timeout`` seconds."""
@@ -103,83 +102,23 @@ class Coordinator:
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 
 
-def _error(status: int, code: str, message: str, field: str | None = None) -> web.Response:
-    body = ErrorBody(error=code, message=message, field=field)
-    return web.json_response(text=body.model_dump_json(), status=status)
-
-
-def _ok(model: BaseModel, status: int = 200) -> web.Response:
-    return web.json_response(text=model.model_dump_json(), status=status)
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return _error(exc.status, exc.code, exc.message, exc.field)
-    except UnknownRound as exc:
-        return _error(404, exc.code, exc.message)
-    except RoundError as exc:
-        return _error(409, exc.code, exc.message)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return _error(413, "too_large", exc.text or "request body too large")
-    except StorageError as exc:
-        log.warning("event=storage_error path=%s error=%s", request.path, exc)
-        return _error(503, "storage_unavailable", f"the object store failed: {exc}")
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        return _error(exc.status, code, exc.reason)
-
-
-def _node(request: web.Request) -> str:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    node_id = request.app[COORDINATOR].tokens.get(token.strip()) if scheme == "Bearer" else None
-    if node_id is None:
-        raise ApiError(401, "unauthorized", "send Authorization: Bearer <token> from the config")
-    return node_id
-
-
-async def _body(request: web.Request, model: type[M]) -> M:
-    raw = await request.read()
-    try:
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        if first["type"] == "json_invalid":
-            raise ApiError(400, "bad_json", f"the body is not valid JSON: {first['msg']}") from exc
-        loc = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(422, "invalid", f"{loc or 'body'}: {first['msg']}", loc) from exc
-
-
-def _round(request: web.Request) -> int:
-    return int(request.match_info["round"])
-
-
-def _query_number(request: web.Request, name: str, default: float, hi: float) -> float:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= hi:
-        raise ApiError(422, "invalid", f"{name} must be a number in [0, {hi:g}]", name)
-    return value
+def _matches(info: ObjectInfo | None, size: int, sha256: str) -> bool:
+    """Whether a stored object has this size and (if the store keeps one) this checksum."""
+    return (
+        info is not None
+        and info.size == size
+        and (info.sha256_b64 is None or info.sha256_b64 == sha256_b64(sha256))
+    )
 
 
 # ---- handlers ------------------------------------------------------------------------------
 async def join(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    node_id = _node(request)
-    req = await _body(request, JoinRequest)
+    node_id = node_of(request)
+    req = await read_body(request, JoinRequest)
     slot = coord.machine.join(node_id, req.client)
     timing = coord.config.run.timing
-    return _ok(
+    return ok(
         JoinResponse(
             node_id=node_id,
             run_id=coord.machine.run_id,
@@ -193,17 +132,17 @@ async def join(request: web.Request) -> web.Response:
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    return _ok(request.app[COORDINATOR].machine.heartbeat(_node(request)))
+    return ok(request.app[COORDINATOR].machine.heartbeat(node_of(request)))
 
 
 async def leave(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    coord.after_close(coord.machine.leave(_node(request)))
-    return _ok(Ack())
+    coord.after_close(coord.machine.leave(node_of(request)))
+    return ok(Ack())
 
 
 async def current_round(request: web.Request) -> web.Response:
-    return _ok(request.app[COORDINATOR].machine.round_view(_node(request)))
+    return ok(request.app[COORDINATOR].machine.round_view(node_of(request)))
 
 
 def _check_size(coord: Coordinator, size: int) -> None:
@@ -214,71 +153,123 @@ def _check_size(coord: Coordinator, size: int) -> None:
 
 async def upload(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    node_id = _node(request)
-    round_ = _round(request)
-    req = await _body(request, UploadRequest)
+    node_id = node_of(request)
+    round_ = round_of(request)
+    req = await read_body(request, UploadRequest)
     _check_size(coord, req.size)
     coord.machine.check_submittable(node_id, round_)
     key = payload_key(coord.config.storage.prefix, coord.machine.run_id, round_, node_id)
     url, headers = coord.store.presign_put(key, req.size, req.sha256)
     log.info("event=upload_granted round=%d node=%s size=%d", round_, node_id, req.size)
     expires = float(coord.config.server.presign_expiry_s)
-    return _ok(UploadGrant(key=key, url=url, headers=headers, expires_in_s=expires))
+    return ok(UploadGrant(key=key, url=url, headers=headers, expires_in_s=expires))
 
 
 async def submit(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    node_id = _node(request)
-    round_ = _round(request)
-    req = await _body(request, SubmitRequest)
+    node_id = node_of(request)
+    round_ = round_of(request)
+    req = await read_body(request, SubmitRequest)
     _check_size(coord, req.size)
     prior = coord.machine.previous_submission(node_id, round_, req)
     if prior is not None:
-        return _ok(prior)
+        return ok(prior)
     coord.machine.check_submittable(node_id, round_)
     key = payload_key(coord.config.storage.prefix, coord.machine.run_id, round_, node_id)
-    info = await coord.store.head(key)
-    digest_ok = (
-        info is not None
-        and info.size == req.size
-        and (info.sha256_b64 is None or info.sha256_b64 == sha256_b64(req.sha256))
-    )
+    digest_ok = _matches(await coord.store.head(key), req.size, req.sha256)
     resp, closed = coord.machine.submit(node_id, round_, req, digest_ok)
     coord.metrics.submissions.labels(result=resp.reason or "accepted").inc()
     coord.after_close(closed)
-    return _ok(resp)
+    return ok(resp)
 
 
 async def manifest(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    node_id = _node(request)
-    round_ = _round(request)
+    node_id = node_of(request)
+    round_ = round_of(request)
     server = coord.config.server
-    wait = min(_query_number(request, "wait", 0.0, 1e9), server.manifest_wait_max_s)
+    wait = min(query_number(request, "wait", 0.0, 1e9), server.manifest_wait_max_s)
     signed = coord.machine.manifest(round_)
     if signed is None:
         await coord.wait_closed(round_, wait)
         signed = coord.machine.manifest(round_)
     if signed is None:
-        return _ok(coord.machine.round_view(node_id), status=202)
+        return ok(coord.machine.round_view(node_id), status=202)
     urls = {e.node_id: coord.store.presign_get(e.key) for e in signed.manifest.gather}
-    return _ok(ManifestView(signed=signed, urls=urls))
+    return ok(ManifestView(signed=signed, urls=urls))
 
 
 async def report(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    node_id = _node(request)
-    round_ = _round(request)
-    body = await _body(request, RoundReport)
+    node_id = node_of(request)
+    round_ = round_of(request)
+    body = await read_body(request, RoundReport)
     coord.machine.report(node_id, round_, body)
-    return _ok(Ack())
+    return ok(Ack())
 
 
 async def status(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     default = coord.config.server.status_rounds
-    n = int(_query_number(request, "rounds", default, 100000))
-    return _ok(coord.machine.status(n))
+    n = int(query_number(request, "rounds", default, 100000))
+    return ok(coord.machine.status(n))
+
+
+async def checkpoint_upload(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    round_ = round_of(request)
+    offer = await read_body(request, CheckpointUpload)
+    key = coord.checkpoints.grant(node_id, round_, offer)
+    # An expired grant (another node's, or this node's for other bytes) may have left an object
+    # behind; the key is write-once, so it must go unless it surely holds exactly these bytes
+    # (a store that keeps no checksum cannot say: same-shaped checkpoints have equal sizes).
+    stored = await coord.store.head(key)
+    if stored is not None and stored.sha256_b64 != sha256_b64(offer.sha256):
+        await coord.store.delete_keys([key])
+        log.info("event=checkpoint_stale_deleted round=%d node=%s", round_, node_id)
+    url, headers = coord.store.presign_put(key, offer.size, offer.sha256)
+    expires = float(coord.config.server.presign_expiry_s)
+    return ok(UploadGrant(key=key, url=url, headers=headers, expires_in_s=expires))
+
+
+async def checkpoint_commit(request: web.Request) -> web.Response:
+    """Commit an uploaded checkpoint, answering once its sidecar and ``latest.json`` are written.
+
+    The stored object is checked by HEAD (size and checksum), never downloaded; a node that loads
+    the checkpoint verifies the fingerprint of what it loaded. If the store fails after the
+    checkpoint is recorded, the answer is 503: the publisher keeps retrying in the background, and
+    a retried commit (idempotent) answers once everything is written.
+    """
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    round_ = round_of(request)
+    offer = await read_body(request, CheckpointUpload)
+    info = coord.checkpoints.committed(node_id, round_, offer)
+    if info is None:
+        stored = await coord.store.head(coord.checkpoints.key(round_))
+        if not _matches(stored, offer.size, offer.sha256):
+            raise Conflict(
+                "missing", f"no object with this size and sha256 at the checkpoint of {round_}"
+            )
+        info = coord.checkpoints.commit(node_id, round_, offer)
+        coord.metrics.checkpoints.inc()
+        coord.retention.kick()
+    try:
+        await coord.publisher.publish_checkpoints()
+    except Exception:
+        coord.publisher.kick()
+        raise
+    return ok(info)
+
+
+async def checkpoint_latest(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    node_of(request)
+    info = coord.checkpoints.latest()
+    if info is None:
+        raise ApiError(404, "no_checkpoint", "no checkpoint has been committed yet")
+    return ok(CheckpointView(info=info, url=coord.store.presign_get(info.key)))
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -301,6 +292,9 @@ HANDLERS: dict[str, Handler] = {
     "submit": submit,
     "manifest": manifest,
     "report": report,
+    "checkpoint_upload": checkpoint_upload,
+    "checkpoint_commit": checkpoint_commit,
+    "checkpoint_latest": checkpoint_latest,
     "status": status,
     "openapi": openapi,
     "metrics": metrics,
@@ -321,8 +315,9 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     coord = app[COORDINATOR]
     ticker = asyncio.create_task(_ticker(coord), name="ticker")
     publisher = asyncio.create_task(coord.publisher.run(), name="publisher")
+    retention = asyncio.create_task(coord.retention.run_forever(), name="retention")
     yield
-    for task in (ticker, publisher):
+    for task in (ticker, publisher, retention):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -370,19 +365,36 @@ def create_app(
     publisher = ManifestPublisher(
         db, store, prefix=storage.prefix, run_id=machine.run_id, metrics=metrics_
     )
+    book = CheckpointBook(
+        machine,
+        prefix=storage.prefix,
+        grant_s=config.server.presign_expiry_s,
+        max_bytes=storage.max_checkpoint_bytes,
+    )
+    retention = Retention(
+        db,
+        store,
+        config.run,
+        prefix=storage.prefix,
+        current_round=machine.round_number,
+        metrics=metrics_,
+    )
     coord = Coordinator(
         config=config,
         machine=machine,
+        checkpoints=book,
         store=store,
         signer=signer,
         metrics=metrics_,
         publisher=publisher,
+        retention=retention,
         tokens=config.node_for_token(),
     )
     app = web.Application(
         middlewares=[error_middleware], client_max_size=config.server.max_body_bytes
     )
     app[COORDINATOR] = coord
+    app[TOKENS] = coord.tokens
     for ep in ENDPOINTS:
         path = ep.path.replace("{round}", r"{round:\d{1,18}}")
         app.router.add_route(ep.method, path, HANDLERS[ep.name])

@@ -64,6 +64,8 @@ class StorageConfig(_Section):
     access_key: str = Field(min_length=1)
     secret_key: str = Field(min_length=1)
     max_payload_bytes: int = Field(268435456, ge=1)
+    #: Largest checkpoint (safetensors file) a node may upload.
+    max_checkpoint_bytes: int = Field(16 * 1024**3, ge=1)
 
 
 class CoordinatorConfig(BaseSettings):

@@ -1,7 +1,8 @@
 """The coordinator's persistent state: one SQLite database (WAL) in the state directory.
 
 It holds the run id and config, the members, the rounds (with each closed round's signed
-manifest), every submission in arrival order, and the nodes' round reports. Every state change
+manifest), every submission in arrival order, the nodes' round reports, checkpoint upload grants
+and committed checkpoints, and how far retention has pruned the store. Every state change
 is one transaction committed before the HTTP response goes out, so a restart (or a crash) never
 loses an answer a node has already seen. Heartbeat times are not stored: after a restart every
 active member is given a fresh heartbeat window anyway.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.messages import Exclusion, MemberState, RoundState
+from protocol.messages import CheckpointInfo, CheckpointUpload, Exclusion, MemberState, RoundState
 
 DB_FILE = "coordinator.sqlite"
 SCHEMA_VERSION = 1
@@ -62,6 +63,18 @@ CREATE TABLE IF NOT EXISTS reports (
     report TEXT NOT NULL,
     PRIMARY KEY (round, node_id)
 );
+CREATE TABLE IF NOT EXISTS checkpoint_grants (
+    round INTEGER PRIMARY KEY,
+    node_id TEXT NOT NULL,
+    body TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    round INTEGER PRIMARY KEY,
+    info TEXT NOT NULL,
+    published INTEGER NOT NULL DEFAULT 0,
+    pruned INTEGER NOT NULL DEFAULT 0
+);
 """
 
 
@@ -84,6 +97,21 @@ class RoundRow:
     base_fingerprint: str | None
     signed_manifest: str | None
     published: bool
+
+
+@dataclass(frozen=True)
+class GrantRow:
+    round: int
+    node_id: str
+    body: CheckpointUpload
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    info: CheckpointInfo
+    published: bool
+    pruned: bool
 
 
 @dataclass(frozen=True)
@@ -333,3 +361,56 @@ class Database:
             "SELECT node_id, report FROM reports WHERE round=? ORDER BY node_id", (round_,)
         )
         return {str(r[0]): json.loads(r[1]) for r in rows}
+
+    # checkpoints
+    def grant(self, round_: int) -> GrantRow | None:
+        row = self._conn.execute(
+            "SELECT node_id, body, expires_at FROM checkpoint_grants WHERE round=?", (round_,)
+        ).fetchone()
+        if row is None:
+            return None
+        return GrantRow(round_, row[0], CheckpointUpload.model_validate_json(row[1]), row[2])
+
+    def put_grant(
+        self, round_: int, node_id: str, body: CheckpointUpload, expires_at: float
+    ) -> None:
+        self._conn.execute(
+            "INSERT OR REPLACE INTO checkpoint_grants(round, node_id, body, expires_at)"
+            " VALUES(?,?,?,?)",
+            (round_, node_id, body.model_dump_json(), expires_at),
+        )
+
+    def add_checkpoint(self, info: CheckpointInfo) -> None:
+        self._conn.execute(
+            "INSERT INTO checkpoints(round, info) VALUES(?, ?)",
+            (info.round, info.model_dump_json()),
+        )
+
+    def checkpoints(self) -> list[CheckpointRow]:
+        """Every committed checkpoint, newest first."""
+        rows = self._conn.execute(
+            "SELECT info, published, pruned FROM checkpoints ORDER BY round DESC"
+        )
+        return [
+            CheckpointRow(CheckpointInfo.model_validate_json(r[0]), bool(r[1]), bool(r[2]))
+            for r in rows
+        ]
+
+    def checkpoint(self, round_: int) -> CheckpointInfo | None:
+        row = self._conn.execute("SELECT info FROM checkpoints WHERE round=?", (round_,)).fetchone()
+        return None if row is None else CheckpointInfo.model_validate_json(row[0])
+
+    def newest_checkpoint(self) -> CheckpointInfo | None:
+        row = self._conn.execute(
+            "SELECT info FROM checkpoints ORDER BY round DESC LIMIT 1"
+        ).fetchone()
+        return None if row is None else CheckpointInfo.model_validate_json(row[0])
+
+    def mark_checkpoint(
+        self, round_: int, *, published: bool = False, pruned: bool = False
+    ) -> None:
+        """Set the ``published`` and/or ``pruned`` flag of a committed checkpoint."""
+        if published:
+            self._conn.execute("UPDATE checkpoints SET published=1 WHERE round=?", (round_,))
+        if pruned:
+            self._conn.execute("UPDATE checkpoints SET pruned=1 WHERE round=?", (round_,))

@@ -40,6 +40,13 @@ class CoordinatorMetrics:
             "sparseloco_manifest_publish_failures", "Failed manifest uploads (retried)",
             registry=self.registry,
         )  # fmt: skip
+        self.deleted = Counter(
+            "sparseloco_objects_deleted", "Objects deleted by retention", ["kind"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.checkpoints = Counter(
+            "sparseloco_checkpoints_committed", "Checkpoints committed", registry=self.registry
+        )
 
     def closed(self, manifests: Iterable[SignedManifest]) -> None:
         for signed in manifests:

@@ -15,6 +15,9 @@ from pydantic.json_schema import models_json_schema
 
 from protocol.messages import (
     Ack,
+    CheckpointInfo,
+    CheckpointUpload,
+    CheckpointView,
     ErrorBody,
     JoinRequest,
     JoinResponse,
@@ -65,6 +68,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("report", "POST", "/v1/rounds/{round}/report",
              "Report the fingerprint after applying a closed round", RoundReport, {200: Ack},
              errors=(400, 401, 404, 409, 413, 422)),
+    Endpoint("checkpoint_upload", "POST", "/v1/checkpoints/{round}/upload",
+             "A presigned PUT for θ at the start of this round, for the first eligible node",
+             CheckpointUpload, {200: UploadGrant}, errors=(400, 401, 404, 409, 413, 422)),
+    Endpoint("checkpoint_commit", "POST", "/v1/checkpoints/{round}/commit",
+             "Announce the uploaded checkpoint (grant holder only); idempotent", CheckpointUpload,
+             {200: CheckpointInfo}, errors=(400, 401, 409, 413, 422, 503)),
+    Endpoint("checkpoint_latest", "GET", "/v1/checkpoints/latest",
+             "The newest committed checkpoint with a presigned GET", None,
+             {200: CheckpointView}, errors=(401, 404)),
     Endpoint("status", "GET", "/v1/status", "The run, its members and recent rounds", None,
              {200: StatusView}, auth=False,
              query={"rounds": "how many recent rounds to include"}, errors=(422,)),
@@ -75,10 +87,11 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 _ERROR_TEXT = {
     400: "the body is not JSON",
     401: "missing or unknown bearer token",
-    404: "unknown round",
-    409: "conflicts with the round or membership state",
-    413: "body or payload too large",
+    404: "unknown round, or no checkpoint yet",
+    409: "conflicts with the round, membership or checkpoint state",
+    413: "body, payload or checkpoint too large",
     422: "the body failed validation",
+    503: "the object store did not answer",
 }
 
 

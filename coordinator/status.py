@@ -1,8 +1,9 @@
 """The run's status for dashboards and operators (``GET /v1/status``).
 
-Built from the database on request: every member with its state and heartbeat age, and the
+Built from the database on request: every member with its state and heartbeat age, the
 newest rounds, each closed one with its gather set, exclusions, base fingerprint, the nodes'
-reports and how long it took. Kept apart from the round machine because it only reads.
+reports and how long it took, and the newest committed checkpoint. Kept apart from the round
+machine because it only reads.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def build_status(machine: RoundMachine, n_rounds: int) -> StatusView:
         state=RoundState.FINISHED if state == RoundState.CLOSED else state,
         members=members,
         rounds=summaries,
+        checkpoint=machine.db.newest_checkpoint(),
     )
 
 

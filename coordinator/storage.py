@@ -1,9 +1,10 @@
-"""The coordinator's seam to the object store: a four-method Protocol and its boto3 backend.
+"""The coordinator's seam to the object store: a small Protocol and its boto3 backend.
 
-The coordinator never moves payload bytes itself. It presigns a PUT that only accepts the
-announced size and sha256 and only once (``If-None-Match: *``), presigns GETs for the gather
-set, checks uploads with HEAD, and writes the signed manifests. boto3 is blocking, so the two
-calls that talk to the network run in a thread executor; presigning is local computation.
+The coordinator never moves payload or checkpoint bytes itself. It presigns a PUT that only
+accepts the announced size and sha256 and only once (``If-None-Match: *``), presigns GETs, checks
+uploads with HEAD, writes the signed manifests and checkpoint sidecars, and deletes what the
+retention policy no longer needs. boto3 is blocking, so every call that talks to the network runs
+in a thread executor; presigning is local computation.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from protocol.errors import SparseLoCoError
 
 #: Seconds for one store request (connect and read) before it counts as failed.
 STORE_TIMEOUT_S = 20.0
+#: Most keys one DeleteObjects request may name (the S3 limit).
+DELETE_BATCH = 1000
 
 
 class StorageError(SparseLoCoError, OSError):
@@ -51,6 +54,14 @@ class ObjectStore(Protocol):
         ...
 
     async def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    async def delete_keys(self, keys: list[str]) -> int:
+        """Delete ``keys`` (absent ones are no error); how many were asked to go."""
+        ...
+
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete every object whose key starts with ``prefix``; how many there were."""
+        ...
 
 
 class S3Store:
@@ -133,3 +144,37 @@ class S3Store:
             await self._call("put_object", Key=key, Body=data, ContentType="application/json")
         except ClientError as exc:
             raise StorageError(f"put {key}: {exc}") from exc
+
+    async def delete_keys(self, keys: list[str]) -> int:
+        for start in range(0, len(keys), DELETE_BATCH):
+            batch = keys[start : start + DELETE_BATCH]
+            objects = [{"Key": k} for k in batch]
+            try:
+                resp = await self._call(
+                    "delete_objects", Delete={"Objects": objects, "Quiet": True}
+                )
+            except ClientError as exc:
+                raise StorageError(f"delete {batch[0]}...: {exc}") from exc
+            errors = resp.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"delete {first.get('Key')}: {first.get('Code')} {first.get('Message')}"
+                    f" ({len(errors)} of {len(batch)} keys failed)"
+                )
+        return len(keys)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        keys: list[str] = []
+        token: str | None = None
+        while True:
+            extra = {} if token is None else {"ContinuationToken": token}
+            try:
+                resp = await self._call("list_objects_v2", Prefix=prefix, **extra)
+            except ClientError as exc:
+                raise StorageError(f"list {prefix}: {exc}") from exc
+            keys += [obj["Key"] for obj in resp.get("Contents") or []]
+            if not resp.get("IsTruncated"):
+                break
+            token = resp["NextContinuationToken"]
+        return await self.delete_keys(keys)

@@ -1,0 +1,184 @@
+"""Checkpoint rules: which node uploads θ_R, and when a checkpoint counts as committed.
+
+A checkpoint "at round R" holds θ_R, the parameters at the start of round R (after applying
+rounds 0..R-1); checkpoint rounds are R > 0 with R % checkpoint_every == 0. Like the round
+machine this is synchronous and free of HTTP: every method reads the database, applies the rules
+and commits one transaction; the handlers do the object-store calls around it.
+
+Upload grant, checked in this order:
+
+1. ``unknown_round`` (404): R is after the current round;
+2. ``not_needed`` (409): checkpoints are off, R is 0 or not a multiple of the interval, R (or a
+   newer round) already has a committed checkpoint, or another node holds an unexpired grant;
+3. ``wrong_fingerprint`` (409): the offered fingerprint is not the majority of the fingerprints
+   the nodes reported after applying round R-1 (so at least one report is needed);
+4. ``too_large`` (413): the file is bigger than ``storage.max_checkpoint_bytes``.
+
+The first eligible node gets the grant for one presign lifetime; asking again with the same body
+renews it. Only the holder commits, with the granted body; the fingerprint is checked again then.
+
+The coordinator never downloads a checkpoint: it checks the stored object's size and checksum
+(HEAD) against the grant and the offered fingerprint against the nodes' reports. A node that
+loads a checkpoint verifies the fingerprint of what it loaded before it trusts it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from coordinator import rounds
+from coordinator.machine import Conflict, RoundMachine, UnknownRound
+from protocol.keys import checkpoint_key
+from protocol.messages import CheckpointInfo, CheckpointUpload
+
+log = logging.getLogger("sparseloco.coordinator.checkpoints")
+
+
+class TooLarge(Conflict):
+    """The offered checkpoint exceeds the size limit (HTTP 413); ``field`` names the field."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__("too_large", message)
+        self.field = field
+
+
+def sidecar_key(key: str) -> str:
+    """The ``.json`` sidecar next to a checkpoint's ``.safetensors`` file."""
+    return key.removesuffix(".safetensors") + ".json"
+
+
+class CheckpointBook:
+    """Checkpoint grants and commits over the round machine's database."""
+
+    def __init__(
+        self, machine: RoundMachine, *, prefix: str, grant_s: float, max_bytes: int
+    ) -> None:
+        self.machine = machine
+        self.db = machine.db
+        self.run = machine.run
+        self.prefix = prefix
+        self.grant_s = grant_s
+        self.max_bytes = max_bytes
+
+    def key(self, round_: int) -> str:
+        return checkpoint_key(self.prefix, self.machine.run_id, round_)
+
+    def is_checkpoint_round(self, round_: int) -> bool:
+        every = self.run.checkpoint_every
+        return every > 0 and round_ > 0 and round_ % every == 0
+
+    def expected_fingerprint(self, round_: int) -> str | None:
+        """The majority fingerprint reported after applying round ``round_ - 1``, if any."""
+        return rounds.majority(self.db.reported_fingerprints(round_ - 1))
+
+    def _check_fingerprint(self, round_: int, offer: CheckpointUpload) -> None:
+        expected = self.expected_fingerprint(round_)
+        if expected is None:
+            raise Conflict(
+                "wrong_fingerprint", f"no node has reported round {round_ - 1} yet; retry later"
+            )
+        if offer.fingerprint != expected:
+            raise Conflict(
+                "wrong_fingerprint",
+                f"θ_{round_} has fingerprint {expected} by the nodes' reports,"
+                f" not {offer.fingerprint}",
+            )
+
+    def grant(self, node_id: str, round_: int, offer: CheckpointUpload) -> str:
+        """Decide (and record) whether ``node_id`` may upload θ_``round_``; the key to PUT.
+
+        See the module doc for the rules. The caller must still remove an object another grant
+        left at the key if it is not these bytes (the key is write-once).
+        """
+        now = self.machine.clock()
+        with self.db.tx():
+            if round_ > self.machine.round_number():
+                raise UnknownRound(round_)
+            if not self.is_checkpoint_round(round_):
+                raise Conflict(
+                    "not_needed",
+                    f"round {round_} is not a checkpoint round"
+                    f" (checkpoint_every={self.run.checkpoint_every})",
+                )
+            newest = self.db.newest_checkpoint()
+            if newest is not None and newest.round >= round_:
+                raise Conflict(
+                    "not_needed", f"round {newest.round} already has a checkpoint (≥ {round_})"
+                )
+            prior = self.db.grant(round_)
+            mine = prior is not None and prior.node_id == node_id
+            if prior is not None and not mine and prior.expires_at > now:
+                raise Conflict(
+                    "not_needed", f"another node is uploading the checkpoint of round {round_}"
+                )
+            self._check_fingerprint(round_, offer)
+            if offer.size > self.max_bytes:
+                raise TooLarge(
+                    f"size {offer.size} exceeds the checkpoint limit {self.max_bytes}"
+                    " (storage.max_checkpoint_bytes)",
+                    "size",
+                )
+            self.db.put_grant(round_, node_id, offer, now + self.grant_s)
+        log.info(
+            "event=checkpoint_granted round=%d node=%s size=%d renewed=%s",
+            round_,
+            node_id,
+            offer.size,
+            mine and prior is not None and prior.body == offer,
+        )
+        return self.key(round_)
+
+    def committed(
+        self, node_id: str, round_: int, offer: CheckpointUpload
+    ) -> CheckpointInfo | None:
+        """The checkpoint already committed by this very offer (a retry), else ``None``.
+
+        Raises ``not_granted`` unless ``node_id`` holds the grant for exactly ``offer``.
+        """
+        info = self.db.checkpoint(round_)
+        if info is not None and info.node_id == node_id and _same(info, offer):
+            return info
+        grant = self.db.grant(round_)
+        if info is not None or grant is None or grant.node_id != node_id or grant.body != offer:
+            raise Conflict(
+                "not_granted", f"{node_id} holds no upload grant for this checkpoint of {round_}"
+            )
+        return None
+
+    def commit(self, node_id: str, round_: int, offer: CheckpointUpload) -> CheckpointInfo:
+        """Record the checkpoint (the caller checked the stored object); idempotent."""
+        with self.db.tx():
+            prior = self.committed(node_id, round_, offer)
+            if prior is not None:
+                return prior
+            self._check_fingerprint(round_, offer)
+            info = CheckpointInfo(
+                run_id=self.machine.run_id,
+                round=round_,
+                fingerprint=offer.fingerprint,
+                key=self.key(round_),
+                sha256=offer.sha256,
+                size=offer.size,
+                node_id=node_id,
+                created_at=self.machine.clock(),
+            )
+            self.db.add_checkpoint(info)
+        log.info(
+            "event=checkpoint_committed round=%d node=%s fingerprint=%s size=%d",
+            round_,
+            node_id,
+            info.fingerprint,
+            info.size,
+        )
+        return info
+
+    def latest(self) -> CheckpointInfo | None:
+        return self.db.newest_checkpoint()
+
+
+def _same(info: CheckpointInfo, offer: CheckpointUpload) -> bool:
+    return (info.size, info.sha256, info.fingerprint) == (
+        offer.size,
+        offer.sha256,
+        offer.fingerprint,
+    )

@@ -1,0 +1,133 @@
+"""Retention: deleting from the object store what no node can need any more.
+
+Two rules, as pure functions (``payload_rounds``, ``stale_checkpoints``) and one background task
+(``Retention``) owned by the app that applies them after every round close and checkpoint commit,
+once at start, and every ``RETRY_S`` seconds besides:
+
+- the payloads of closed round r go once r is older than the newest committed checkpoint *and*
+  more than ``retention_rounds`` rounds old. A joiner starts from that checkpoint and replays
+  only the manifests after it. Without a checkpoint nothing goes: joiners replay from θ_0.
+  Manifests stay: they are small and are the run's audit trail.
+- checkpoints beyond the newest ``keep_checkpoints`` go (the model file and its sidecar), once
+  their sidecar is published, so the publisher never writes a sidecar after its deletion.
+
+What was deleted is recorded (``meta.pruned_through``: every payload round up to it is gone;
+``checkpoints.pruned``), so no round is listed twice. Store errors are logged and retried at the
+next wake; they never stop the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+from coordinator.checkpoints import sidecar_key
+from coordinator.db import CheckpointRow, Database
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.publisher import TRANSIENT
+from coordinator.storage import ObjectStore
+from protocol.keys import round_prefix
+from protocol.runconfig import RunConfig
+
+log = logging.getLogger("sparseloco.coordinator.retention")
+
+#: Seconds between passes when nothing wakes the task (also the retry delay after a failure).
+RETRY_S = 60.0
+#: Meta key: the newest round whose payloads are all deleted.
+PRUNED_THROUGH = "pruned_through"
+
+
+def payload_rounds(
+    pruned_through: int, newest_checkpoint: int | None, current_round: int, retention: int
+) -> range:
+    """The rounds whose payloads may be deleted now and were not yet (in round order)."""
+    if newest_checkpoint is None:
+        return range(0)
+    end = min(newest_checkpoint, current_round - retention)
+    return range(pruned_through + 1, max(pruned_through + 1, end))
+
+
+def stale_checkpoints(rows: Sequence[CheckpointRow], keep: int) -> list[int]:
+    """Rounds of committed checkpoints to delete: not among the newest ``keep``, published,
+    not yet deleted (``rows`` newest first, as ``Database.checkpoints`` lists them)."""
+    return [r.info.round for r in rows[keep:] if r.published and not r.pruned]
+
+
+class Retention:
+    """The background task that applies the retention rules to one run's keys."""
+
+    def __init__(
+        self,
+        db: Database,
+        store: ObjectStore,
+        run: RunConfig,
+        *,
+        prefix: str,
+        current_round: Callable[[], int],
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
+        self.db = db
+        self.store = store
+        self.run = run
+        self.prefix = prefix
+        self.current_round = current_round
+        self.metrics = metrics
+        self._wake = asyncio.Event()
+        self.idle = asyncio.Event()  # set after each pass that finished without error
+
+    def kick(self) -> None:
+        """A round closed or a checkpoint was committed: look again soon."""
+        self._wake.set()
+
+    def _count(self, kind: str, n: int) -> None:
+        if self.metrics is not None and n:
+            self.metrics.deleted.labels(kind=kind).inc(n)
+
+    async def prune_once(self) -> int:
+        """Apply both rules once; the number of objects deleted. Raises on a store failure
+        (what was deleted before it stays recorded)."""
+        deleted = 0
+        newest = self.db.newest_checkpoint()
+        done = int(self.db.get_meta(PRUNED_THROUGH) or -1)
+        todo = payload_rounds(
+            done,
+            None if newest is None else newest.round,
+            self.current_round(),
+            self.run.retention_rounds,
+        )
+        for round_ in todo:
+            prefix = round_prefix(self.prefix, self.run.run_id, round_) + "payloads/"
+            n = await self.store.delete_prefix(prefix)
+            with self.db.tx():
+                self.db.set_meta(PRUNED_THROUGH, str(round_))
+            self._count("payload", n)
+            deleted += n
+            log.info("event=pruned round=%d objects=%d", round_, n)
+        rows = self.db.checkpoints()
+        for round_ in stale_checkpoints(rows, self.run.keep_checkpoints):
+            key = next(r.info.key for r in rows if r.info.round == round_)
+            n = await self.store.delete_keys([key, sidecar_key(key)])
+            with self.db.tx():
+                self.db.mark_checkpoint(round_, pruned=True)
+            self._count("checkpoint", n)
+            deleted += n
+            log.info("event=checkpoint_pruned round=%d objects=%d", round_, n)
+        return deleted
+
+    async def run_forever(self) -> None:
+        """Prune on start, on every kick and every ``RETRY_S`` seconds, until cancelled."""
+        while True:
+            self._wake.clear()
+            self.idle.clear()
+            try:
+                await self.prune_once()
+            except TRANSIENT as exc:
+                log.warning("event=prune_failed retry_in_s=%.0f error=%s", RETRY_S, exc)
+            except Exception:  # a bug here must not take the coordinator down with it
+                log.exception("event=prune_failed retry_in_s=%.0f", RETRY_S)
+            else:
+                self.idle.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), RETRY_S)
