@@ -354,7 +354,8 @@ class NodeDaemon:
         retries) fetches the manifest again for fresh URLs and starts over, a few times, and
         then gives up loudly; a restart resumes from the saved state.
         """
-        for attempt in range(1, DOWNLOAD_ROUNDS + 1):
+        attempt = 1
+        while True:
             try:
                 return await fetch_gather(
                     self.http,
@@ -367,13 +368,10 @@ class NodeDaemon:
                 )
             except (TransferError, RetriesExhausted) as exc:
                 self._log("download_failed", attempt=attempt, error=repr(exc))
-                if attempt == DOWNLOAD_ROUNDS:
-                    raise
-                fresh = await self._manifest(r)
+                fresh = await self._manifest(r) if attempt < DOWNLOAD_ROUNDS else None
                 if fresh is None:
                     raise
-                view = fresh
-        raise AssertionError("unreachable")
+                view, attempt = fresh, attempt + 1
 
     async def _finish_round(self, r: int, own: bytes | None) -> None:
         """Steps 6-9 for round r: wait, download, verify, aggregate, apply, save, report."""
@@ -390,7 +388,19 @@ class NodeDaemon:
             await self._resync()
             return
         t0 = time.perf_counter()
-        blobs, rejected = await self._download_all(r, view, manifest, own)
+        try:
+            blobs, rejected = await self._download_all(r, view, manifest, own)
+        except TransferError as exc:
+            # 404: retention already deleted this round's payloads, so this node is further
+            # behind than replay can reach; a newer checkpoint is the way forward.
+            if exc.status != 404 or self.pending is not None:
+                raise
+            info = await self.sync.restore_latest(self.w)
+            if info is None or info.round <= r:
+                raise
+            await self.compute(self._save_idle)
+            self._log("skipped_to_checkpoint", checkpoint=info.round)
+            return
         t1 = time.perf_counter()
         payloads, invalid = await self.compute(decode_gather, self.w, blobs, r)
         rejected.update(invalid)
