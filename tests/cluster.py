@@ -26,13 +26,22 @@ WAIT_S = 240.0
 
 
 class Cluster:
-    def __init__(self, root: Path, store: EmbeddedStore, run: RunConfig, nodes: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        store: EmbeddedStore,
+        run: RunConfig,
+        nodes: int,
+        *,
+        prefix: str | None = None,
+    ) -> None:
         self.root = root
         self.run = run
         self.tokens = {f"node-{i}": secrets.token_urlsafe(12) for i in range(nodes)}
         self.state_dir = root / "coordinator"
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.prefix = f"it-{root.name}"
+        # Runs with one config share a run id: the prefix keeps them apart in a shared store.
+        self.prefix = prefix or f"it-{root.name}"
         self.config = root / "coordinator.toml"
         self.config.write_text(
             coordinator_toml(run, store.endpoint, self.tokens, self.state_dir, prefix=self.prefix)

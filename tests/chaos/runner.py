@@ -1,0 +1,473 @@
+"""Run a chaos scenario against a local cluster of real processes and check every closed round.
+
+``run_scenario`` starts the coordinator and the nodes (``tests/cluster.py``), then polls the
+coordinator's status: each step fires once its round is open or closed there, never after a
+sleep. On every poll it also reaps processes: a node that died from its own armed crash fault
+(exit 137) is restarted without faults, as a supervisor would; any other unexpected exit is a
+failure (and the node is restarted so the run can be judged to the end). Each newly closed round
+gets its manifest checked in the bucket at once, before retention may prune it; the checks over
+reports (agreement, mass) run on every poll and once more at the end; checkpoints, retention and
+the loss against the fault-free baseline at the end.
+
+The result is a JSON-ready dict (see ``ScenarioResult``), written to the test's tmp dir and,
+when ``CHAOS_RESULTS`` is set, to that file (or ``{name}.json`` in that directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+import urllib.error
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from cluster import Cluster
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+from node.seaweed import EmbeddedStore
+from protocol.keys import manifest_key
+from protocol.messages import MemberState, RoundState, StatusView
+
+from .invariants import (
+    Bucket,
+    Failure,
+    check_agreement,
+    check_checkpoint,
+    check_close_logs,
+    check_manifest,
+    check_mass,
+    check_retention,
+    check_round_numbers,
+    closed,
+    reference_fingerprint,
+)
+from .scenario import Scenario, Step, fault_entries
+from .table import render_markdown
+
+POLL_S = 0.1
+#: A node may die unexpectedly this many times before the scenario gives up on it.
+MAX_UNEXPECTED_RESTARTS = 3
+CRASH_EXIT = 137
+#: Steps that undo a fault rather than inject one.
+RECOVERIES = frozenset({"restart_node", "restart_coordinator"})
+
+
+@dataclass
+class _Pending:
+    """A fault in progress (store down, node stopped) and what ends it."""
+
+    step: Step
+    started: float
+    log_sizes: dict[str, int] = field(default_factory=dict)
+
+
+class ScenarioRunner:
+    def __init__(self, scenario: Scenario, root: Path, store: EmbeddedStore) -> None:
+        self.sc = scenario
+        self.root = root
+        self.store = store
+        prefix = f"chaos-{root.parent.name}-{root.name}"
+        self.cluster = Cluster(root, store, scenario.run, scenario.nodes, prefix=prefix)
+        ep = store.endpoint
+        client = boto3.client(
+            "s3",
+            endpoint_url=ep.endpoint_url,
+            aws_access_key_id=ep.access_key,
+            aws_secret_access_key=ep.secret_key,
+            region_name=ep.region,
+            config=Config(signature_version="s3v4", retries={"max_attempts": 3}),
+        )
+        self.bucket = Bucket(client, ep.bucket)
+        self.failures: set[Failure] = set()
+        self.events: list[dict[str, Any]] = []
+        self.armed: dict[str, str | None] = {}
+        self.unexpected: dict[str, int] = {}
+        self.checked: set[int] = set()
+        self.status: StatusView | None = None
+        self.pending: _Pending | None = None
+        self.store_down = False
+        self._killed: set[str] = set()
+        self._coordinator_killed = False
+        self.t0 = time.monotonic()
+
+    # ---- processes -------------------------------------------------------------------------
+
+    def _event(self, action: str, target: str | None = None, **extra: Any) -> None:
+        cur = self.status.round if self.status else None
+        self.events.append(
+            {
+                "t_s": round(time.monotonic() - self.t0, 2),
+                "round_now": cur,
+                "action": action,
+                "target": target,
+                **extra,
+            }
+        )
+
+    def _start(self, name: str, faults: str | None) -> None:
+        self.armed[name] = faults
+        self.cluster.start_node(name, faults)
+
+    def _reap(self) -> None:
+        finished = self.status is not None and self.status.state == RoundState.FINISHED
+        for name, proc in list(self.cluster.nodes.items()):
+            code = proc.poll()
+            if code is None or (code == 0 and finished):
+                continue
+            if code == -signal.SIGKILL and name in self._killed:
+                continue  # our own kill -9: a restart_node step brings it back
+            if code == CRASH_EXIT and self.armed.get(name):
+                self._event("crashed", name, faults=self.armed[name])
+                self._start(name, None)
+                continue
+            self.unexpected[name] = self.unexpected.get(name, 0) + 1
+            self.failures.add(
+                Failure(
+                    "process",
+                    self.status.round if self.status else -1,
+                    f"{name} exited with {code} unexpectedly:\n{proc.tail(25)}",
+                )
+            )
+            if self.unexpected[name] > MAX_UNEXPECTED_RESTARTS:
+                raise AssertionError(f"{name} keeps dying; logs in {self.root / 'logs'}")
+            self._event("unexpected_exit", name, code=code)
+            self._start(name, None)
+        coord = self.cluster.coordinator
+        if coord is not None and coord.poll() is not None and not self._coordinator_killed:
+            raise AssertionError(f"the coordinator exited with {coord.poll()}:\n{coord.tail(40)}")
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def _due(self, step: Step) -> bool:
+        s = self.status
+        if s is None:
+            return False
+        done = {r.round for r in closed(s)}
+        if step.when == "closed":
+            return step.round in done or s.state == RoundState.FINISHED
+        return s.round > step.round or (
+            s.round == step.round and s.state in (RoundState.OPEN, RoundState.FINISHED)
+        )
+
+    def _fire(self, step: Step) -> None:
+        name = step.target
+        self._event(step.action, name, step=step.describe())
+        if step.action == "kill_node":
+            assert name is not None
+            self._killed.add(name)
+            proc = self.cluster.nodes[name]
+            proc.popen.kill()
+            proc.popen.wait()
+        elif step.action in ("restart_node", "start_node"):
+            assert name is not None
+            self._killed.discard(name)
+            self._start(name, step.faults)
+        elif step.action == "kill_coordinator":
+            self._coordinator_killed = True
+            self.cluster.kill_coordinator()  # the last status seen still keys the next steps
+        elif step.action == "restart_coordinator":
+            self.cluster.start_coordinator()
+            self._coordinator_killed = False
+        elif step.action == "store_outage":
+            sizes = {n: _size(p.log_path) for n, p in self.cluster.nodes.items()}
+            self.store.stop()
+            self.store_down = True
+            self.pending = _Pending(step, time.monotonic(), sizes)
+        elif step.action == "pause_node":
+            assert name is not None
+            os.kill(self.cluster.nodes[name].popen.pid, signal.SIGSTOP)
+            self.pending = _Pending(step, time.monotonic())
+
+    def _settle(self) -> None:
+        """End the fault in progress once its condition holds (or its time bound passed)."""
+        p = self.pending
+        if p is None:
+            return
+        held = time.monotonic() - p.started
+        if held < p.step.min_s:
+            return
+        if p.step.action == "store_outage":
+            seen = self._retry_logged(p.log_sizes)
+            if not seen and held < p.step.max_s:
+                return
+            self.store.start()
+            self.store_down = False
+            self._event("store_back", held_s=round(held, 1), retry_seen=seen)
+        else:
+            name = p.step.target
+            assert name is not None
+            gone = self.status is not None and any(
+                m.node_id == name and m.state == MemberState.TIMED_OUT for m in self.status.members
+            )
+            if not gone and held < p.step.max_s:
+                return
+            os.kill(self.cluster.nodes[name].popen.pid, signal.SIGCONT)
+            self._event("resumed", name, held_s=round(held, 1), timed_out=gone)
+            if not gone:
+                self.failures.add(
+                    Failure("timeout", -1, f"{name} stopped {held:.0f} s, never timed out")
+                )
+        self.pending = None
+
+    def _retry_logged(self, sizes: dict[str, int]) -> bool:
+        for name, proc in self.cluster.nodes.items():
+            with open(proc.log_path, "rb") as f:
+                f.seek(sizes.get(name, 0))
+                if b"event=retry" in f.read():
+                    return True
+        return False
+
+    # ---- observing -------------------------------------------------------------------------
+
+    def _poll_status(self) -> None:
+        if self.cluster.coordinator is None or self._coordinator_killed:
+            return
+        # Restarting, or busy closing a round: the next poll sees it.
+        with contextlib.suppress(urllib.error.URLError, OSError):
+            self.status = self.cluster.status()
+
+    def _check_new_rounds(self, final: bool = False) -> None:
+        s = self.status
+        if s is None or self.store_down:
+            return
+        for summary in closed(s):
+            if summary.round in self.checked:
+                continue
+            raw = self.bucket.get(manifest_key(self.cluster.prefix, s.run_id, summary.round))
+            if raw is None and not final:
+                continue  # the coordinator publishes just after closing: look again next poll
+            self.failures.update(
+                check_manifest(summary, raw, self.public_key, self.bucket, run_id=s.run_id)
+            )
+            self.checked.add(summary.round)
+
+    @property
+    def public_key(self) -> Ed25519PublicKey:
+        pem = (self.cluster.state_dir / "manifest-key.pem").read_bytes()
+        return load_pem_private_key(pem, None).public_key()  # type: ignore[return-value]
+
+    def _check_reports(self, s: StatusView) -> list[dict[str, Any]]:
+        agreement, records = check_agreement(s)
+        self.failures.update(agreement)
+        self.failures.update(check_mass(s))
+        self.failures.update(check_round_numbers(s))
+        return records
+
+    # ---- the run ---------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        sc = self.sc
+        deadline = self.t0 + sc.timeout_s
+        self.cluster.start_coordinator()
+        for name in sc.names:
+            if name not in sc.late:
+                self._start(name, sc.faults.get(name))
+        steps = list(sc.steps)
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    left = [s.describe() for s in steps]
+                    raise AssertionError(
+                        f"scenario {sc.name} not done in {sc.timeout_s:.0f} s (steps left:"
+                        f" {left}); logs in {self.root / 'logs'}"
+                    )
+                self._poll_status()
+                self._reap()
+                self._settle()
+                while steps and self.pending is None and self._due(steps[0]):
+                    self._fire(steps.pop(0))
+                self._check_new_rounds()
+                if self._done(steps):
+                    break
+                time.sleep(POLL_S)
+            final = self.cluster.status()
+            self.status = final
+            self._reap()
+            self._check_new_rounds(final=True)
+            return self._finish(final)
+        finally:
+            if self.pending is not None and self.pending.step.action == "pause_node":
+                name = self.pending.step.target
+                if name and self.cluster.nodes[name].poll() is None:
+                    os.kill(self.cluster.nodes[name].popen.pid, signal.SIGCONT)
+            self.cluster.stop()
+
+    def _done(self, steps: list[Step]) -> bool:
+        s = self.status
+        finished = s is not None and s.state == RoundState.FINISHED
+        exited = all(p.poll() is not None for p in self.cluster.nodes.values())
+        return finished and not steps and self.pending is None and exited
+
+    def _finish(self, s: StatusView) -> dict[str, Any]:
+        records = self._check_reports(s)
+        logs = sorted((self.root / "logs").glob("coordinator-*.log"))
+        self.failures.update(check_close_logs(logs))
+        self.failures.update(check_checkpoint(s, self.bucket, self.cluster.prefix))
+        self.failures.update(check_retention(s, self.bucket, self.cluster.prefix))
+        self.failures.update(self._check_recovery(s))
+        done = closed(s)
+        last = done[-1] if done else None
+        ref = reference_fingerprint(s, last.round) if last else None
+        losses = [
+            rep.eval_loss
+            for node, rep in (last.reports.items() if last else [])
+            if rep.eval_loss is not None and rep.fingerprint == ref
+        ]
+        return {
+            "scenario": self.sc.name,
+            "nodes": self.sc.nodes,
+            "rounds": self.sc.run.rounds,
+            "run": self.sc.run.model_dump(mode="json"),
+            "faults": self._fault_list(),
+            "events": self.events,
+            "rounds_closed": len(done),
+            "agreement": records,
+            "gather": {r.round: r.gather for r in done},
+            "excluded": {r.round: r.excluded for r in done if r.excluded},
+            "recovery": self._recovery(s),
+            "checkpoint": s.checkpoint.model_dump(mode="json") if s.checkpoint else None,
+            "final_eval_loss": sum(losses) / len(losses) if losses else None,
+            "failures": [str(f) for f in sorted(self.failures)],
+            "wall_s": round(time.monotonic() - self.t0, 1),
+        }
+
+    def _fault_list(self) -> list[dict[str, Any]]:
+        """Every fault injected (restarts are recoveries, listed under ``events`` only)."""
+        out = [
+            {"round": s.round, "when": s.when, "action": s.action, "target": s.target}
+            for s in self.sc.steps
+            if s.action not in RECOVERIES
+        ]
+        armed = [(n, t) for n, t in self.sc.faults.items()]
+        armed += [(s.target, s.faults) for s in self.sc.steps if s.faults and s.target]
+        for node, text in armed:
+            for action, r in fault_entries(text):
+                out.append({"round": r, "when": "in", "action": action, "target": node})
+        return sorted(out, key=lambda f: (f["round"], f["action"]))
+
+    def _faulted(self) -> list[tuple[str, int, str]]:
+        """(node, round, what) for every fault that takes a node out of a round."""
+        out = []
+        for f in self._fault_list():
+            if f["target"]:
+                out.append((f["target"], f["round"], f["action"]))
+        return out
+
+    def _recovery(self, s: StatusView) -> list[dict[str, Any]]:
+        """Per faulted node: the first later round it is in a gather set again."""
+        done = closed(s)
+        out = []
+        for node, r, what in self._faulted():
+            back = next((x.round for x in done if x.round > r and node in x.gather), None)
+            out.append(
+                {
+                    "node": node,
+                    "fault": what,
+                    "round": r,
+                    "back_in_gather": back,
+                    "rounds_to_recover": None if back is None else back - r,
+                }
+            )
+        return out
+
+    def _check_recovery(self, s: StatusView) -> list[Failure]:
+        last = max((r.round for r in closed(s)), default=-1)
+        out = []
+        for rec in self._recovery(s):
+            if rec["fault"] == "start_node":
+                continue  # a joiner's first rounds go to starting up and catching up
+            if rec["back_in_gather"] is None and rec["round"] + self.sc.recover_within < last:
+                out.append(
+                    Failure(
+                        "recovery",
+                        rec["round"],
+                        f"{rec['node']} ({rec['fault']}) never back in a gather set",
+                    )
+                )
+            elif rec["rounds_to_recover"] and rec["rounds_to_recover"] > self.sc.recover_within:
+                out.append(
+                    Failure(
+                        "recovery",
+                        rec["round"],
+                        f"{rec['node']} ({rec['fault']}) took {rec['rounds_to_recover']}"
+                        f" rounds to be gathered again (> {self.sc.recover_within})",
+                    )
+                )
+        return out
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def run_scenario(scenario: Scenario, tmp_path: Path, store: EmbeddedStore) -> dict[str, Any]:
+    """Run ``scenario`` (on its own store if it stops the store) and return its result."""
+    root = tmp_path / scenario.name
+    if not scenario.needs_own_store:
+        return ScenarioRunner(scenario, root, store).run()
+    own = EmbeddedStore(tmp_path / f"{scenario.name}-store")
+    own.start()
+    try:
+        return ScenarioRunner(scenario, root, own).run()
+    finally:
+        own.stop()
+
+
+def compare_to_baseline(result: dict[str, Any], baseline: dict[str, Any], tol: float) -> None:
+    """Add the baseline's loss to ``result`` and (e) a failure when they differ by over ``tol``."""
+    mine, base = result["final_eval_loss"], baseline["final_eval_loss"]
+    result["baseline_eval_loss"] = base
+    result["baseline_wall_s"] = baseline["wall_s"]
+    result["baseline_failures"] = baseline["failures"]
+    if mine is None or base is None:
+        result["loss_rel_diff"] = None
+        result["failures"].append("[e] run: no final eval loss to compare")
+        return
+    rel = abs(mine - base) / abs(base)
+    result["loss_rel_diff"] = rel
+    if rel > tol:
+        result["failures"].append(
+            f"[e] run: final eval loss {mine:.4f} vs fault-free {base:.4f} ({rel:.1%} > {tol:.0%})"
+        )
+
+
+def write_results(result: dict[str, Any], tmp_path: Path) -> Path:
+    """The result as JSON in ``tmp_path`` and, with ``CHAOS_RESULTS`` set, there too."""
+    text = json.dumps(result, indent=2, sort_keys=True, default=str)
+    path = tmp_path / f"{result['scenario']}.json"
+    path.write_text(text)
+    target = os.environ.get("CHAOS_RESULTS")
+    if target:
+        out = Path(target)
+        if out.suffix != ".json":
+            out.mkdir(parents=True, exist_ok=True)
+            out = out / path.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    (tmp_path / f"{result['scenario']}.md").write_text(render_markdown([result]))
+    return path
+
+
+def chaos_test(scenario: Scenario, tmp_path: Path, store: EmbeddedStore) -> dict[str, Any]:
+    """Baseline, then the scenario; write the results; fail with every invariant broken."""
+    baseline = run_scenario(scenario.baseline(), tmp_path, store)
+    result = run_scenario(scenario, tmp_path, store)
+    compare_to_baseline(result, baseline, scenario.loss_tolerance)
+    path = write_results(result, tmp_path)
+    problems = list(result["failures"]) + [f"baseline: {f}" for f in baseline["failures"]]
+    if problems:
+        raise AssertionError(
+            f"{len(problems)} invariant failures in {scenario.name} (results: {path}):\n"
+            + "\n".join(problems)
+        )
+    return result

@@ -1,0 +1,120 @@
+"""The long chaos scenario (run by hand; its table goes in the README): every fault kind.
+
+5 nodes, 32 rounds, the tiny model, checkpoints every 5 rounds and payloads kept 8 rounds, so a
+node joining at round 14 cannot replay from θ_0 and must start from a checkpoint. Faults, each
+keyed to a round:
+
+- round 3: node-1 killed (``kill -9``), restarted once round 3 closed;
+- round 5: node-2 crashes mid-apply (aggregate applied in memory, state not saved);
+- round 7: node-3 crashes after its upload, before submitting;
+- round 9: coordinator killed and restarted on the same port;
+- round 11: the object store stopped until a node logged a retry (at least 5 s, at most 20 s);
+- round 14: node-4 joins, 14 rounds late;
+- round 17: node-0's θ silently corrupted: reported, excluded as wrong base in round 18,
+  resynchronised from the checkpoint, gathered again later;
+- round 20: node-2 stopped (SIGSTOP) until the coordinator times it out, then continued;
+- round 24: node-0 straggles 15 s (deadlines are 8-12 s);
+- round 26: node-1 killed again, restarted once round 27 closed (two rounds down).
+
+Network faults (``tc netem``) are a second test, which skips where the machine cannot shape
+traffic (see ``netem``).
+
+Marked ``slow``. The default ``pytest`` run in CI does not deselect ``slow`` (pyproject's
+``addopts`` has no ``-m "not slow"``), so these tests also skip themselves unless selected with
+``-m slow`` or ``CHAOS_LONG=1`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from protocol.runconfig import RunConfig, Timing
+
+from .netem import netem_unavailable
+from .runner import chaos_test
+from .scenario import Scenario, at
+
+pytestmark = pytest.mark.slow
+
+TIMING = Timing(
+    first_round_s=60,
+    min_round_s=8,
+    max_round_s=12,
+    factor=2.0,
+    margin_s=2.0,
+    heartbeat_timeout_s=15,
+)
+
+RUN = RunConfig(
+    name="chaos-long",
+    model="tiny",
+    rounds=32,
+    inner_steps=20,
+    batch_size=4,
+    min_nodes=3,
+    checkpoint_every=5,
+    retention_rounds=8,
+    timing=TIMING,
+)
+
+LONG = Scenario(
+    name="long",
+    run=RUN,
+    nodes=5,
+    faults={
+        "node-0": "corrupt@17,slow:15@24",
+        "node-2": "crash:mid_apply@5",
+        "node-3": "crash:after_upload@7",
+    },
+    steps=(
+        at(3, "kill_node", "node-1"),
+        at(3, "restart_node", "node-1", when="closed"),
+        at(9, "kill_coordinator"),
+        at(9, "restart_coordinator"),
+        at(11, "store_outage", min_s=5, max_s=20),
+        at(14, "start_node", "node-4"),
+        at(20, "pause_node", "node-2", max_s=60),
+        at(26, "kill_node", "node-1"),
+        at(27, "restart_node", "node-1", when="closed"),
+    ),
+    recover_within=6,
+    timeout_s=1200,
+)
+
+
+@pytest.fixture(autouse=True)
+def _only_when_selected(request: pytest.FixtureRequest) -> None:
+    expr = (request.config.getoption("markexpr") or "").replace("not slow", "")
+    if "slow" not in expr and not os.environ.get("CHAOS_LONG"):
+        pytest.skip("long chaos run: select it with -m slow (or set CHAOS_LONG=1)")
+
+
+def _log(result_dir, node: str) -> str:
+    return (result_dir / "long" / "logs" / f"{node}.log").read_text(errors="replace")
+
+
+def test_long_chaos_scenario(tmp_path, store) -> None:
+    result = chaos_test(LONG, tmp_path, store)
+    assert result["rounds_closed"] == RUN.rounds
+    # The late joiner started from a checkpoint: the payloads before it were already pruned.
+    assert "event=checkpoint_loaded" in _log(tmp_path, "node-4")
+    assert min(r for r, g in result["gather"].items() if "node-4" in g) >= 14
+    # The corrupted node was excluded as diverged, resynchronised, and agrees again.
+    assert result["excluded"].get(18, {}).get("node-0") == "wrong base fingerprint"
+    assert "event=resynced" in _log(tmp_path, "node-0")
+    # The stopped node was timed out; the store outage was noticed by a node's retries.
+    reasons = {why for ex in result["excluded"].values() for why in ex.values()}
+    assert "timed out" in reasons
+    assert any(e["action"] == "store_back" and e["retry_seen"] for e in result["events"])
+
+
+def test_chaos_under_packet_loss_and_delay() -> None:
+    reason = netem_unavailable()
+    if reason:
+        pytest.skip(f"network faults need network namespaces and tc netem: {reason}")
+    # Where netem works, the scenario still has to be written: run one node in a namespace
+    # behind a veth pair (relaying its 127.0.0.1 traffic, since presigned URLs name the host)
+    # and shape the pair with `tc qdisc replace ... netem delay 200ms loss 5%` for some rounds.
+    pytest.skip("netem is available here, but the packet-loss scenario is not written yet")
