@@ -342,11 +342,16 @@ class Database:
         return int(n)
 
     # reports
-    def upsert_report(self, round_: int, node_id: str, fingerprint: str, report_json: str) -> None:
+    def record_report(self, round_: int, node_id: str, fingerprint: str, report_json: str) -> None:
+        """Record a node's report of a round; its first report stays.
+
+        A node that resynchronises replays rounds it already reported; the first report (what
+        it held when it took part, with its mass account and timings) is the history to keep,
+        including a fingerprint that was wrong at the time.
+        """
         self._conn.execute(
             "INSERT INTO reports(round, node_id, fingerprint, report) VALUES(?,?,?,?)"
-            " ON CONFLICT(round, node_id) DO UPDATE SET fingerprint=excluded.fingerprint,"
-            " report=excluded.report",
+            " ON CONFLICT(round, node_id) DO NOTHING",
             (round_, node_id, fingerprint, report_json),
         )
 

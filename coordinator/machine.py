@@ -391,7 +391,7 @@ class RoundMachine:
         if row.state != RoundState.CLOSED:
             raise Conflict("round_open", f"round {round_} is not closed yet; report after it")
         with self.db.tx():
-            self.db.upsert_report(round_, node_id, report.fingerprint, report.model_dump_json())
+            self.db.record_report(round_, node_id, report.fingerprint, report.model_dump_json())
         log.info(
             "event=reported round=%d node=%s fingerprint=%s", round_, node_id, report.fingerprint
         )

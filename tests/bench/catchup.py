@@ -53,6 +53,10 @@ def _late_join(root: Path, store: EmbeddedStore, behind: int, checkpoint_every: 
         for name in ("node-0", "node-1", "node-2"):
             cluster.start_node(name)
         cluster.wait_closed(behind)
+        # node-2 leaves, so the run waits for a third node (min_nodes=3): node-3, which must
+        # first catch up. That keys the measurement to rounds, not to how fast the others go.
+        cluster.nodes["node-2"].stop()
+        cluster.wait_for("the run to wait", lambda s: s.state == RoundState.WAITING)
         at_start = closed_count(cluster.status())
         t0 = time.monotonic()
         cluster.start_node("node-3")
@@ -67,6 +71,7 @@ def _late_join(root: Path, store: EmbeddedStore, behind: int, checkpoint_every: 
         ]
         bytes_down = sum(r.reports["node-3"].bytes_down for r in replayed)
         checkpoint = status.checkpoint.size if status.checkpoint else None
+        del cluster.nodes["node-2"]  # it left on purpose; wait_finished checks the others
         cluster.wait_finished()
         return {
             "checkpoint_every": checkpoint_every,
