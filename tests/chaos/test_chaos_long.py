@@ -19,14 +19,11 @@ keyed to a round:
 Network faults (``tc netem``) are a second test, which skips where the machine cannot shape
 traffic (see ``netem``).
 
-Marked ``slow``. The default ``pytest`` run in CI does not deselect ``slow`` (pyproject's
-``addopts`` has no ``-m "not slow"``), so these tests also skip themselves unless selected with
-``-m slow`` or ``CHAOS_LONG=1`` is set.
+Marked ``slow``: pyproject's ``addopts`` deselects it from the default run (CI); select it
+with ``-m slow``.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -82,13 +79,6 @@ LONG = Scenario(
     recover_within=6,
     timeout_s=1200,
 )
-
-
-@pytest.fixture(autouse=True)
-def _only_when_selected(request: pytest.FixtureRequest) -> None:
-    expr = (request.config.getoption("markexpr") or "").replace("not slow", "")
-    if "slow" not in expr and not os.environ.get("CHAOS_LONG"):
-        pytest.skip("long chaos run: select it with -m slow (or set CHAOS_LONG=1)")
 
 
 def _log(result_dir, node: str) -> str:
