@@ -199,7 +199,9 @@ class Worker:
 
     def read(self, data: bytes) -> Payload:
         """Validate a peer's payload against this run's model and codec (``PayloadError``)."""
-        return read_payload(data, self.shapes, topk=self.run.topk, tile=self.run.tile)
+        # Lazy: validated completely now, decoded again tensor by tensor while aggregating, so
+        # a round (or a long catch-up) holds one decoded tensor per peer, not G models' worth.
+        return read_payload(data, self.shapes, topk=self.run.topk, tile=self.run.tile, lazy=True)
 
     def apply(self, payloads: Mapping[str, Payload]) -> None:
         """Steps 7-8: θ -= α · aggregate, in canonical order; then the next round."""

@@ -21,7 +21,7 @@ selection and the index decoding run as compiled loops (``protocol.kernels``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +100,12 @@ class SparseTensor:
 
 @dataclass(frozen=True)
 class Payload:
-    """A validated payload: its header fields and every tensor in sparse form."""
+    """A validated payload: its header fields and every tensor in sparse form.
+
+    ``tensors`` is a plain dict, or (``read_payload(..., lazy=True)``) a mapping that decodes a
+    tensor each time it is looked up, so a consumer going tensor by tensor holds one decoded
+    tensor per payload at a time.
+    """
 
     run_id: str
     round: int
@@ -108,7 +113,27 @@ class Payload:
     base: str
     tile: int
     topk: int
-    tensors: dict[str, SparseTensor]
+    tensors: Mapping[str, SparseTensor]
+
+
+class _LazyTensors(Mapping[str, SparseTensor]):
+    """The tensors of an already fully validated payload, decoded on each lookup (not kept)."""
+
+    def __init__(self, env: Envelope, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self._env = env
+        self._shapes = shapes
+        self._where = {rec.name: i for i, rec in enumerate(env.tensors)}
+
+    def __getitem__(self, name: str) -> SparseTensor:
+        i = self._where[name]
+        rec = self._env.tensors[i]
+        return _decode_record(rec, self._env, tuple(self._shapes[name]), f"tensors[{i}]")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -243,11 +268,17 @@ def read_payload(
     *,
     topk: int | None = None,
     tile: int | None = None,
+    lazy: bool = False,
 ) -> Payload:
     """Validate ``data`` completely against the model's ``shapes`` and return it sparse.
 
     ``topk`` and ``tile``, when given, must match the payload's codec parameters (a run fixes
     them). Raises ``PayloadError`` naming the field for anything malformed.
+
+    With ``lazy``, every tensor is still decoded and checked here, one at a time, but none is
+    kept: ``tensors`` decodes again on lookup. Aggregating G peers tensor by tensor then holds
+    the G payloads' bytes and one decoded tensor per peer, never G decoded models; validation
+    still completes before the caller applies anything. It costs a second decode.
     """
     env = unpack_envelope(data, max_body=body_limit(shapes))
     try:
@@ -270,6 +301,13 @@ def read_payload(
             else ("not in sorted order or repeated")
         )
         raise PayloadError("body.tensors", f"tensor names do not match the model: {detail}")
+    if lazy:
+        for i, rec in enumerate(env.tensors):
+            _decode_record(rec, env, tuple(shapes[rec.name]), f"tensors[{i}]")
+        lazy_tensors = _LazyTensors(env, shapes)
+        return Payload(
+            env.run_id, env.round, env.node_id, env.base, env.tile, env.topk, lazy_tensors
+        )
     tensors = {
         rec.name: _decode_record(rec, env, tuple(shapes[rec.name]), f"tensors[{i}]")
         for i, rec in enumerate(env.tensors)

@@ -1,6 +1,6 @@
 """The long chaos scenario (run by hand; its table goes in the README): every fault kind.
 
-5 nodes, 32 rounds, the tiny model, checkpoints every 5 rounds and payloads kept 8 rounds, so a
+5 nodes, 36 rounds, the tiny model, checkpoints every 5 rounds and payloads kept 8 rounds, so a
 node joining at round 14 cannot replay from θ_0 and must start from a checkpoint. Faults, each
 keyed to a round:
 
@@ -14,7 +14,8 @@ keyed to a round:
   resynchronised from the checkpoint, gathered again later;
 - round 20: node-2 stopped (SIGSTOP) until the coordinator times it out, then continued;
 - round 24: node-0 straggles 15 s (deadlines are 8-12 s);
-- round 26: node-1 killed again, restarted once round 27 closed (two rounds down).
+- round 26: node-1 killed again, restarted once round 27 closed (two rounds down), with rounds
+  to spare after it so it can be seen back in a gather set.
 
 Network faults (``tc netem``) are a second test, which skips where the machine cannot shape
 traffic (see ``netem``).
@@ -47,7 +48,7 @@ TIMING = Timing(
 RUN = RunConfig(
     name="chaos-long",
     model="tiny",
-    rounds=32,
+    rounds=36,
     inner_steps=20,
     batch_size=4,
     min_nodes=3,
@@ -98,6 +99,9 @@ def test_long_chaos_scenario(tmp_path, store) -> None:
     reasons = {why for ex in result["excluded"].values() for why in ex.values()}
     assert "timed out" in reasons
     assert any(e["action"] == "store_back" and e["retry_seen"] for e in result["events"])
+    # Every node that suffered a fault took part again before the end.
+    for rec in result["recovery"]:
+        assert rec["back_in_gather"] is not None, rec
 
 
 def test_chaos_under_packet_loss_and_delay() -> None:
