@@ -393,11 +393,16 @@ class NodeDaemon:
         except TransferError as exc:
             # 404: retention already deleted this round's payloads, so this node is further
             # behind than replay can reach; a newer checkpoint is the way forward.
-            if exc.status != 404 or self.pending is not None:
+            if exc.status != 404:
                 raise
             info = await self.sync.restore_latest(self.w)
             if info is None or info.round <= r:
                 raise
+            # Our own payload of this round (after a restart) was either aggregated by the
+            # others, so e already lacks it, or not, so it goes back into e: nothing is lost.
+            if own is not None and self.node_id not in {e.node_id for e in manifest.gather}:
+                await self.compute(self.w.return_own, own)
+            self.phase, self.pending, self.mass_in = "idle", None, None
             await self.compute(self._save_idle)
             self._log("skipped_to_checkpoint", checkpoint=info.round)
             return
