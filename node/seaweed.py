@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from protocol.errors import SparseLoCoError
 
@@ -171,19 +172,23 @@ class EmbeddedStore:
         )
         return self.endpoint
 
-    def _wait_ready(self) -> None:
+    def client(self, *, attempts: int = 3) -> Any:
+        """A boto3 S3 client with the store's admin credentials (SigV4, as presigning uses)."""
         import boto3
         from botocore.config import Config
 
         endpoint = self.endpoint
-        client = boto3.client(
+        return boto3.client(
             "s3",
             endpoint_url=endpoint.endpoint_url,
             aws_access_key_id=endpoint.access_key,
             aws_secret_access_key=endpoint.secret_key,
             region_name=endpoint.region,
-            config=Config(signature_version="s3v4", retries={"max_attempts": 1}),
+            config=Config(signature_version="s3v4", retries={"max_attempts": attempts}),
         )
+
+    def _wait_ready(self) -> None:
+        client = self.client(attempts=1)
         deadline = time.monotonic() + START_TIMEOUT_S
         last: Exception | None = None
         proc = self.process

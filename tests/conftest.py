@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import boto3
 import pytest
-from botocore.config import Config
 
 from node.seaweed import EmbeddedStore
 
@@ -28,13 +26,5 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
 
 @pytest.fixture(scope="session")
 def s3(store: EmbeddedStore):  # type: ignore[no-untyped-def]
-    """A boto3 S3 client with the store's admin credentials (SigV4, as the coordinator signs)."""
-    ep = store.endpoint
-    return boto3.client(
-        "s3",
-        endpoint_url=ep.endpoint_url,
-        aws_access_key_id=ep.access_key,
-        aws_secret_access_key=ep.secret_key,
-        region_name=ep.region,
-        config=Config(signature_version="s3v4"),
-    )
+    """A boto3 S3 client with the store's admin credentials."""
+    return store.client()

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 import pytest_asyncio
 from aiohttp import ClientSession
@@ -220,17 +219,10 @@ async def test_full_round_with_presigned_upload(make_api: ApiFactory, store: Emb
         assert await r.read() == body
 
     # The stored manifest object equals the signed one (published in the background).
-    e = store.endpoint
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=e.endpoint_url,
-        aws_access_key_id=e.access_key,
-        aws_secret_access_key=e.secret_key,
-        region_name=e.region,
-    )
+    s3 = store.client()
     key = manifest_key(api.config.storage.prefix, api.config.run.run_id, 0)
     await asyncio.wait_for(api.coord.publisher.published.wait(), 30)
-    stored = s3.get_object(Bucket=e.bucket, Key=key)["Body"].read()
+    stored = s3.get_object(Bucket=store.bucket, Key=key)["Body"].read()
     assert SignedManifest.model_validate_json(stored) == signed
 
     status, err = await api.submit("n0", 1, body, FP_A)  # nothing uploaded for round 1 yet

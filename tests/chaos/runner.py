@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import boto3
-from botocore.config import Config
 from cluster import Cluster
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
@@ -75,16 +73,7 @@ class ScenarioRunner:
         self.store = store
         prefix = f"chaos-{root.parent.name}-{root.name}"
         self.cluster = Cluster(root, store, scenario.run, scenario.nodes, prefix=prefix)
-        ep = store.endpoint
-        client = boto3.client(
-            "s3",
-            endpoint_url=ep.endpoint_url,
-            aws_access_key_id=ep.access_key,
-            aws_secret_access_key=ep.secret_key,
-            region_name=ep.region,
-            config=Config(signature_version="s3v4", retries={"max_attempts": 3}),
-        )
-        self.bucket = Bucket(client, ep.bucket)
+        self.bucket = Bucket(store.client(), store.bucket)
         self.failures: set[Failure] = set()
         self.events: list[dict[str, Any]] = []
         self.armed: dict[str, str | None] = {}
