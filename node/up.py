@@ -92,10 +92,15 @@ def coordinator_toml(
     state_dir: Path,
     *,
     prefix: str = "",
+    server: dict[str, Any] | None = None,
 ) -> str:
-    """The coordinator's config file for a local run (see ``deploy/run.example.toml``)."""
+    """The coordinator's config file for a local run (see ``deploy/run.example.toml``).
+
+    ``server`` adds to or overrides the ``[server]`` table (loopback, any free port).
+    """
     lines = _toml_table("run", run.model_dump(mode="json"))
-    lines += _toml_table("server", {"host": "127.0.0.1", "port": 0, "state_dir": str(state_dir)})
+    server_table = {"host": "127.0.0.1", "port": 0, "state_dir": str(state_dir), **(server or {})}
+    lines += _toml_table("server", server_table)
     lines += _toml_table(
         "storage",
         {
@@ -140,6 +145,11 @@ class Process:
                 self.popen.kill()
                 self.popen.wait()
         return self.popen.returncode
+
+    def kill(self) -> int:
+        """SIGKILL (``kill -9``: nothing flushed) and reap."""
+        self.popen.kill()
+        return self.popen.wait()
 
     def tail(self, lines: int = 15) -> str:
         try:

@@ -63,8 +63,7 @@ class Cluster:
 
     def kill_coordinator(self) -> None:
         if self.coordinator is not None:
-            self.coordinator.popen.kill()
-            self.coordinator.popen.wait()
+            self.coordinator.kill()
 
     def start_node(self, name: str, faults: str | None = None) -> Process:
         """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS`` (node.faults)."""

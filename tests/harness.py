@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 
 from node.seaweed import StoreEndpoint
+from node.up import coordinator_toml
 from protocol.runconfig import RunConfig
 
 #: Seconds for the coordinator to listen after start (includes the interpreter's imports).
@@ -25,25 +26,6 @@ START_TIMEOUT_S = 60.0
 #: Seconds for a clean exit after SIGTERM.
 STOP_TIMEOUT_S = 30.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
-
-
-def _section(name: str, values: dict[str, object]) -> list[str]:
-    lines = [f"[{name}]"]
-    nested: list[str] = []
-    for key, value in values.items():
-        if isinstance(value, dict):
-            nested += ["", *_section(f"{name}.{key}", value)]
-        elif value is not None:
-            lines.append(f"{key} = {_toml_value(value)}")
-    return lines + nested
 
 
 def write_coordinator_config(
@@ -56,20 +38,12 @@ def write_coordinator_config(
     state_dir: str | os.PathLike[str],
     server: dict[str, object] | None = None,
 ) -> Path:
-    """Write a coordinator TOML config at ``path`` and return the path."""
-    lines = _section("run", run.model_dump(mode="json"))
-    lines += ["", *_section("server", {"state_dir": str(state_dir), **(server or {})})]
-    storage = {
-        "endpoint_url": endpoint.endpoint_url,
-        "bucket": endpoint.bucket,
-        "prefix": prefix,
-        "region": endpoint.region,
-        "access_key": endpoint.access_key,
-        "secret_key": endpoint.secret_key,
-    }
-    lines += ["", *_section("storage", storage), "", *_section("tokens", dict(tokens))]
+    """Write a coordinator TOML config at ``path`` (``node.up.coordinator_toml``); the path."""
     out = Path(path)
-    out.write_text("\n".join(lines) + "\n")
+    text = coordinator_toml(
+        run, endpoint, dict(tokens), Path(state_dir), prefix=prefix, server=server
+    )
+    out.write_text(text + "\n")
     return out
 
 

@@ -208,8 +208,7 @@ def test_a_damaged_state_file_is_set_aside_and_recovered_from_the_store(cluster_
     cluster.start_node("node-1")
     cluster.wait_closed(2)
     victim = cluster.nodes["node-1"]
-    victim.popen.kill()
-    victim.popen.wait()
+    victim.kill()
     state = cluster.root / "nodes" / "node-1" / "state.safetensors"
     state.write_bytes(state.read_bytes()[:1000])  # torn in the middle
     cluster.start_node("node-1")

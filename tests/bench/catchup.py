@@ -94,8 +94,7 @@ def _recovery(root: Path, store: EmbeddedStore, kill_at: int) -> dict:
             cluster.start_node(name)
         cluster.wait_closed(kill_at)
         victim = cluster.nodes["node-1"]
-        victim.popen.kill()
-        victim.popen.wait()
+        victim.kill()
         killed_during = cluster.status().round
         cluster.start_node("node-1")
 

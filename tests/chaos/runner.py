@@ -152,8 +152,7 @@ class ScenarioRunner:
             assert name is not None
             self._killed.add(name)
             proc = self.cluster.nodes[name]
-            proc.popen.kill()
-            proc.popen.wait()
+            proc.kill()
         elif step.action in ("restart_node", "start_node"):
             assert name is not None
             self._killed.discard(name)
