@@ -42,11 +42,6 @@ class TooLarge(Conflict):
         self.field = field
 
 
-def sidecar_key(key: str) -> str:
-    """The ``.json`` sidecar next to a checkpoint's ``.safetensors`` file."""
-    return key.removesuffix(".safetensors") + ".json"
-
-
 class CheckpointBook:
     """Checkpoint grants and commits over the round machine's database."""
 

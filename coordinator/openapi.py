@@ -1,88 +1,19 @@
-"""The API's route table and the OpenAPI 3.1 document generated from it.
+"""The OpenAPI 3.1 document of the coordinator's API, generated from ``protocol.routes``.
 
-``ENDPOINTS`` is the one list of routes: ``coordinator.app`` registers a handler for each entry
-(by ``name``) and ``openapi_document`` describes each with the pydantic models' JSON schemas, so
-the served document cannot drift from the routes or the wire models.
+Each entry of the route table is described with the pydantic models' JSON schemas, so the
+served document cannot drift from the routes the coordinator registers, the paths the node's
+client calls, or the wire models.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from protocol.messages import (
-    Ack,
-    CheckpointInfo,
-    CheckpointUpload,
-    CheckpointView,
-    ErrorBody,
-    JoinRequest,
-    JoinResponse,
-    ManifestView,
-    RoundReport,
-    RoundView,
-    StatusView,
-    SubmitRequest,
-    SubmitResponse,
-    UploadGrant,
-    UploadRequest,
-)
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    name: str
-    method: str
-    path: str
-    summary: str
-    request: type[BaseModel] | None = None
-    responses: dict[int, type[BaseModel]] = field(default_factory=dict)
-    auth: bool = True
-    query: dict[str, str] = field(default_factory=dict)  # name -> description
-    errors: tuple[int, ...] = ()
-    json: bool = True  # False: the response is not JSON (metrics)
-
-
-ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("join", "POST", "/v1/join", "Join the run (or rejoin)", JoinRequest,
-             {200: JoinResponse}, errors=(400, 401, 413, 422)),
-    Endpoint("heartbeat", "POST", "/v1/heartbeat", "Stay an active member", None,
-             {200: RoundView}, errors=(401, 409)),
-    Endpoint("leave", "POST", "/v1/leave", "Leave the run", None, {200: Ack}, errors=(401, 409)),
-    Endpoint("round", "GET", "/v1/round", "The current round as the caller sees it", None,
-             {200: RoundView}, errors=(401,)),
-    Endpoint("upload", "POST", "/v1/rounds/{round}/upload",
-             "A presigned PUT for the caller's payload of this round", UploadRequest,
-             {200: UploadGrant}, errors=(400, 401, 404, 409, 413, 422)),
-    Endpoint("submit", "POST", "/v1/rounds/{round}/submit",
-             "Announce an uploaded payload; idempotent for an identical body", SubmitRequest,
-             {200: SubmitResponse}, errors=(400, 401, 404, 409, 413, 422)),
-    Endpoint("manifest", "GET", "/v1/rounds/{round}/manifest",
-             "The signed manifest of a closed round, long-polling while it is open", None,
-             {200: ManifestView, 202: RoundView},
-             query={"wait": "seconds to wait for the round to close (capped by the server)"},
-             errors=(401, 404, 422)),
-    Endpoint("report", "POST", "/v1/rounds/{round}/report",
-             "Report the fingerprint after applying a closed round", RoundReport, {200: Ack},
-             errors=(400, 401, 404, 409, 413, 422)),
-    Endpoint("checkpoint_upload", "POST", "/v1/checkpoints/{round}/upload",
-             "A presigned PUT for θ at the start of this round, for the first eligible node",
-             CheckpointUpload, {200: UploadGrant}, errors=(400, 401, 404, 409, 413, 422)),
-    Endpoint("checkpoint_commit", "POST", "/v1/checkpoints/{round}/commit",
-             "Announce the uploaded checkpoint (grant holder only); idempotent", CheckpointUpload,
-             {200: CheckpointInfo}, errors=(400, 401, 409, 413, 422, 503)),
-    Endpoint("checkpoint_latest", "GET", "/v1/checkpoints/latest",
-             "The newest committed checkpoint with a presigned GET", None,
-             {200: CheckpointView}, errors=(401, 404)),
-    Endpoint("status", "GET", "/v1/status", "The run, its members and recent rounds", None,
-             {200: StatusView}, auth=False,
-             query={"rounds": "how many recent rounds to include"}, errors=(422,)),
-    Endpoint("openapi", "GET", "/openapi.json", "This document", None, auth=False),
-    Endpoint("metrics", "GET", "/metrics", "Prometheus metrics", None, auth=False, json=False),
-)  # fmt: skip
+from protocol.messages import ErrorBody
+from protocol.routes import ENDPOINTS
 
 _ERROR_TEXT = {
     400: "the body is not JSON",

@@ -21,11 +21,10 @@ import random
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from coordinator.checkpoints import sidecar_key
 from coordinator.db import Database
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.storage import ObjectStore, StorageError
-from protocol.keys import latest_checkpoint_key, manifest_key
+from protocol.keys import latest_checkpoint_key, manifest_key, sidecar_key
 
 log = logging.getLogger("sparseloco.coordinator.publisher")
 

@@ -23,12 +23,11 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from coordinator.checkpoints import sidecar_key
 from coordinator.db import CheckpointRow, Database
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.publisher import TRANSIENT
 from coordinator.storage import ObjectStore
-from protocol.keys import round_prefix
+from protocol.keys import round_prefix, sidecar_key
 from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.coordinator.retention")

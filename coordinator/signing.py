@@ -1,5 +1,8 @@
 """The coordinator's manifest signing key (Ed25519), kept in the state directory.
 
+What is signed, and how a signature is checked, is ``protocol.signing``; this module only keeps
+the private key.
+
 Nodes verify every manifest with the public key handed out at join, so the key must survive a
 restart: it is created once at ``{state_dir}/manifest-key.pem`` (PKCS#8, mode 0600, written
 without a window where another user could read it) and loaded on every later start.
@@ -11,12 +14,12 @@ import logging
 import os
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocol.errors import ConfigError
-from protocol.messages import Manifest, SignedManifest, manifest_bytes
+from protocol.messages import Manifest, SignedManifest
+from protocol.signing import public_key_hex, sign_manifest
 
 log = logging.getLogger("sparseloco.coordinator.signing")
 
@@ -28,10 +31,7 @@ class ManifestSigner:
 
     def __init__(self, key: Ed25519PrivateKey) -> None:
         self._key = key
-        raw = key.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        )
-        self.public_key_hex = raw.hex()
+        self.public_key_hex = public_key_hex(key)
 
     @classmethod
     def load_or_create(cls, state_dir: Path) -> ManifestSigner:
@@ -66,15 +66,4 @@ class ManifestSigner:
         return cls(key)
 
     def sign(self, manifest: Manifest) -> SignedManifest:
-        signature = self._key.sign(manifest_bytes(manifest)).hex()
-        return SignedManifest(manifest=manifest, signature=signature)
-
-
-def verify(signed: SignedManifest, public_key_hex: str) -> bool:
-    """Whether ``signed`` carries a valid signature by the key ``public_key_hex``."""
-    key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key_hex))
-    try:
-        key.verify(bytes.fromhex(signed.signature), manifest_bytes(signed.manifest))
-    except InvalidSignature:
-        return False
-    return True
+        return sign_manifest(self._key, manifest)

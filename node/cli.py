@@ -58,8 +58,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from node.progress import round_progress
-    from node.simulate import build_config, simulate, write_json
+    from node.research.progress import round_progress
+    from node.research.simulate import build_config, simulate, write_json
 
     options = {
         k: getattr(args, k)
@@ -122,14 +122,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench_codec(args: argparse.Namespace) -> int:
-    from node.bench.codec_bench import run
+    from node.research.bench.codec_bench import run
 
     run(args.json_out, args.preset, args.peers, args.repeat, threads=args.threads)
     return 0
 
 
 def _cmd_bench_quality(args: argparse.Namespace) -> int:
-    from node.bench.quality import run_quality
+    from node.research.bench.quality import run_quality
 
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     run_quality(args.out, preset=args.preset, algos=algos, rounds=args.rounds, data=args.data)
@@ -156,9 +156,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 def _cmd_up(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from node.simulate import write_json
-    from node.up import UpConfig, up
-    from node.up_view import UpView
+    from node.cluster.up import UpConfig, up
+    from node.cluster.view import UpView
+    from node.research.simulate import write_json
 
     try:
         cfg = UpConfig(
@@ -196,8 +196,8 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_node(args: argparse.Namespace) -> int:
-    from node.daemon import run_node
-    from node.settings import load_settings
+    from node.daemon.loop import run_node
+    from node.daemon.settings import load_settings
 
     settings = load_settings(
         coordinator=args.coordinator,
@@ -228,7 +228,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_round(args: argparse.Namespace) -> int:
-    from node.bench.round_bench import run
+    from node.research.bench.round_bench import run
 
     run(
         args.json_out,

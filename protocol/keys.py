@@ -4,7 +4,8 @@ Every key of a run lives under ``{prefix}/runs/{run_id}/``::
 
     rounds/{round:08d}/payloads/{node_id}.slc   a node's payload for a round
     rounds/{round:08d}/manifest.json            the closed round, signed by the coordinator
-    checkpoints/{round:08d}/model.safetensors   parameters after a round (+ .json sidecar)
+    checkpoints/{round:08d}/model.safetensors   parameters at the start of a round
+    checkpoints/{round:08d}/model.json          its sidecar: the committed CheckpointInfo
     checkpoints/latest.json                     which checkpoint is the newest
 
 Zero-padded rounds keep a plain listing in round order.
@@ -56,3 +57,8 @@ def checkpoint_key(prefix: str, run_id: str, round_: int) -> str:
 
 def latest_checkpoint_key(prefix: str, run_id: str) -> str:
     return f"{run_prefix(prefix, run_id)}checkpoints/latest.json"
+
+
+def sidecar_key(key: str) -> str:
+    """The ``.json`` sidecar next to a checkpoint's ``.safetensors`` file."""
+    return key.removesuffix(".safetensors") + ".json"

@@ -18,8 +18,9 @@ generated from the same source. Endpoints (all under ``/v1``, bearer-token auth)
     GET  /v1/status                                        -> StatusView
 
 A ``Manifest`` is the record of one closed round. The coordinator signs its canonical JSON
-(``manifest_bytes``) with Ed25519 and stores ``SignedManifest`` in the object store; nodes verify
-the signature with the public key they received at join.
+with Ed25519 (``protocol.signing``) and stores ``SignedManifest`` in the object store; nodes
+verify the signature with the public key they received at join. The route table itself (method,
+path, request and response models of each endpoint) is ``protocol.routes``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from protocol.keys import ID_PATTERN
-from protocol.runconfig import RunConfig, canonical_json
+from protocol.runconfig import RunConfig
 
 MANIFEST_VERSION = 1
 
@@ -138,11 +139,6 @@ class Manifest(Message):
     excluded: dict[str, str] = Field(description="node id -> reason")
     opened_at: float
     closed_at: float
-
-
-def manifest_bytes(manifest: Manifest) -> bytes:
-    """The canonical bytes of a manifest: what the coordinator signs and nodes verify."""
-    return canonical_json(manifest.model_dump(mode="json"))
 
 
 class SignedManifest(Message):

@@ -5,8 +5,8 @@ run id, so two runs with any difference in model, codec, optimiser, schedule or 
 be mixed up in the object store or the coordinator's database. Node-local choices (data path,
 threads, state directory) are not part of it.
 
-The model is named by preset (``node.model.PRESETS``); the coordinator never builds it, so this
-module only checks that the name is well formed and leaves the list of presets to the node.
+The model is named by preset (``node.compute.model.PRESETS``); the coordinator never builds it,
+so this module only checks that the name is well formed and leaves the list of presets to the node.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A local cluster for integration tests: real coordinator and node processes on loopback.
 
-Built from the same pieces as ``sparseloco up`` (``node.up``), but started one by one so a test
-can add a node late, or kill and restart the coordinator on the same port. Every wait is keyed to
-the run's progress as the coordinator reports it (rounds closed, run finished); the timeouts
+Built from the same pieces as ``sparseloco up`` (``node.cluster.up``), but started one by one so a
+test can add a node late, or kill and restart the coordinator on the same port. Every wait is keyed
+to the run's progress as the coordinator reports it (rounds closed, run finished); the timeouts
 are only a safety net against a hang. ``stop()`` ends every process the cluster started, and the
 fixture calls it even when the test fails.
 """
@@ -16,10 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
-from node.seaweed import EmbeddedStore
-from node.up import Process, coordinator_toml, fetch_status, start_coordinator, start_node
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+from node.cluster.seaweed import EmbeddedStore
+from node.cluster.up import Process, coordinator_toml, fetch_status, start_coordinator, start_node
 from protocol.messages import RoundState, StatusView
 from protocol.runconfig import RunConfig
+from protocol.signing import public_key_hex
 
 #: Safety net for any single wait; a healthy tiny run needs a small fraction of it.
 WAIT_S = 240.0
@@ -66,7 +70,7 @@ class Cluster:
             self.coordinator.kill()
 
     def start_node(self, name: str, faults: str | None = None) -> Process:
-        """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS`` (node.faults)."""
+        """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS``."""
         proc = start_node(
             name,
             self.url,
@@ -78,6 +82,13 @@ class Cluster:
         )
         self.nodes[name] = proc
         return proc
+
+    def public_key(self) -> str:
+        """The coordinator's manifest public key (hex), read from its signing key file."""
+        pem = (self.state_dir / "manifest-key.pem").read_bytes()
+        key = load_pem_private_key(pem, None)
+        assert isinstance(key, Ed25519PrivateKey)
+        return public_key_hex(key)
 
     def status(self) -> StatusView:
         return fetch_status(self.url)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from node.seaweed import EmbeddedStore
+from node.cluster.seaweed import EmbeddedStore
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from node.seaweed import StoreEndpoint
-from node.up import coordinator_toml
+from node.cluster.seaweed import StoreEndpoint
+from node.cluster.up import coordinator_toml
 from protocol.runconfig import RunConfig
 
 #: Seconds for the coordinator to listen after start (includes the interpreter's imports).
@@ -38,7 +38,7 @@ def write_coordinator_config(
     state_dir: str | os.PathLike[str],
     server: dict[str, object] | None = None,
 ) -> Path:
-    """Write a coordinator TOML config at ``path`` (``node.up.coordinator_toml``); the path."""
+    """Write a coordinator TOML config at ``path`` (``node.cluster.up.coordinator_toml``)."""
     out = Path(path)
     text = coordinator_toml(
         run, endpoint, dict(tokens), Path(state_dir), prefix=prefix, server=server

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.bench import naive
-from node.outer import aggregate_tensor, apply_aggregate
+from node.compute.outer import aggregate_tensor, apply_aggregate
+from node.research.bench import naive
 from protocol.codec import encode, read_payload
 
 SHAPES: dict[str, tuple[int, ...]] = {"emb": (128, 192), "norm": (320,), "w": (64, 96)}

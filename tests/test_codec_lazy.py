@@ -11,7 +11,7 @@ import pytest
 import torch
 from malformed_fixtures import BODY, ENCODED, MODEL, TILE, TOPK, mutated, set_field
 
-from node.outer import apply_aggregate
+from node.compute.outer import apply_aggregate
 from protocol.codec import encode, read_payload
 from protocol.errors import PayloadError
 

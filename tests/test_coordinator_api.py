@@ -23,11 +23,11 @@ from yarl import URL
 
 from coordinator.app import COORDINATOR, create_app
 from coordinator.config import CoordinatorConfig, load_config
-from coordinator.signing import verify
-from node.seaweed import EmbeddedStore
+from node.cluster.seaweed import EmbeddedStore
 from protocol.keys import manifest_key
 from protocol.messages import SignedManifest
 from protocol.runconfig import RunConfig, Timing
+from protocol.signing import verify_manifest
 
 FP_A = "a" * 32
 FP_B = "b" * 32
@@ -209,7 +209,7 @@ async def test_full_round_with_presigned_upload(make_api: ApiFactory, store: Emb
     status, view = await api.manifest("n2", 0)
     assert status == 200
     signed = SignedManifest.model_validate(view["signed"])
-    assert verify(signed, j0["manifest_public_key"])
+    verify_manifest(signed, j0["manifest_public_key"])  # raises ManifestError if not
     manifest = signed.manifest
     assert [e.node_id for e in manifest.gather] == ["n0"]
     assert manifest.excluded == {"n1": "bad digest"}

@@ -26,7 +26,7 @@ from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, load_config
 from coordinator.db import DB_FILE, Database
 from coordinator.retention import payload_rounds
-from node.seaweed import EmbeddedStore
+from node.cluster.seaweed import EmbeddedStore
 from protocol.keys import checkpoint_key, latest_checkpoint_key, run_prefix
 from protocol.messages import CheckpointInfo, RoundReport
 from protocol.runconfig import RunConfig, Timing

@@ -17,7 +17,7 @@ from typing import Any
 
 from harness import REPO_ROOT, CoordinatorProcess, write_coordinator_config
 
-from node.seaweed import EmbeddedStore
+from node.cluster.seaweed import EmbeddedStore
 from protocol.runconfig import RunConfig
 
 TOKENS = {"n0": "process-test-token-n0", "n1": "process-test-token-n1"}

@@ -21,9 +21,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from coordinator import rounds
 from coordinator.db import Database
 from coordinator.machine import Conflict, RoundError, RoundMachine
-from coordinator.signing import ManifestSigner, verify
+from coordinator.signing import ManifestSigner
 from protocol.messages import Exclusion, MemberState, RoundState, SubmitRequest
 from protocol.runconfig import RunConfig, Timing
+from protocol.signing import verify_manifest
 
 FPS = ["a" * 32, "b" * 32, "c" * 32]
 nodes = st.sampled_from([f"n{i}" for i in range(6)])
@@ -159,7 +160,7 @@ class RoundMachineModel(RuleBasedStateMachine):
 
     def _record(self, manifests: list) -> None:  # type: ignore[type-arg]
         for signed in manifests:
-            assert verify(signed, self.signer.public_key_hex)
+            verify_manifest(signed, self.signer.public_key_hex)
             m = signed.manifest
             assert len(m.gather) <= self.run.gather_size
             gathered = {e.node_id for e in m.gather}

@@ -1,4 +1,4 @@
-"""Tests for node.data: corpus loading, the train/eval split, and deterministic worker streams."""
+"""node.compute.data: corpus loading, the train/eval split, and deterministic worker streams."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.data import ByteCorpus, DataError, load_corpus
+from node.compute.data import ByteCorpus, load_corpus
+from node.errors import DataError
 
 BLOCK = 64
 CTX = 16

@@ -1,4 +1,4 @@
-"""Tests for node.model: presets, deterministic init, causality, loss scale, training, evaluate."""
+"""node.compute.model: presets, deterministic init, causality, loss scale, training, evaluate."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
 
-from node.model import (
+from node.compute.model import (
     PRESETS,
     ModelConfig,
     autocast,

@@ -15,11 +15,11 @@ import sys
 
 import pytest
 from cluster import Cluster
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from protocol.keys import manifest_key
-from protocol.messages import RoundState, SignedManifest, StatusView, manifest_bytes
+from protocol.messages import RoundState, SignedManifest, StatusView
 from protocol.runconfig import RunConfig, Timing
+from protocol.signing import verify_manifest
 
 TIMING = Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=30)
 
@@ -85,7 +85,7 @@ def test_three_nodes_train_one_model(cluster_factory, store, s3) -> None:
     # Every manifest in the bucket is signed by the coordinator and matches the stored payloads.
     key_pem = (cluster.state_dir / "manifest-key.pem").exists()
     assert key_pem
-    joined_key = None
+    public_key = cluster.public_key()
     for summary in closed:
         raw = s3.get_object(
             Bucket=store.bucket, Key=manifest_key(cluster.prefix, status.run_id, summary.round)
@@ -98,15 +98,7 @@ def test_three_nodes_train_one_model(cluster_factory, store, s3) -> None:
             body = s3.get_object(Bucket=store.bucket, Key=entry.key)["Body"].read()
             assert len(body) == entry.size
             assert hashlib.sha256(body).hexdigest() == entry.sha256
-        joined_key = joined_key or _public_key(cluster)
-        joined_key.verify(bytes.fromhex(signed.signature), manifest_bytes(manifest))
-
-
-def _public_key(cluster: Cluster) -> Ed25519PublicKey:
-    from cryptography.hazmat.primitives.serialization import load_pem_private_key
-
-    private = load_pem_private_key((cluster.state_dir / "manifest-key.pem").read_bytes(), None)
-    return private.public_key()  # type: ignore[return-value]
+        verify_manifest(signed, public_key)  # raises ManifestError if it does not verify
 
 
 def test_late_joiner_and_a_restarted_node_end_bit_identical(cluster_factory) -> None:

@@ -1,4 +1,4 @@
-"""Tests for node.optim: the schedule, weight-decay groups, and inner_step against torch's AdamW."""
+"""node.compute.optim: the schedule, weight-decay groups, and inner_step against torch's AdamW."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from node.model import PRESETS, build_model
-from node.optim import InnerOptimConfig, inner_step, lr_at, make_adamw
+from node.compute.model import PRESETS, build_model
+from node.compute.optim import InnerOptimConfig, inner_step, lr_at, make_adamw
 
 TINY = PRESETS["tiny"]
 CFG = InnerOptimConfig(warmup_steps=10, total_steps=100)

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from node.outer import (
+from node.compute.outer import (
     add_back,
     aggregate_tensor,
     apply_aggregate,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from node.cli import build_parser, main
-from node.simulate import build_config, simulate
+from node.research.simulate import build_config, simulate
 from protocol.errors import ConfigError
 
 REQUIRED = {

@@ -13,8 +13,9 @@ import hashlib
 import aiohttp
 import pytest
 
-from node.retry import RetryPolicy
-from node.transfer import DigestError, TransferError, get_object, put_object
+from node.daemon.retry import RetryPolicy
+from node.daemon.transfer import get_object, put_object
+from node.errors import DigestError, TransferError
 
 pytestmark = pytest.mark.asyncio
 

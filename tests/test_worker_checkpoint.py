@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from node.faults import Faults
-from node.worker import CheckpointError, Worker
+from node.compute.worker import Worker
+from node.daemon.faults import Faults
+from node.errors import CheckpointError
 from protocol.errors import ConfigError
 from protocol.runconfig import RunConfig
 

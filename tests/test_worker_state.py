@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.state import StateError, load_state, save_state
-from node.worker import Worker, check_payload_header
+from node.compute.state import load_state, save_state
+from node.compute.worker import Worker, check_payload_header
+from node.errors import StateError
 from protocol.errors import PayloadError
 from protocol.runconfig import RunConfig
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster import Cluster, closed_count
 
-from node.seaweed import EmbeddedStore
+from node.cluster.seaweed import EmbeddedStore
 from protocol.messages import RoundState, StatusView
 from protocol.runconfig import RunConfig, Timing
 

@@ -28,9 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
+from protocol.errors import ManifestError
 from protocol.keys import checkpoint_key, latest_checkpoint_key, run_prefix
 from protocol.messages import (
     CheckpointInfo,
@@ -39,8 +37,8 @@ from protocol.messages import (
     RoundSummary,
     SignedManifest,
     StatusView,
-    manifest_bytes,
 )
+from protocol.signing import verify_manifest
 
 MASS_RTOL = 1e-4
 WRONG_BASE = Exclusion.WRONG_BASE.value
@@ -143,7 +141,7 @@ def check_agreement(status: StatusView) -> tuple[list[Failure], list[dict[str, A
 def check_manifest(
     summary: RoundSummary,
     raw: bytes | None,
-    public_key: Ed25519PublicKey,
+    public_key: str,
     bucket: Bucket,
     *,
     run_id: str,
@@ -157,8 +155,8 @@ def check_manifest(
     m = signed.manifest
     out: list[Failure] = []
     try:
-        public_key.verify(bytes.fromhex(signed.signature), manifest_bytes(m))
-    except InvalidSignature:
+        verify_manifest(signed, public_key)
+    except ManifestError:
         out.append(Failure("b", r, "manifest signature does not verify"))
     if m.round != r or m.run_id != run_id:
         out.append(Failure("b", r, f"manifest is for {m.run_id} round {m.round}"))

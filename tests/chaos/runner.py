@@ -26,10 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster import Cluster
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
-from node.seaweed import EmbeddedStore
+from node.cluster.seaweed import EmbeddedStore
 from protocol.keys import manifest_key
 from protocol.messages import MemberState, RoundState, StatusView
 
@@ -237,9 +235,8 @@ class ScenarioRunner:
             self.checked.add(summary.round)
 
     @property
-    def public_key(self) -> Ed25519PublicKey:
-        pem = (self.cluster.state_dir / "manifest-key.pem").read_bytes()
-        return load_pem_private_key(pem, None).public_key()  # type: ignore[return-value]
+    def public_key(self) -> str:
+        return self.cluster.public_key()
 
     def _check_reports(self, s: StatusView) -> list[dict[str, Any]]:
         agreement, records = check_agreement(s)

@@ -5,7 +5,7 @@ the current one, or already past) or closed (``when="closed"``). Steps fire in t
 one after the other, so ``kill_coordinator`` then ``restart_coordinator`` at the same round is a
 kill followed by a restart on the same port. Node faults inside a round (a crash at an exact
 point, a straggler, a corrupted θ) are not steps but the node's ``SPARSELOCO_FAULTS``
-(``node.faults``), given per node in ``Scenario.faults`` or with a ``start_node`` /
+(``node.daemon.faults``), given per node in ``Scenario.faults`` or with a ``start_node`` /
 ``restart_node`` step.
 
 Actions (``target`` is a node name where one is needed):
@@ -70,8 +70,8 @@ def at(round_: int, action: str, target: str | None = None, **kw: object) -> Ste
 
 
 def fault_entries(text: str | None) -> list[tuple[str, int]]:
-    """``[(action, round)]`` of a ``SPARSELOCO_FAULTS`` value (validated by ``node.faults``)."""
-    from node.faults import Faults
+    """``[(action, round)]`` of a ``SPARSELOCO_FAULTS`` value (see ``node.daemon.faults``)."""
+    from node.daemon.faults import Faults
 
     Faults.parse(text)  # raises ConfigError on a typo, before any process starts
     out = []

@@ -1,10 +1,10 @@
 """Codec benchmarks for the README: payload size, throughput and aggregation memory.
 
-Everything runs on a *realistic model dict*: the parameter shapes of a ``node.model`` preset,
-filled like an error-feedback buffer (heavy-tailed Student-t values, df = 3, with a log-normal
-scale per row and per tensor), seeded. Measurements are side by side with the straightforward
-torch baseline of ``node.bench.naive`` in the same process, as ratios (DESIGN.md, "Performance
-targets"):
+Everything runs on a *realistic model dict*: the parameter shapes of a ``node.compute.model``
+preset, filled like an error-feedback buffer (heavy-tailed Student-t values, df = 3, with a
+log-normal scale per row and per tensor), seeded. Measurements are side by side with the
+straightforward torch baseline of ``node.research.bench.naive`` in the same process, as ratios
+(DESIGN.md, "Performance targets"):
 
 - ``size_report``: bits per parameter of our real payload against the entropy bound
   (``log2 C(tile_len, k)`` per tile + 2 bits per kept value; target ratio <= 1.04) and against
@@ -12,7 +12,7 @@ targets"):
 - ``speed_report``: encode (with the reconstruction) and decode + aggregate + apply of ``peers``
   payloads, warm-up then best of ``repeat`` (targets: >= 1.5x and >= 2x the baseline);
 - ``memory_report``: peak RSS growth of decode + aggregate + apply, each in a fresh subprocess
-  (``node.bench.memory``), in MB and in fp32 model copies.
+  (``node.research.bench.memory``), in MB and in fp32 model copies.
 
 ``run`` does all three, prints ``format_markdown``'s tables and optionally writes JSON.
 """
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from node.bench import naive
-from node.bench.memory import peak_aggregation_bytes
-from node.outer import apply_aggregate
+from node.compute.outer import apply_aggregate
+from node.research.bench import naive
+from node.research.bench.memory import peak_aggregation_bytes
 from protocol.codec import encode, read_payload
 from protocol.tiles import TileGeometry, matrix_shape
 
@@ -49,10 +49,11 @@ TARGET_AGGREGATE_SPEEDUP = 2.0
 
 
 def model_shapes(preset_or_shapes: str | Shapes) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of a ``node.model`` preset (built on the meta device), or ``shapes``."""
+    """Parameter shapes of a ``node.compute.model`` preset (built on the meta device), or
+    ``shapes``."""
     if not isinstance(preset_or_shapes, str):
         return {n: tuple(s) for n, s in preset_or_shapes.items()}
-    from node.model import GPT, get_preset
+    from node.compute.model import GPT, get_preset
 
     with torch.device("meta"):
         model = GPT(get_preset(preset_or_shapes))

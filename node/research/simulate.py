@@ -24,10 +24,10 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from node.data import ByteCorpus, load_corpus
-from node.model import GPT, build_model, count_parameters, evaluate, get_preset
-from node.optim import InnerOptimConfig, inner_step, make_adamw
-from node.outer import apply_aggregate, compress, feed_error, pseudo_gradient
+from node.compute.data import ByteCorpus, load_corpus
+from node.compute.model import GPT, build_model, count_parameters, evaluate, get_preset
+from node.compute.optim import InnerOptimConfig, inner_step, make_adamw
+from node.compute.outer import apply_aggregate, compress, feed_error, pseudo_gradient
 from protocol.codec import read_payload
 from protocol.errors import ConfigError
 from protocol.fingerprint import fingerprint

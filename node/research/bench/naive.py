@@ -12,12 +12,12 @@ format of the production system (12-bit indices, one byte per 2-bit code):
   levels), then for each peer and tensor scatter its values into a dense tile-layout tensor, add
   it to a dense sum and its mask to a dense count; finally ``sum / count`` (0 where nobody
   selected a coordinate), untile, and apply. Optional median-norm clipping as in
-  ``node.outer.clip_scales``.
+  ``node.compute.outer.clip_scales``.
 
 Per tensor, the byte layout is ``shift`` and the four levels (20 bytes of fp32, the same as
 ours), then the 12-bit positions (``3 * ceil(n_kept / 2)`` bytes), then ``n_kept`` code bytes;
 tensors follow each other in sorted name order, so the sizes follow from the shapes alone.
-It computes what ``protocol.codec`` + ``node.outer`` compute (``tests/test_bench_naive.py``
+It computes what ``protocol.codec`` + ``node.compute.outer`` compute (``tests/test_bench_naive.py``
 checks it); only the speed, size and memory differ.
 """
 

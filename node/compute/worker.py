@@ -18,21 +18,18 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from node.data import ByteCorpus, load_corpus
-from node.model import build_model, evaluate, get_preset
-from node.optim import InnerOptimConfig, inner_step, make_adamw
-from node.outer import add_back, apply_aggregate, compress, feed_error, pseudo_gradient
-from node.state import NodeState, adam_tensors, restore_adam
+from node.compute.data import ByteCorpus, load_corpus
+from node.compute.model import build_model, evaluate, get_preset
+from node.compute.optim import InnerOptimConfig, inner_step, make_adamw
+from node.compute.outer import add_back, apply_aggregate, compress, feed_error, pseudo_gradient
+from node.compute.state import NodeState, adam_tensors, restore_adam
+from node.errors import Abandoned, CheckpointError
 from protocol.codec import Payload, decode, read_payload
-from protocol.errors import PayloadError, SparseLoCoError
+from protocol.errors import PayloadError
 from protocol.fingerprint import fingerprint
 from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.worker")
-
-
-class Abandoned(Exception):
-    """Training stopped between inner steps because the node is shutting down."""
 
 
 @dataclass
@@ -50,10 +47,6 @@ class TrainResult:
 def total(tensors: Mapping[str, torch.Tensor]) -> float:
     """Σ of every entry, in float64."""
     return float(sum(t.double().sum().item() for t in tensors.values()))
-
-
-class CheckpointError(SparseLoCoError, ValueError):
-    """A checkpoint's contents do not match what it claims (fingerprint, names, shapes)."""
 
 
 class Worker:

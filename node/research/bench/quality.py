@@ -12,8 +12,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from node.progress import round_progress
-from node.simulate import build_config, simulate, write_json
+from node.research.progress import round_progress
+from node.research.simulate import build_config, simulate, write_json
 
 log = logging.getLogger("sparseloco.bench.quality")
 

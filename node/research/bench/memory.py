@@ -2,8 +2,8 @@
 
 torch's CPU allocations bypass ``tracemalloc``, so the only honest measure is the process's own
 peak RSS. ``peak_aggregation_bytes`` writes the peers' payloads to a temporary directory and
-starts ``python -m node.bench.memory`` on them. The child loads the payload bytes and builds
-the parameters, runs the aggregation once as a warm-up (lazy initialisation, thread pools),
+starts ``python -m node.research.bench.memory`` on them. The child loads the payload bytes and
+builds the parameters, runs the aggregation once as a warm-up (lazy initialisation, thread pools),
 returns freed heap pages to the kernel (``malloc_trim``), resets the kernel's high-water mark
 (``echo 5 > /proc/self/clear_refs``), records ``VmRSS``, runs parse + aggregate + apply once
 more and reports ``VmHWM - VmRSS``: the extra memory that aggregation needed at its peak.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
+_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _status_kib(field: str) -> int:
@@ -63,7 +63,7 @@ def _aggregate_once(
     clip: bool,
 ) -> None:
     if kind == "ours":
-        from node.outer import apply_aggregate
+        from node.compute.outer import apply_aggregate
         from protocol.codec import read_payload
 
         payloads = {
@@ -72,7 +72,7 @@ def _aggregate_once(
         }
         apply_aggregate(params, payloads, clip=clip)
     elif kind == "naive":
-        from node.bench import naive
+        from node.research.bench import naive
 
         naive.apply(params, datas, topk=topk, tile_size=tile, clip=clip)
     else:
@@ -120,7 +120,7 @@ def peak_aggregation_bytes(
         cmd = [
             sys.executable,
             "-m",
-            "node.bench.memory",
+            "node.research.bench.memory",
             kind,
             tmp,
             str(topk),

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from protocol.errors import SparseLoCoError
+from node.errors import StoreStartError
 
 log = logging.getLogger("sparseloco.seaweed")
 
@@ -40,10 +40,6 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 
 _PORTS = ("master", "volume", "filer", "s3", "admin")
-
-
-class StoreStartError(SparseLoCoError, RuntimeError):
-    """The embedded object store could not be started (binary missing, exited, or never ready)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from node.up import UpConfig, up
+from node.cluster.up import UpConfig, up
 
 log = logging.getLogger("sparseloco.bench.round")
 

@@ -1,6 +1,7 @@
 """The SparseLoCo outer step: error feedback, compression, sparse aggregation, outer SGD.
 
-One round on a node, in DESIGN.md's numbering (inner training, step 1, lives in ``node.optim``):
+One round on a node, in DESIGN.md's numbering (inner training, step 1, is
+``node.compute.optim``):
 
 2. ``pseudo_gradient``: ``delta = theta_t - theta_i`` (a descent direction);
 3. ``feed_error``: ``e = beta * e + delta``;

@@ -9,8 +9,8 @@ A round, for round r with θ_r in the model:
 
 1. ask the coordinator for the current round; if r is already closed, only *apply* it (catch-up:
    a late joiner replays every closed round from θ_0, bit for bit);
-2. if expected in r: train H steps, compress (``node.worker``), save the pending payload and the
-   state, upload through the presigned PUT, submit with the payload's sha256 and the base
+2. if expected in r: train H steps, compress (``node.compute.worker``), save the pending payload
+   and the state, upload through the presigned PUT, submit with the payload's sha256 and the base
    fingerprint;
 3. wait for the signed manifest; download the gather set in parallel (our own payload is used
    from memory), verify digests and payload headers, decode, aggregate in node-id order, apply;
@@ -39,27 +39,23 @@ import aiohttp
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from node.checkpoints import CheckpointSync
-from node.client import ClientTimeouts, CoordinatorClient, CoordinatorError
-from node.faults import Faults
-from node.gather import decode_gather, fetch_gather, verify_manifest
-from node.retry import RetriesExhausted, RetryPolicy
-from node.settings import NodeSettings
-from node.state import (
+from node.compute.state import (
     PENDING_FILE,
     STATE_FILE,
-    StateError,
     load_pending,
     load_state,
     save_pending,
     save_state,
 )
-from node.transfer import (
-    TransferError,
-    TransferTimeouts,
-    put_object,
-)
-from node.worker import Abandoned, Worker
+from node.compute.worker import Worker
+from node.daemon.checkpoints import CheckpointSync
+from node.daemon.client import ClientTimeouts, CoordinatorClient
+from node.daemon.faults import Faults
+from node.daemon.gather import decode_gather, fetch_gather
+from node.daemon.retry import RetryPolicy
+from node.daemon.settings import NodeSettings
+from node.daemon.transfer import TransferTimeouts, put_object
+from node.errors import Abandoned, CoordinatorError, RetriesExhausted, StateError, TransferError
 from protocol.errors import SparseLoCoError
 from protocol.messages import (
     JoinResponse,
@@ -71,6 +67,7 @@ from protocol.messages import (
     RoundView,
     SubmitRequest,
 )
+from protocol.signing import verify_manifest
 
 log = logging.getLogger("sparseloco.node")
 
@@ -381,7 +378,9 @@ class NodeDaemon:
             return
         if own is not None:
             self.timings["wait"] = time.perf_counter() - getattr(self, "_submitted_at", t_wait)
-        manifest = verify_manifest(self.public_key, view, run_id=self.w.run_id, round_=r)
+        manifest = verify_manifest(
+            view.signed, self.joined.manifest_public_key, run_id=self.w.run_id, round_=r
+        )
         base_now = await self.compute(self.w.fingerprint)
         if manifest.base_fingerprint is not None and manifest.base_fingerprint != base_now:
             self._log("diverged", ours=base_now, manifest=manifest.base_fingerprint)

@@ -26,17 +26,13 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from protocol.errors import SparseLoCoError
+from node.errors import StateError
 
 STATE_FILE = "state.safetensors"
 PENDING_FILE = "pending.slc"
 STATE_VERSION = 1
 
 Phase = Literal["idle", "submitting"]
-
-
-class StateError(SparseLoCoError, ValueError):
-    """The local state file exists but cannot be used (corrupt, other run, other model)."""
 
 
 @dataclass

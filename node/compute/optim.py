@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from node.model import GPT, autocast
+from node.compute.model import GPT, autocast
 
 
 class InnerOptimConfig(BaseModel):

@@ -27,16 +27,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from protocol.errors import SparseLoCoError
+from node.errors import DataError
 
-CORPUS_DIR = Path(__file__).parent / "corpus"
+#: The bundled demo corpus, ``node/corpus/``.
+CORPUS_DIR = Path(__file__).parent.parent / "corpus"
 DEFAULT_BLOCK_SIZE = 4096
 DEFAULT_EVAL_EVERY = 20
 _EVAL_KEY = (-1, 0)  # cache key of the held-out set's window table
-
-
-class DataError(SparseLoCoError, ValueError):
-    """The training data cannot be used: nothing matched, unreadable, or too small."""
 
 
 def _read_files(paths: list[Path]) -> bytes:

@@ -18,19 +18,11 @@ from typing import TypeVar
 
 import aiohttp
 
-from protocol.errors import SparseLoCoError
+from node.errors import RetriesExhausted, TransientError
 
 log = logging.getLogger("sparseloco.retry")
 
 T = TypeVar("T")
-
-
-class TransientError(SparseLoCoError, ConnectionError):
-    """A failure worth retrying (5xx, 429, a dropped connection); carries what happened."""
-
-
-class RetriesExhausted(SparseLoCoError, ConnectionError):
-    """An operation kept failing transiently until its attempts or time budget ran out."""
 
 
 #: Library errors that mean "try again": connection problems and timeouts, never bad input.

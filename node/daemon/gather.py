@@ -1,7 +1,5 @@
 """A closed round's gather set, from the node's side: verify, fetch, validate.
 
-- ``verify_manifest``: the coordinator's Ed25519 signature over the manifest's canonical bytes,
-  and that it is for this run and round.
 - ``fetch_gather``: every gathered payload through its presigned GET, in parallel, sizes and
   sha256 checked; the node's own payload is taken from memory when the digest matches.
 - ``decode_gather``: each payload validated against the run's model and codec, and its header
@@ -18,35 +16,13 @@ import asyncio
 import hashlib
 
 import aiohttp
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from node.transfer import DigestError, TransferTimeouts, get_object
-from node.worker import Worker, check_payload_header
+from node.compute.worker import Worker, check_payload_header
+from node.daemon.transfer import TransferTimeouts, get_object
+from node.errors import DigestError
 from protocol.codec import Payload
-from protocol.errors import PayloadError, SparseLoCoError
-from protocol.messages import Manifest, ManifestView, manifest_bytes
-
-
-class ManifestError(SparseLoCoError, ValueError):
-    """A manifest failed verification (bad signature, other run or round)."""
-
-
-def verify_manifest(
-    public_key: Ed25519PublicKey, view: ManifestView, *, run_id: str, round_: int
-) -> Manifest:
-    """The manifest, once its signature and its run and round check out."""
-    manifest = view.signed.manifest
-    try:
-        public_key.verify(bytes.fromhex(view.signed.signature), manifest_bytes(manifest))
-    except (InvalidSignature, ValueError) as exc:
-        raise ManifestError(f"round {round_}: manifest signature does not verify") from exc
-    if manifest.run_id != run_id or manifest.round != round_:
-        raise ManifestError(
-            f"manifest is for run {manifest.run_id} round {manifest.round},"
-            f" expected {run_id} round {round_}"
-        )
-    return manifest
+from protocol.errors import ManifestError, PayloadError
+from protocol.messages import Manifest, ManifestView
 
 
 async def fetch_gather(

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import aiohttp
 from yarl import URL
 
-from node.retry import TRANSIENT_STATUS, RetryPolicy, TransientError, retry
-from protocol.errors import SparseLoCoError
+from node.daemon.retry import TRANSIENT_STATUS, RetryPolicy, retry
+from node.errors import DigestError, TransferError, TransientError
 
 #: Objects above this size are downloaded as parallel ranged GETs.
 PART_SIZE = 8 << 20
@@ -36,18 +36,6 @@ PART_SIZE = 8 << 20
 PARALLEL_PARTS = 4
 
 DEFAULT_POLICY = RetryPolicy()
-
-
-class TransferError(SparseLoCoError, RuntimeError):
-    """A transfer failed for a reason a retry will not fix (403 expired URL, 404 missing...)."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class DigestError(TransferError):
-    """Downloaded bytes differ from the size or sha256 the manifest promised."""
 
 
 @dataclass(frozen=True)

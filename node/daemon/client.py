@@ -16,8 +16,8 @@ from typing import TypeVar
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
-from node.retry import TRANSIENT_STATUS, RetryPolicy, TransientError, retry
-from protocol.errors import SparseLoCoError
+from node.daemon.retry import TRANSIENT_STATUS, RetryPolicy, retry
+from node.errors import CoordinatorError, TransientError
 from protocol.messages import (
     Ack,
     CheckpointInfo,
@@ -39,15 +39,6 @@ from protocol.messages import (
 log = logging.getLogger("sparseloco.client")
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class CoordinatorError(SparseLoCoError, RuntimeError):
-    """The coordinator refused a request; ``error`` is its machine-readable code."""
-
-    def __init__(self, status: int, error: str, message: str) -> None:
-        super().__init__(f"coordinator said {status} {error}: {message}")
-        self.status = status
-        self.error = error
 
 
 @dataclass(frozen=True)

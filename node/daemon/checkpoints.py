@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from node.client import CoordinatorClient, CoordinatorError
-from node.retry import RetriesExhausted
-from node.transfer import TransferError, TransferTimeouts, get_object, put_object
-from node.worker import CheckpointError, Worker
+from node.compute.worker import Worker
+from node.daemon.client import CoordinatorClient
+from node.daemon.transfer import TransferTimeouts, get_object, put_object
+from node.errors import CheckpointError, CoordinatorError, RetriesExhausted, TransferError
 from protocol.messages import CheckpointInfo, CheckpointUpload
 
 log = logging.getLogger("sparseloco.checkpoints")

@@ -28,8 +28,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from node.seaweed import EmbeddedStore, StoreEndpoint
-from protocol.errors import SparseLoCoError
+from node.cluster.seaweed import EmbeddedStore, StoreEndpoint
+from node.errors import UpError
 from protocol.messages import RoundState, StatusView
 from protocol.runconfig import RunConfig, Timing
 
@@ -45,10 +45,6 @@ UP_PRESETS: dict[str, dict[str, Any]] = {
 STOP_TIMEOUT_S = 30.0
 #: Seconds for the coordinator to write its address file after start.
 COORDINATOR_START_S = 60.0
-
-
-class UpError(SparseLoCoError, RuntimeError):
-    """A part of the local run failed (a process exited early, a timeout passed)."""
 
 
 class UpConfig(BaseModel):

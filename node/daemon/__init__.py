@@ -1,0 +1,10 @@
+"""The networked node: DESIGN.md's round loop against a real coordinator and object store.
+
+``loop`` is the daemon (``NodeDaemon``, ``run_node``): it drives a ``compute.worker.Worker``
+through the rounds, talking to the coordinator through the ``api.CoordinatorApi`` seam (``client``
+is the HTTP implementation) and to the object store through the ``api.Transfers`` seam
+(``transfer``: presigned PUT/GET with aiohttp). ``rounds`` holds the round's steps after training:
+wait, verify, download, decode, apply, account, save, report. ``gather`` fetches and validates a
+closed round's gather set, ``checkpoints`` offers and restores checkpoints, ``retry`` bounds every
+retry, ``settings`` is the node's config and ``faults`` the chaos suite's fault injection.
+"""

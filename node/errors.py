@@ -1,0 +1,81 @@
+"""The node's exception tree, grown from ``protocol.errors.SparseLoCoError``.
+
+Library errors (aiohttp, safetensors, the file system) are translated where they happen, with
+``raise ... from exc``, so the round loop decides by meaning::
+
+    SparseLoCoError                          (protocol.errors; also PayloadError, ManifestError...)
+    ├── DataError (ValueError)               the training data cannot be used
+    ├── StateError (ValueError)              the local state file exists but cannot be used
+    ├── CheckpointError (ValueError)         a checkpoint's contents do not match its claims
+    ├── CoordinatorError (RuntimeError)      the coordinator refused a request (``.error`` code)
+    ├── TransferError (RuntimeError)         a transfer failed for good (``.status``: 403, 404...)
+    │   └── DigestError                      the bytes differ from the promised size or sha256
+    ├── TransientError (ConnectionError)     worth retrying: 5xx, 429, a dropped connection
+    ├── RetriesExhausted (ConnectionError)   transient failures used up their attempts or budget;
+    │                                        never retried again by an outer retry
+    ├── StoreStartError (RuntimeError)       the embedded object store did not start
+    └── UpError (RuntimeError)               a part of ``sparseloco up`` failed
+
+    Abandoned (Exception)                    not an error: training stopped between inner steps
+                                             because the node is shutting down
+"""
+
+from __future__ import annotations
+
+from protocol.errors import SparseLoCoError
+
+
+class DataError(SparseLoCoError, ValueError):
+    """The training data cannot be used: nothing matched, unreadable, or too small."""
+
+
+class StateError(SparseLoCoError, ValueError):
+    """The local state file exists but cannot be used (corrupt, other run, other model)."""
+
+
+class CheckpointError(SparseLoCoError, ValueError):
+    """A checkpoint's contents do not match what it claims (fingerprint, names, shapes)."""
+
+
+class CoordinatorError(SparseLoCoError, RuntimeError):
+    """The coordinator refused a request; ``error`` is its machine-readable code."""
+
+    def __init__(self, status: int, error: str, message: str) -> None:
+        super().__init__(f"coordinator said {status} {error}: {message}")
+        self.status = status
+        self.error = error
+
+
+class TransferError(SparseLoCoError, RuntimeError):
+    """A transfer failed for a reason a retry will not fix (403 expired URL, 404 missing...)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class DigestError(TransferError):
+    """Downloaded bytes differ from the size or sha256 the manifest promised."""
+
+
+class TransientError(SparseLoCoError, ConnectionError):
+    """A failure worth retrying (5xx, 429, a dropped connection); carries what happened."""
+
+
+class RetriesExhausted(SparseLoCoError, ConnectionError):
+    """An operation kept failing transiently until its attempts or time budget ran out.
+
+    Final: ``node.daemon.retry.retry`` re-raises it at once, so nested retries never multiply.
+    """
+
+
+class StoreStartError(SparseLoCoError, RuntimeError):
+    """The embedded object store could not be started (binary missing, exited, or never ready)."""
+
+
+class UpError(SparseLoCoError, RuntimeError):
+    """A part of the local run failed (a process exited early, a timeout passed)."""
+
+
+class Abandoned(Exception):
+    """Training stopped between inner steps because the node is shutting down."""

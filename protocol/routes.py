@@ -1,0 +1,99 @@
+"""The coordinator's HTTP API as one route table: the wire contract's other half.
+
+``protocol.messages`` says what each body holds; this table says where it goes. Every endpoint
+has a name, a method, a path (``{round}`` stands for a round number), its request and response
+models, whether it needs the bearer token, its query parameters and the error statuses it may
+answer. Three users read it and none re-types a path:
+
+- the coordinator registers one handler per entry, by ``name`` (``coordinator/app.py``);
+- the coordinator's OpenAPI document is generated from it (``coordinator/openapi.py``);
+- the node's client builds every request from it (``node/daemon/client.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from protocol.messages import (
+    Ack,
+    CheckpointInfo,
+    CheckpointUpload,
+    CheckpointView,
+    JoinRequest,
+    JoinResponse,
+    ManifestView,
+    RoundReport,
+    RoundView,
+    StatusView,
+    SubmitRequest,
+    SubmitResponse,
+    UploadGrant,
+    UploadRequest,
+)
+
+#: The placeholder for a round number in a path.
+ROUND = "{round}"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    method: str
+    path: str
+    summary: str
+    request: type[BaseModel] | None = None
+    responses: dict[int, type[BaseModel]] = field(default_factory=dict)
+    auth: bool = True
+    query: dict[str, str] = field(default_factory=dict)  # name -> description
+    errors: tuple[int, ...] = ()
+    json: bool = True  # False: the response is not JSON (metrics)
+
+    def url(self, round_: int | None = None) -> str:
+        """The path with ``round_`` in place of ``{round}`` (required exactly when it has one)."""
+        if (ROUND in self.path) != (round_ is not None):
+            raise ValueError(f"{self.name}: round given or missing for {self.path}")
+        return self.path if round_ is None else self.path.replace(ROUND, str(int(round_)))
+
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("join", "POST", "/v1/join", "Join the run (or rejoin)", JoinRequest,
+             {200: JoinResponse}, errors=(400, 401, 413, 422)),
+    Endpoint("heartbeat", "POST", "/v1/heartbeat", "Stay an active member", None,
+             {200: RoundView}, errors=(401, 409)),
+    Endpoint("leave", "POST", "/v1/leave", "Leave the run", None, {200: Ack}, errors=(401, 409)),
+    Endpoint("round", "GET", "/v1/round", "The current round as the caller sees it", None,
+             {200: RoundView}, errors=(401,)),
+    Endpoint("upload", "POST", "/v1/rounds/{round}/upload",
+             "A presigned PUT for the caller's payload of this round", UploadRequest,
+             {200: UploadGrant}, errors=(400, 401, 404, 409, 413, 422)),
+    Endpoint("submit", "POST", "/v1/rounds/{round}/submit",
+             "Announce an uploaded payload; idempotent for an identical body", SubmitRequest,
+             {200: SubmitResponse}, errors=(400, 401, 404, 409, 413, 422)),
+    Endpoint("manifest", "GET", "/v1/rounds/{round}/manifest",
+             "The signed manifest of a closed round, long-polling while it is open", None,
+             {200: ManifestView, 202: RoundView},
+             query={"wait": "seconds to wait for the round to close (capped by the server)"},
+             errors=(401, 404, 422)),
+    Endpoint("report", "POST", "/v1/rounds/{round}/report",
+             "Report the fingerprint after applying a closed round", RoundReport, {200: Ack},
+             errors=(400, 401, 404, 409, 413, 422)),
+    Endpoint("checkpoint_upload", "POST", "/v1/checkpoints/{round}/upload",
+             "A presigned PUT for θ at the start of this round, for the first eligible node",
+             CheckpointUpload, {200: UploadGrant}, errors=(400, 401, 404, 409, 413, 422)),
+    Endpoint("checkpoint_commit", "POST", "/v1/checkpoints/{round}/commit",
+             "Announce the uploaded checkpoint (grant holder only); idempotent", CheckpointUpload,
+             {200: CheckpointInfo}, errors=(400, 401, 409, 413, 422, 503)),
+    Endpoint("checkpoint_latest", "GET", "/v1/checkpoints/latest",
+             "The newest committed checkpoint with a presigned GET", None,
+             {200: CheckpointView}, errors=(401, 404)),
+    Endpoint("status", "GET", "/v1/status", "The run, its members and recent rounds", None,
+             {200: StatusView}, auth=False,
+             query={"rounds": "how many recent rounds to include"}, errors=(422,)),
+    Endpoint("openapi", "GET", "/openapi.json", "This document", None, auth=False),
+    Endpoint("metrics", "GET", "/metrics", "Prometheus metrics", None, auth=False, json=False),
+)  # fmt: skip
+
+#: Endpoints by name.
+ROUTES: dict[str, Endpoint] = {ep.name: ep for ep in ENDPOINTS}
