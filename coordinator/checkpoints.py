@@ -25,38 +25,47 @@ loads a checkpoint verifies the fingerprint of what it loaded before it trusts i
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from coordinator import rounds
-from coordinator.machine import Conflict, RoundMachine, UnknownRound
+from coordinator.db import Database
+from coordinator.errors import Conflict, TooLarge, UnknownRound
 from protocol.keys import checkpoint_key
 from protocol.messages import CheckpointInfo, CheckpointUpload
+from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.coordinator.checkpoints")
 
 
-class TooLarge(Conflict):
-    """The offered checkpoint exceeds the size limit (HTTP 413); ``field`` names the field."""
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__("too_large", message)
-        self.field = field
-
-
 class CheckpointBook:
-    """Checkpoint grants and commits over the round machine's database."""
+    """Checkpoint grants and commits over the coordinator's database.
+
+    ``current_round`` says which round is in progress (``RoundMachine.round_number``): no grant
+    is given for a later one. ``clock`` is wall time, as in the round machine.
+    """
 
     def __init__(
-        self, machine: RoundMachine, *, prefix: str, grant_s: float, max_bytes: int
+        self,
+        db: Database,
+        run: RunConfig,
+        *,
+        current_round: Callable[[], int],
+        prefix: str,
+        grant_s: float,
+        max_bytes: int,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        self.machine = machine
-        self.db = machine.db
-        self.run = machine.run
+        self.db = db
+        self.run = run
+        self.current_round = current_round
         self.prefix = prefix
         self.grant_s = grant_s
         self.max_bytes = max_bytes
+        self.clock = clock
 
     def key(self, round_: int) -> str:
-        return checkpoint_key(self.prefix, self.machine.run_id, round_)
+        return checkpoint_key(self.prefix, self.run.run_id, round_)
 
     def is_checkpoint_round(self, round_: int) -> bool:
         every = self.run.checkpoint_every
@@ -85,9 +94,9 @@ class CheckpointBook:
         See the module doc for the rules. The caller must still remove an object another grant
         left at the key if it is not these bytes (the key is write-once).
         """
-        now = self.machine.clock()
+        now = self.clock()
         with self.db.tx():
-            if round_ > self.machine.round_number():
+            if round_ > self.current_round():
                 raise UnknownRound(round_)
             if not self.is_checkpoint_round(round_):
                 raise Conflict(
@@ -148,14 +157,14 @@ class CheckpointBook:
                 return prior
             self._check_fingerprint(round_, offer)
             info = CheckpointInfo(
-                run_id=self.machine.run_id,
+                run_id=self.run.run_id,
                 round=round_,
                 fingerprint=offer.fingerprint,
                 key=self.key(round_),
                 sha256=offer.sha256,
                 size=offer.size,
                 node_id=node_id,
-                created_at=self.machine.clock(),
+                created_at=self.clock(),
             )
             self.db.add_checkpoint(info)
         log.info(

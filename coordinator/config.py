@@ -27,7 +27,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, Problem, config_error
 from protocol.keys import check_id
 from protocol.runconfig import RunConfig
 
@@ -79,7 +79,7 @@ class CoordinatorConfig(BaseSettings):
         nested_model_default_partial_update=False,
     )
 
-    run: RunConfig = RunConfig()  # type: ignore[call-arg]
+    run: RunConfig = RunConfig()
     server: ServerConfig
     storage: StorageConfig
     #: node_id -> bearer token.
@@ -128,13 +128,11 @@ def _fix_hint(loc: str) -> str:
     return f"set {where} in the TOML file, or env {env}"
 
 
-def _describe(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(part) for part in err["loc"])
-        got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
-        lines.append(f"config field {loc or '(root)'}: {err['msg']}{got}; {_fix_hint(loc)}")
-    return "\n".join(lines)
+def _describe(problem: Problem) -> str:
+    """One failed field as a line: what is wrong, what was given, and where to set it."""
+    loc = problem.dotted
+    got = "" if problem.kind == "missing" else f" (got {problem.input!r})"
+    return f"config field {loc or '(root)'}: {problem.message}{got}; {_fix_hint(loc)}"
 
 
 def load_config(
@@ -163,7 +161,7 @@ def load_config(
     try:
         loaded = _Sources(**flag_values)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from exc
+        raise config_error(exc, _describe, sep="\n") from exc
     # Hand back the plain class so callers never see the per-call subclass.
     return CoordinatorConfig.model_construct(**dict(loaded))
 

@@ -8,74 +8,21 @@ loses an answer a node has already seen. Heartbeat times are not stored: after a
 active member is given a fresh heartbeat window anyway.
 
 The database is the single source of truth; the round machine queries it for every decision.
+This module is its typed reads and writes, returning frozen row types; the tables themselves
+and how the file is opened are ``coordinator.schema``.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.schema import connect
 from protocol.messages import CheckpointInfo, CheckpointUpload, Exclusion, MemberState, RoundState
-
-DB_FILE = "coordinator.sqlite"
-SCHEMA_VERSION = 1
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS members (
-    node_id TEXT PRIMARY KEY,
-    slot INTEGER NOT NULL UNIQUE,
-    state TEXT NOT NULL,
-    joined_round INTEGER NOT NULL,
-    gone_in_round INTEGER,
-    client TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS rounds (
-    round INTEGER PRIMARY KEY,
-    state TEXT NOT NULL,
-    started_at REAL,
-    deadline REAL,
-    closed_at REAL,
-    base_fingerprint TEXT,
-    signed_manifest TEXT,
-    published INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS submissions (
-    round INTEGER NOT NULL,
-    node_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    size INTEGER NOT NULL,
-    sha256 TEXT NOT NULL,
-    base_fingerprint TEXT NOT NULL,
-    rejected TEXT,
-    PRIMARY KEY (round, node_id),
-    UNIQUE (round, seq)
-);
-CREATE TABLE IF NOT EXISTS reports (
-    round INTEGER NOT NULL,
-    node_id TEXT NOT NULL,
-    fingerprint TEXT NOT NULL,
-    report TEXT NOT NULL,
-    PRIMARY KEY (round, node_id)
-);
-CREATE TABLE IF NOT EXISTS checkpoint_grants (
-    round INTEGER PRIMARY KEY,
-    node_id TEXT NOT NULL,
-    body TEXT NOT NULL,
-    expires_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    round INTEGER PRIMARY KEY,
-    info TEXT NOT NULL,
-    published INTEGER NOT NULL DEFAULT 0,
-    pruned INTEGER NOT NULL DEFAULT 0
-);
-"""
 
 
 @dataclass(frozen=True)
@@ -130,12 +77,7 @@ class Database:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        # Autocommit mode: transactions are explicit (``tx``), so nothing commits by accident.
-        self._conn = sqlite3.connect(path, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.execute("PRAGMA foreign_keys=ON")
-        self._conn.executescript(_SCHEMA)
+        self._conn = connect(path)
         self._depth = 0
 
     def close(self) -> None:

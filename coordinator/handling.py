@@ -1,7 +1,7 @@
 """What every route handler shares: bearer auth, body validation, responses and error mapping.
 
-Kept apart from ``coordinator.app`` (the handlers and the app's lifecycle) so the handlers read
-as what they do. Every failure becomes an ``ErrorBody``::
+Kept apart from ``coordinator.handlers`` so the handlers read as what they do. Every failure
+becomes an ``ErrorBody`` (the classes are ``coordinator.errors``)::
 
     400 bad_json      body is not JSON             401 unauthorized   no or unknown token
     404 unknown_round / not_found / no_checkpoint  409 round_closed, round_open, not_expected,
@@ -20,10 +20,8 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from coordinator.checkpoints import TooLarge
-from coordinator.machine import RoundError, UnknownRound
-from coordinator.storage import StorageError
-from protocol.errors import SparseLoCoError
+from coordinator.errors import ApiError, RoundError, StorageError, TooLarge, UnknownRound
+from protocol.errors import problems
 from protocol.messages import ErrorBody
 
 log = logging.getLogger("sparseloco.coordinator.app")
@@ -32,14 +30,6 @@ M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: token -> node id, for authentication.
 TOKENS = web.AppKey("tokens", dict)
-
-
-class ApiError(SparseLoCoError):
-    """An error answered as ``ErrorBody`` with an HTTP status."""
-
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
 
 
 def error(status: int, code: str, message: str, field: str | None = None) -> web.Response:
@@ -91,11 +81,11 @@ async def read_body(request: web.Request, model: type[M]) -> M:
     try:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as exc:
-        first = exc.errors()[0]
-        if first["type"] == "json_invalid":
-            raise ApiError(400, "bad_json", f"the body is not valid JSON: {first['msg']}") from exc
-        loc = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(422, "invalid", f"{loc or 'body'}: {first['msg']}", loc) from exc
+        first = problems(exc)[0]
+        if first.kind == "json_invalid":
+            raise ApiError(400, "bad_json", f"the body is not valid JSON: {first.message}") from exc
+        loc = first.dotted or None
+        raise ApiError(422, "invalid", f"{loc or 'body'}: {first.message}", loc) from exc
 
 
 def round_of(request: web.Request) -> int:

@@ -1,9 +1,11 @@
-"""The round state machine: membership, submissions, opening and closing rounds.
+"""The round state machine: joins and leaves as rounds see them, submissions, opening, closing.
 
 This is the coordinator's core, synchronous and free of HTTP: every method reads the database,
 applies the rules of ``coordinator.rounds`` and commits one transaction. The clock is injected,
 so tests drive time by hand. Methods that may close rounds return the newly closed rounds' signed
-manifests; the caller wakes waiters, counts metrics and hands them to the publisher.
+manifests; the caller wakes waiters, counts metrics and hands them to the publisher. Who is a
+member, and who fell silent, is ``coordinator.membership``; the machine decides what a join,
+a leave or a timeout does to the rounds.
 
 Round life: ``waiting`` (fewer active members than ``min_nodes``) -> ``open`` (with a deadline)
 -> ``closed`` (manifest signed, stored). Closing round r creates r+1, open at once if enough
@@ -17,21 +19,20 @@ import time
 from collections.abc import Callable
 
 from coordinator import rounds
-from coordinator.db import Database, MemberRow, RoundRow, SubmissionRow
+from coordinator.db import Database, RoundRow, SubmissionRow
+from coordinator.errors import Conflict, UnknownRound
+from coordinator.membership import Membership
 from coordinator.signing import ManifestSigner
-from coordinator.status import build_status
-from protocol.errors import ConfigError, SparseLoCoError
+from protocol.errors import ConfigError
 from protocol.keys import payload_key
 from protocol.messages import (
     Exclusion,
     Manifest,
     ManifestEntry,
-    MemberState,
     RoundReport,
     RoundState,
     RoundView,
     SignedManifest,
-    StatusView,
     SubmitRequest,
     SubmitResponse,
 )
@@ -40,26 +41,8 @@ from protocol.runconfig import RunConfig
 log = logging.getLogger("sparseloco.coordinator.machine")
 
 
-class RoundError(SparseLoCoError):
-    """A request that the round state does not allow; ``code`` is the API error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class UnknownRound(RoundError, LookupError):
-    def __init__(self, round_: int) -> None:
-        super().__init__("unknown_round", f"round {round_} does not exist (yet)")
-
-
-class Conflict(RoundError):
-    """The request is well formed but conflicts with the state (HTTP 409)."""
-
-
 class RoundMachine:
-    """Membership and rounds over one ``Database``; one instance per coordinator process."""
+    """The rounds of one run over one ``Database``; one instance per coordinator process."""
 
     def __init__(
         self,
@@ -76,30 +59,28 @@ class RoundMachine:
         self.signer = signer
         self.prefix = prefix
         self.clock = clock
-        #: Last heartbeat per member (wall clock). Not persisted: a restart gives everyone a
-        #: fresh window, so nobody times out because the coordinator was down.
-        self.last_seen: dict[str, float] = {}
-        self._start()
+        self._open_run()
+        #: The members; every active one counts as heard from just now (a fresh window).
+        self.members = Membership(
+            db, heartbeat_timeout_s=run.timing.heartbeat_timeout_s, now=clock()
+        )
+        cur = self._current()
+        log.info("event=state_loaded run=%s round=%d state=%s", self.run_id, cur.round, cur.state)
 
-    def _start(self) -> None:
+    def _open_run(self) -> None:
+        """Create the run in an empty database; refuse a database of another run."""
         stored = self.db.get_meta("run_id")
         if stored is not None and stored != self.run_id:
             raise ConfigError(
                 f"state dir {self.db.path.parent} belongs to run {stored}, not {self.run_id};"
                 " use a new --state-dir or the same config"
             )
-        now = self.clock()
         with self.db.tx():
             if stored is None:
                 self.db.set_meta("run_id", self.run_id)
                 self.db.set_meta("run_config", self.run.canonical().decode())
                 self.db.insert_round(0, RoundState.WAITING, None, None)
                 log.info("event=run_created run=%s", self.run_id)
-        for member in self.db.members():
-            if member.state == MemberState.ACTIVE:
-                self.last_seen[member.node_id] = now
-        cur = self._current()
-        log.info("event=state_loaded run=%s round=%d state=%s", self.run_id, cur.round, cur.state)
 
     # ---- queries -------------------------------------------------------------------------
     def _current(self) -> RoundRow:
@@ -113,28 +94,22 @@ class RoundMachine:
 
     def round_number(self) -> int:
         """The round in progress (the run's length once it is finished)."""
-        return self.run.rounds if self.finished() else self._current().round
-
-    def _members(self) -> list[rounds.Member]:
-        return [_member(m) for m in self.db.members()]
+        cur = self._current()
+        return rounds.in_progress(cur.round, cur.state, self.run.rounds)[0]
 
     def round_view(self, node_id: str) -> RoundView:
         """The current round as ``node_id`` sees it."""
         cur = self._current()
-        if cur.state == RoundState.CLOSED:
+        number, state = rounds.in_progress(cur.round, cur.state, self.run.rounds)
+        if state == RoundState.FINISHED:
             return RoundView(
                 run_id=self.run_id,
-                round=self.run.rounds,
-                state=RoundState.FINISHED,
+                round=number,
+                state=state,
                 expected=False,
                 last_closed=cur.round,
             )
-        member = self.db.member(node_id)
-        expected = (
-            cur.state == RoundState.OPEN
-            and member is not None
-            and rounds.is_expected(_member(member), cur.round)
-        )
+        expected = cur.state == RoundState.OPEN and self.members.is_expected(node_id, cur.round)
         deadline_in_s = None
         if cur.state == RoundState.OPEN and cur.deadline is not None:
             deadline_in_s = max(0.0, cur.deadline - self.clock())
@@ -159,66 +134,23 @@ class RoundMachine:
             else:
                 has_subs = self.db.count_submissions(cur.round) > 0
                 joined = rounds.joined_round_for(cur.state, cur.round, has_subs)
-            member = self.db.member(node_id)
-            if member is None:
-                slot = self.db.add_member(node_id, joined, client)
-            else:
-                slot = member.slot
-                if member.state == MemberState.ACTIVE and member.joined_round <= cur.round:
-                    joined = member.joined_round
-                self.db.set_member(node_id, MemberState.ACTIVE, joined, None)
-            self.last_seen[node_id] = now
+            slot = self.members.join(node_id, client, joined=joined, current=cur.round, now=now)
             self._maybe_open(now)
-        log.info(
-            "event=joined node=%s slot=%d joined_round=%d round=%d returning=%s",
-            node_id,
-            slot,
-            joined,
-            cur.round,
-            member is not None,
-        )
         return slot
 
     def heartbeat(self, node_id: str) -> RoundView:
-        member = self.db.member(node_id)
-        if member is None or member.state != MemberState.ACTIVE:
-            raise Conflict("not_member", f"{node_id} is not an active member; join again")
-        self.last_seen[node_id] = self.clock()
+        self.members.heartbeat(node_id, self.clock())
         return self.round_view(node_id)
 
     def leave(self, node_id: str) -> list[SignedManifest]:
         """Mark ``node_id`` as left; an open round no longer waits for it."""
-        member = self.db.member(node_id)
-        if member is None:
-            raise Conflict("not_member", f"{node_id} never joined")
-        with self.db.tx():
-            cur = self._current()
-            self.db.set_member(node_id, MemberState.LEFT, member.joined_round, cur.round)
-        self.last_seen.pop(node_id, None)
-        log.info("event=left node=%s round=%d", node_id, cur.round)
+        self.members.leave(node_id, self._current().round)
         return self._maybe_close(self.clock())
 
     def tick(self) -> list[SignedManifest]:
         """Time out silent members, open a waiting round, close an overdue one."""
         now = self.clock()
-        limit = now - self.run.timing.heartbeat_timeout_s
-        cur = self._current()
-        for member in self.db.members():
-            if member.state != MemberState.ACTIVE:
-                continue
-            seen = self.last_seen.setdefault(member.node_id, now)
-            if seen < limit:
-                with self.db.tx():
-                    self.db.set_member(
-                        member.node_id, MemberState.TIMED_OUT, member.joined_round, cur.round
-                    )
-                self.last_seen.pop(member.node_id, None)
-                log.warning(
-                    "event=timed_out node=%s round=%d silent_s=%.1f",
-                    member.node_id,
-                    cur.round,
-                    now - seen,
-                )
+        self.members.time_out(self._current().round, now)
         with self.db.tx():
             self._maybe_open(now)
         return self._maybe_close(now)
@@ -231,8 +163,7 @@ class RoundMachine:
             raise UnknownRound(round_)
         if round_ < cur.round or cur.state != RoundState.OPEN:
             raise Conflict("round_closed", f"round {round_} is not open for submissions")
-        member = self.db.member(node_id)
-        if member is None or not rounds.is_expected(_member(member), round_):
+        if not self.members.is_expected(node_id, round_):
             raise Conflict("not_expected", f"{node_id} is not expected in round {round_}")
 
     def previous_submission(
@@ -295,16 +226,13 @@ class RoundMachine:
         return SubmitResponse(accepted=accepted, reason=reason), self._maybe_close(self.clock())
 
     # ---- opening and closing -------------------------------------------------------------
-    def _active_count(self) -> int:
-        return sum(1 for m in self.db.members() if m.state == MemberState.ACTIVE)
-
     def _deadline_length(self) -> float:
         durations = self.db.closed_durations(rounds.DEADLINE_HISTORY)
         return rounds.deadline_length(durations, self.run.timing)
 
     def _maybe_open(self, now: float) -> None:
         cur = self._current()
-        if cur.state == RoundState.WAITING and self._active_count() >= self.run.min_nodes:
+        if cur.state == RoundState.WAITING and self.members.active_count() >= self.run.min_nodes:
             length = self._deadline_length()
             self.db.open_round(cur.round, now, now + length)
             log.info("event=round_opened round=%d deadline_s=%.1f", cur.round, length)
@@ -317,7 +245,7 @@ class RoundMachine:
             cur = self._current()
             if cur.state != RoundState.OPEN or cur.deadline is None:
                 break
-            expected = rounds.expected_set(self._members(), cur.round)
+            expected = rounds.expected_set(self.members.members(), cur.round)
             submitted = [s.node_id for s in self.db.submissions(cur.round)]
             if not rounds.should_close(expected, submitted, now, cur.deadline):
                 break
@@ -333,7 +261,7 @@ class RoundMachine:
             subs = [_submission(s) for s in self.db.submissions(round_)]
             reported = self.db.reported_fingerprints(round_ - 1) if round_ > 0 else []
             decision = rounds.decide_close(
-                subs, self._members(), round_, reported, self.run.gather_size
+                subs, self.members.members(), round_, reported, self.run.gather_size
             )
             manifest = Manifest(
                 run_id=self.run_id,
@@ -359,7 +287,7 @@ class RoundMachine:
                 raise Conflict("round_closed", f"round {round_} closed concurrently")
             nxt = round_ + 1
             if nxt < self.run.rounds:
-                if self._active_count() >= self.run.min_nodes:
+                if self.members.active_count() >= self.run.min_nodes:
                     length = self._deadline_length()
                     self.db.insert_round(nxt, RoundState.OPEN, now, now + length)
                 else:
@@ -395,14 +323,6 @@ class RoundMachine:
         log.info(
             "event=reported round=%d node=%s fingerprint=%s", round_, node_id, report.fingerprint
         )
-
-    def status(self, n_rounds: int) -> StatusView:
-        """The whole run for dashboards: members and the newest ``n_rounds`` rounds."""
-        return build_status(self, n_rounds)
-
-
-def _member(row: MemberRow) -> rounds.Member:
-    return rounds.Member(row.node_id, row.state, row.joined_round, row.gone_in_round)
 
 
 def _submission(row: SubmissionRow) -> rounds.Submission:

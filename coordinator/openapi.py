@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from protocol.messages import ErrorBody
-from protocol.routes import ENDPOINTS
+from protocol.routes import ENDPOINTS, ROUND
 
 _ERROR_TEXT = {
     400: "the body is not JSON",
@@ -48,7 +48,7 @@ def openapi_document(version: str = "1") -> dict[str, Any]:
     for ep in ENDPOINTS:
         op: dict[str, Any] = {"operationId": ep.name, "summary": ep.summary, "responses": {}}
         params: list[dict[str, Any]] = []
-        if "{round}" in ep.path:
+        if ROUND in ep.path:
             params.append(
                 {"name": "round", "in": "path", "required": True,
                  "schema": {"type": "integer", "minimum": 0}}

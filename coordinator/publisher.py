@@ -19,11 +19,10 @@ import contextlib
 import logging
 import random
 
-from botocore.exceptions import BotoCoreError, ClientError
-
 from coordinator.db import Database
+from coordinator.errors import TRANSIENT
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.storage import ObjectStore, StorageError
+from coordinator.storage import ObjectStore
 from protocol.keys import latest_checkpoint_key, manifest_key, sidecar_key
 
 log = logging.getLogger("sparseloco.coordinator.publisher")
@@ -31,8 +30,6 @@ log = logging.getLogger("sparseloco.coordinator.publisher")
 #: Backoff between failed attempts: first, cap (seconds).
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
-#: Errors worth retrying: the store is down, slow or refusing for now.
-TRANSIENT = (StorageError, ClientError, BotoCoreError, OSError)
 
 
 class ManifestPublisher:

@@ -24,8 +24,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 from coordinator.db import CheckpointRow, Database
+from coordinator.errors import TRANSIENT
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.publisher import TRANSIENT
 from coordinator.storage import ObjectStore
 from protocol.keys import round_prefix, sidecar_key
 from protocol.runconfig import RunConfig

@@ -3,6 +3,7 @@
 Everything the coordinator decides about a round is computed here from plain values, so it can
 be tested exhaustively (``tests/test_coordinator_rounds.py``) and read in one place:
 
+- the round in progress, as nodes and dashboards see it (the run's length once it finished);
 - who is expected to submit to round r (active members that joined at or before r);
 - the round a (re)joining member first takes part in;
 - when an open round closes (all expected submitted, or the deadline passed);
@@ -53,6 +54,17 @@ class CloseDecision:
     base_fingerprint: str | None
     gather: tuple[Submission, ...]
     excluded: Mapping[str, Exclusion]
+
+
+def in_progress(newest: int, state: RoundState, total_rounds: int) -> tuple[int, RoundState]:
+    """The round in progress and its state, from the newest round and its state.
+
+    The newest round is in progress until it closes; a closed newest round means the run's last
+    round closed, so the run shows as round ``total_rounds`` in state ``finished``.
+    """
+    if state == RoundState.CLOSED:
+        return total_rounds, RoundState.FINISHED
+    return newest, state
 
 
 def is_expected(member: Member, round_: int) -> bool:

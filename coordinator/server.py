@@ -18,8 +18,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from coordinator.app import COORDINATOR, create_app
+from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
+from coordinator.service import COORDINATOR
 
 log = logging.getLogger("sparseloco.coordinator.server")
 

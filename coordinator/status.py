@@ -2,15 +2,17 @@
 
 Built from the database on request: every member with its state and heartbeat age, the
 newest rounds, each closed one with its gather set, exclusions, base fingerprint, the nodes'
-reports and how long it took, and the newest committed checkpoint. Kept apart from the round
-machine because it only reads.
+reports and how long it took, and the newest committed checkpoint. It only reads, so it takes
+the database, the run config, the members' last heartbeats and the time as plain values and
+knows nothing of the round machine that writes them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
-from coordinator.db import RoundRow
+from coordinator import rounds
+from coordinator.db import Database, RoundRow
 from protocol.messages import (
     MemberView,
     RoundReport,
@@ -19,43 +21,52 @@ from protocol.messages import (
     SignedManifest,
     StatusView,
 )
-
-if TYPE_CHECKING:
-    from coordinator.machine import RoundMachine
+from protocol.runconfig import RunConfig
 
 
-def build_status(machine: RoundMachine, n_rounds: int) -> StatusView:
-    """Members and the newest ``n_rounds`` rounds (oldest first) of ``machine``'s run."""
-    now = machine.clock()
+def build_status(
+    db: Database,
+    run: RunConfig,
+    *,
+    last_seen: Mapping[str, float],
+    now: float,
+    n_rounds: int,
+) -> StatusView:
+    """Members and the newest ``n_rounds`` rounds (oldest first) of ``run``.
+
+    ``last_seen`` maps each active member to its last heartbeat (wall clock, like ``now``).
+    """
     members = [
         MemberView(
             node_id=m.node_id,
             state=m.state,
             slot=m.slot,
             joined_round=m.joined_round,
-            last_seen_s=max(0.0, now - machine.last_seen.get(m.node_id, now)),
+            last_seen_s=max(0.0, now - last_seen.get(m.node_id, now)),
         )
-        for m in machine.db.members()
+        for m in db.members()
     ]
-    summaries = [round_summary(machine, row) for row in machine.db.recent_rounds(n_rounds)]
-    current = machine.db.current_round()
-    state = RoundState.WAITING if current is None else current.state
+    summaries = [round_summary(db, row) for row in db.recent_rounds(n_rounds)]
+    current = db.current_round()
+    if current is None:  # not reached: the round machine creates round 0 with the run
+        number, state = 0, RoundState.WAITING
+    else:
+        number, state = rounds.in_progress(current.round, current.state, run.rounds)
     return StatusView(
-        run_id=machine.run_id,
-        run=machine.run,
-        round=machine.round_number(),
-        state=RoundState.FINISHED if state == RoundState.CLOSED else state,
+        run_id=run.run_id,
+        run=run,
+        round=number,
+        state=state,
         members=members,
         rounds=summaries,
-        checkpoint=machine.db.newest_checkpoint(),
+        checkpoint=db.newest_checkpoint(),
     )
 
 
-def round_summary(machine: RoundMachine, row: RoundRow) -> RoundSummary:
+def round_summary(db: Database, row: RoundRow) -> RoundSummary:
     """One round as the status shows it; only closed rounds have a gather set."""
     reports = {
-        node: RoundReport.model_validate(body)
-        for node, body in machine.db.reports(row.round).items()
+        node: RoundReport.model_validate(body) for node, body in db.reports(row.round).items()
     }
     if row.state != RoundState.CLOSED or row.signed_manifest is None:
         return RoundSummary(round=row.round, state=row.state)

@@ -5,6 +5,9 @@ accepts the announced size and sha256 and only once (``If-None-Match: *``), pres
 uploads with HEAD, writes the signed manifests and checkpoint sidecars, and deletes what the
 retention policy no longer needs. boto3 is blocking, so every call that talks to the network runs
 in a thread executor; presigning is local computation.
+
+This is the only module that imports boto3 or botocore: every error of theirs leaves ``S3Store``
+as ``coordinator.errors.StorageError`` (with the store's error code in ``.code``).
 """
 
 from __future__ import annotations
@@ -19,16 +22,14 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from protocol.errors import SparseLoCoError
+from coordinator.errors import StorageError
 
 #: Seconds for one store request (connect and read) before it counts as failed.
 STORE_TIMEOUT_S = 20.0
 #: Most keys one DeleteObjects request may name (the S3 limit).
 DELETE_BATCH = 1000
-
-
-class StorageError(SparseLoCoError, OSError):
-    """The object store did not answer or refused a request the coordinator needed."""
+#: S3 error codes of a HEAD on a key that does not exist (AWS, MinIO, SeaweedFS, R2 differ).
+NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound"})
 
 
 @dataclass(frozen=True)
@@ -119,48 +120,51 @@ class S3Store:
         )
         return url
 
-    async def _call(self, method: str, **kwargs: Any) -> Any:
+    async def _call(self, what: str, method: str, **kwargs: Any) -> Any:
+        """Run client ``method`` in a thread; any botocore error becomes ``StorageError``.
+
+        ``what`` says what failed in the error's message (``"head {key}"``).
+        """
         loop = asyncio.get_running_loop()
         call = functools.partial(getattr(self._client, method), Bucket=self.bucket, **kwargs)
         try:
             return await loop.run_in_executor(None, call)
-        except ClientError:
-            raise
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", "")) or None
+            raise StorageError(f"{what}: {exc}", code=code) from exc
         except BotoCoreError as exc:
-            raise StorageError(f"{method} {kwargs.get('Key')}: {exc}") from exc
+            raise StorageError(f"{what}: {exc}") from exc
 
     async def head(self, key: str) -> ObjectInfo | None:
         try:
-            resp = await self._call("head_object", Key=key, ChecksumMode="ENABLED")
-        except ClientError as exc:
-            code = str(exc.response.get("Error", {}).get("Code", ""))
-            if code in {"404", "NoSuchKey", "NotFound"}:
+            resp = await self._call(f"head {key}", "head_object", Key=key, ChecksumMode="ENABLED")
+        except StorageError as exc:
+            if exc.code in NOT_FOUND:
                 return None
-            raise StorageError(f"head {key}: {exc}") from exc
+            raise
         return ObjectInfo(size=int(resp["ContentLength"]), sha256_b64=resp.get("ChecksumSHA256"))
 
     async def put_bytes(self, key: str, data: bytes) -> None:
-        try:
-            await self._call("put_object", Key=key, Body=data, ContentType="application/json")
-        except ClientError as exc:
-            raise StorageError(f"put {key}: {exc}") from exc
+        await self._call(
+            f"put {key}", "put_object", Key=key, Body=data, ContentType="application/json"
+        )
 
     async def delete_keys(self, keys: list[str]) -> int:
         for start in range(0, len(keys), DELETE_BATCH):
             batch = keys[start : start + DELETE_BATCH]
             objects = [{"Key": k} for k in batch]
-            try:
-                resp = await self._call(
-                    "delete_objects", Delete={"Objects": objects, "Quiet": True}
-                )
-            except ClientError as exc:
-                raise StorageError(f"delete {batch[0]}...: {exc}") from exc
+            resp = await self._call(
+                f"delete {batch[0]}...",
+                "delete_objects",
+                Delete={"Objects": objects, "Quiet": True},
+            )
             errors = resp.get("Errors") or []
             if errors:
                 first = errors[0]
                 raise StorageError(
                     f"delete {first.get('Key')}: {first.get('Code')} {first.get('Message')}"
-                    f" ({len(errors)} of {len(batch)} keys failed)"
+                    f" ({len(errors)} of {len(batch)} keys failed)",
+                    code=first.get("Code"),
                 )
         return len(keys)
 
@@ -169,10 +173,7 @@ class S3Store:
         token: str | None = None
         while True:
             extra = {} if token is None else {"ContinuationToken": token}
-            try:
-                resp = await self._call("list_objects_v2", Prefix=prefix, **extra)
-            except ClientError as exc:
-                raise StorageError(f"list {prefix}: {exc}") from exc
+            resp = await self._call(f"list {prefix}", "list_objects_v2", Prefix=prefix, **extra)
             keys += [obj["Key"] for obj in resp.get("Contents") or []]
             if not resp.get("IsTruncated"):
                 break

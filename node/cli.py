@@ -20,7 +20,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from protocol.errors import ConfigError, SparseLoCoError
+from protocol.errors import Problem, SparseLoCoError, config_error
 
 log = logging.getLogger("sparseloco")
 
@@ -170,8 +170,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             round_timeout_s=args.round_timeout,
         )
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise ConfigError(f"--{err['loc'][0]}: {err['msg']}".replace("_", "-")) from exc
+        raise config_error(exc, _flag) from exc
     with UpView(cfg.rounds, cfg.nodes) as view:
         result = up(cfg, on_status=view.update)
     view.summary(result)
@@ -179,6 +178,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
         write_json(result, args.json_out)
         print(f"wrote {args.json_out}")
     return 0 if result["fingerprints_agree"] else 1
+
+
+def _flag(problem: Problem) -> str:
+    """A failed field as the flag that sets it: ``--round-timeout: ...``."""
+    return f"--{problem.dotted.replace('_', '-')}: {problem.message}"
 
 
 def _add_node(sub: argparse._SubParsersAction) -> None:

@@ -37,9 +37,10 @@ from protocol.envelope import (
     unpack_envelope,
 )
 from protocol.errors import CodecError, PayloadError
-from protocol.indexcode import decode_flat_index, encode_positions
+from protocol.indexcode import check_index, decode_flat_index, encode_positions
 from protocol.quantize import (
     STATS_SIZE,
+    codes_canonical,
     dequant_table,
     pack_codes,
     quantize,
@@ -235,9 +236,10 @@ def body_limit(shapes: Mapping[str, tuple[int, ...]]) -> int:
     return 4096 + sum(1024 + math.prod(s) for s in shapes.values())
 
 
-def _decode_record(
+def _checked_record(
     rec: TensorRecord, env: Envelope, shape: tuple[int, ...], field: str
-) -> SparseTensor:
+) -> tuple[TileGeometry, torch.Tensor]:
+    """The record's geometry and value table, after checking its shape, stats and codes."""
     if rec.shape != tuple(shape):
         raise PayloadError(
             f"{field}.shape", f"{list(rec.shape)} differs from the model's {list(shape)}"
@@ -249,12 +251,27 @@ def _decode_record(
     table = dequant_table(shift, levels)
     if not all(map(math.isfinite, (shift, *levels, *table.tolist()))):
         raise PayloadError(f"{field}.stats", "shift, levels and their sums must be finite")
-    codes = unpack_codes(rec.codes, geometry.n_kept)
-    if codes is None:
+    if not codes_canonical(rec.codes, geometry.n_kept):
         raise PayloadError(
             f"{field}.codes",
             f"expected {(geometry.n_kept + 3) // 4} bytes with zero padding, got {len(rec.codes)}",
         )
+    return geometry, table
+
+
+def _check_record(rec: TensorRecord, env: Envelope, shape: tuple[int, ...], field: str) -> None:
+    """Every check ``_decode_record`` makes, without materialising indices or codes."""
+    geometry, _ = _checked_record(rec, env, shape, field)
+    check_index(rec.rice_bits, rec.unary, rec.remainders, geometry=geometry, field=field)
+
+
+def _decode_record(
+    rec: TensorRecord, env: Envelope, shape: tuple[int, ...], field: str
+) -> SparseTensor:
+    geometry, table = _checked_record(rec, env, shape, field)
+    codes = unpack_codes(rec.codes, geometry.n_kept)
+    if codes is None:  # pragma: no cover - _checked_record refused it already
+        raise PayloadError(f"{field}.codes", "not canonical")
     # int32 indices keep G decoded peers small while they wait for aggregation.
     index = decode_flat_index(
         rec.rice_bits, rec.unary, rec.remainders, geometry=geometry, field=field
@@ -275,10 +292,11 @@ def read_payload(
     ``topk`` and ``tile``, when given, must match the payload's codec parameters (a run fixes
     them). Raises ``PayloadError`` naming the field for anything malformed.
 
-    With ``lazy``, every tensor is still decoded and checked here, one at a time, but none is
-    kept: ``tensors`` decodes again on lookup. Aggregating G peers tensor by tensor then holds
-    the G payloads' bytes and one decoded tensor per peer, never G decoded models; validation
-    still completes before the caller applies anything. It costs a second decode.
+    With ``lazy``, every tensor is checked here completely (the index streams are walked with
+    every rule of the decoder, but nothing is materialised) and decoded once, on lookup in
+    ``tensors``. Aggregating G peers tensor by tensor then holds the G payloads' bytes and one
+    decoded tensor per peer, never G decoded models, and validation still completes before the
+    caller applies anything.
     """
     env = unpack_envelope(data, max_body=body_limit(shapes))
     try:
@@ -303,7 +321,7 @@ def read_payload(
         raise PayloadError("body.tensors", f"tensor names do not match the model: {detail}")
     if lazy:
         for i, rec in enumerate(env.tensors):
-            _decode_record(rec, env, tuple(shapes[rec.name]), f"tensors[{i}]")
+            _check_record(rec, env, tuple(shapes[rec.name]), f"tensors[{i}]")
         lazy_tensors = _LazyTensors(env, shapes)
         return Payload(
             env.run_id, env.round, env.node_id, env.base, env.tile, env.topk, lazy_tensors

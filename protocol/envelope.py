@@ -93,26 +93,26 @@ def wrap_body(body: bytes, flags: int, *, version: int = VERSION) -> bytes:
     return HEADER.pack(MAGIC, version, flags, zlib.crc32(body)) + body
 
 
-def unpack_envelope(data: bytes, *, max_body: int) -> Envelope:
+def unpack_envelope(data: bytes | bytearray | memoryview, *, max_body: int) -> Envelope:
     """Parse and structurally validate a payload; the decompressed body may not exceed
     ``max_body`` bytes. Raises ``PayloadError`` naming the offending field."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise PayloadError("payload", f"expected bytes, got {type(data).__name__}")
-    data = bytes(data)
-    if len(data) < HEADER.size:
-        raise PayloadError("header", f"truncated: {len(data)} bytes, header is {HEADER.size}")
-    magic, version, flags, crc = HEADER.unpack_from(data)
+    view = memoryview(data).cast("B")  # slices below share the caller's bytes, never copy
+    if len(view) < HEADER.size:
+        raise PayloadError("header", f"truncated: {len(view)} bytes, header is {HEADER.size}")
+    magic, version, flags, crc = HEADER.unpack_from(view)
     if magic != MAGIC:
         raise PayloadError("header.magic", f"expected {MAGIC!r}, got {magic!r}")
     if version != VERSION:
         raise PayloadError("header.version", f"unsupported format version {version}")
     if flags & ~FLAG_ZSTD:
         raise PayloadError("header.flags", f"unknown flag bits {flags:#04x}")
-    body = data[HEADER.size :]
+    body = view[HEADER.size :]
     if zlib.crc32(body) != crc:
         raise PayloadError("header.crc32", "body checksum mismatch (corrupted or truncated)")
     if flags & FLAG_ZSTD:
-        body = _decompress(body, max_body)
+        body = memoryview(_decompress(body, max_body))
     elif len(body) > max_body:
         raise PayloadError("body", f"{len(body)} bytes exceeds the limit {max_body}")
     try:
@@ -122,21 +122,20 @@ def unpack_envelope(data: bytes, *, max_body: int) -> Envelope:
     return _parse_body(obj)
 
 
-def _decompress(body: bytes, max_body: int) -> bytes:
+def _decompress(body: memoryview, max_body: int) -> bytes:
     try:
         size = zstandard.get_frame_parameters(body).content_size
     except zstandard.ZstdError as exc:
         raise PayloadError("body.zstd", f"bad frame header: {exc}") from exc
     if size == zstandard.CONTENTSIZE_UNKNOWN or size > max_body:
         raise PayloadError("body.zstd", f"declared size {size} missing or over limit {max_body}")
-    dctx = zstandard.ZstdDecompressor().decompressobj()
     try:
-        # The frame declares its size and zstd refuses to produce more, so this is bounded.
-        out = zstandard.ZstdDecompressor().decompress(body)
-        dctx.decompress(body)
+        # One pass: the output buffer is the declared size, and zstd fails if the frame would
+        # produce more or less than that, or if anything follows the frame.
+        out = zstandard.ZstdDecompressor().decompress(body, allow_extra_data=False)
     except zstandard.ZstdError as exc:
-        raise PayloadError("body.zstd", f"corrupt frame: {exc}") from exc
-    if len(out) != size or dctx.unused_data or not dctx.eof:
+        raise PayloadError("body.zstd", f"corrupt frame or trailing bytes: {exc}") from exc
+    if len(out) != size:
         raise PayloadError("body.zstd", "frame size mismatch or trailing bytes after the frame")
     return out
 

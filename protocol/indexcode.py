@@ -67,6 +67,17 @@ def decode_flat_index(
     ``field``) unless the streams hold exactly the right number of codes, are canonically
     padded, and every position lies inside its tile.
     """
+    return _walk(b, unary, rem, geometry=geometry, field=field, write=True)
+
+
+def check_index(b: int, unary: bytes, rem: bytes, *, geometry: TileGeometry, field: str) -> None:
+    """Every check of ``decode_flat_index``, without materialising the indices."""
+    _walk(b, unary, rem, geometry=geometry, field=field, write=False)
+
+
+def _walk(
+    b: int, unary: bytes, rem: bytes, *, geometry: TileGeometry, field: str, write: bool
+) -> torch.Tensor:
     if not 0 <= b <= MAX_RICE_BITS:
         raise PayloadError(f"{field}.rice_bits", f"must be in [0, {MAX_RICE_BITS}], got {b}")
     g = geometry
@@ -80,7 +91,7 @@ def decode_flat_index(
             f"{field}.remainders",
             f"expected {expected} bytes for {n} fields of {b} bits, got {len(rem)}",
         )
-    flat = np.empty(n, dtype=np.int32 if g.numel < 2**31 else np.int64)
+    flat = np.empty(n if write else 0, dtype=np.int32 if g.numel < 2**31 else np.int64)
     if n == 0:
         if unary:
             raise PayloadError(f"{field}.unary", "must be empty when nothing is kept")

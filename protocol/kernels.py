@@ -177,6 +177,10 @@ def decode_positions(unary, rem, b, n_tiles, k, tile_len, h, w, cols, flat):
     field can always be read from a 4-byte window). ``flat`` (int32 or int64, n_tiles * k)
     receives the row-major index of every kept entry, tile by tile. Rejects quotients or
     positions past the tile, missing codes, and any bit or byte after the last code.
+
+    An empty ``flat`` only checks: every rule above is applied, nothing is written. That is
+    how a payload is validated completely without materialising its indices, which are then
+    decoded once, when the payload is aggregated.
     """
     n_bytes = unary.size
     rem_bytes = rem.size - 4
@@ -184,6 +188,7 @@ def decode_positions(unary, rem, b, n_tiles, k, tile_len, h, w, cols, flat):
     qmax = tile_len >> b
     gc = cols // w
     mask = (1 << b) - 1
+    write = flat.size > 0
     j = 0
     for t in range(n_tiles):
         ti = t // gc
@@ -224,8 +229,9 @@ def decode_positions(unary, rem, b, n_tiles, k, tile_len, h, w, cols, flat):
             pos += ((q << b) | r) + 1
             if pos >= tile_len:
                 return GAP_OUT_OF_TILE
-            row = pos // w
-            flat[j] = base + row * cols + (pos - row * w)
+            if write:
+                row = pos // w
+                flat[j] = base + row * cols + (pos - row * w)
             j += 1
     if (bit + 7) // 8 != n_bytes:
         return TRAILING_BYTES

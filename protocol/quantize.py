@@ -98,13 +98,18 @@ def pack_codes(codes: torch.Tensor) -> bytes:
 _CODE_LUT = (np.arange(256, dtype=np.uint8)[:, None] >> np.array([6, 4, 2, 0], np.uint8)) & 3
 
 
+def codes_canonical(data: bytes, count: int) -> bool:
+    """Whether ``data`` is exactly the packing of ``count`` codes, with zero padding bits."""
+    if len(data) != (count + 3) // 4:
+        return False
+    pad = len(data) * 4 - count  # unused 2-bit slots in the last byte
+    return not data or not data[-1] & ((1 << (2 * pad)) - 1)
+
+
 def unpack_codes(data: bytes, count: int) -> np.ndarray | None:
     """Inverse of ``pack_codes``; ``None`` when the length or padding is not canonical."""
-    if len(data) != (count + 3) // 4:
+    if not codes_canonical(data, count):
         return None
     if not data:
         return np.zeros(0, dtype=np.uint8)
-    pad = len(data) * 4 - count  # unused 2-bit slots in the last byte
-    if data[-1] & ((1 << (2 * pad)) - 1):
-        return None
     return _CODE_LUT[np.frombuffer(data, dtype=np.uint8)].reshape(-1)[:count]

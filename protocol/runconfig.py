@@ -85,7 +85,7 @@ class RunConfig(BaseModel):
     retention_rounds: int = Field(30, ge=1)
     #: Checkpoints kept in the store (the newest ones).
     keep_checkpoints: int = Field(2, ge=1)
-    timing: Timing = Timing()  # type: ignore[call-arg]
+    timing: Timing = Timing()
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

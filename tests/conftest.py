@@ -7,10 +7,15 @@ few seconds the store takes to start are paid once.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from node.cluster.seaweed import EmbeddedStore
+
+#: Fixture modules of ``tests/support`` every test may use: ``make_api`` (the coordinator's API
+#: in-process on this store).
+pytest_plugins = ["support.api"]
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +30,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
 
 
 @pytest.fixture(scope="session")
-def s3(store: EmbeddedStore):  # type: ignore[no-untyped-def]
+def s3(store: EmbeddedStore) -> Any:
     """A boto3 S3 client with the store's admin credentials."""
     return store.client()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import reference_codec as ref
 import torch
 
 from protocol import kernels
 from protocol.codec import encode, read_payload
+from support import reference_codec as ref
 
 
 def reference_positions(tile: np.ndarray, k: int) -> list[int]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from malformed_fixtures import BODY, ENCODED, MODEL, TILE, TOPK, mutated, set_field
 
 from node.compute.outer import apply_aggregate
 from protocol.codec import encode, read_payload
 from protocol.errors import PayloadError
+from support.malformed_fixtures import BODY, ENCODED, MODEL, TILE, TOPK, mutated, set_field
 
 
 def test_lazy_tensors_equal_eager_ones() -> None:

@@ -1,8 +1,9 @@
 """The coordinator's HTTP API in-process, against the real object store (SeaweedFS).
 
 Each test builds a fresh app (its own state directory and key prefix) and drives it over HTTP
-with the nodes' bearer tokens; payloads go to the store through the presigned URLs exactly as a
-node sends them. Waiting is done with the manifest long-poll, never with sleeps.
+with the nodes' bearer tokens (``make_api``, ``tests/support/api.py``); payloads go to the store
+through the presigned URLs exactly as a node sends them. Waiting is done with the manifest
+long-poll, never with sleeps.
 """
 
 from __future__ import annotations
@@ -10,127 +11,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from aiohttp import ClientSession
-from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
-from coordinator.app import COORDINATOR, create_app
-from coordinator.config import CoordinatorConfig, load_config
 from node.cluster.seaweed import EmbeddedStore
 from protocol.keys import manifest_key
 from protocol.messages import SignedManifest
 from protocol.runconfig import RunConfig, Timing
 from protocol.signing import verify_manifest
-
-FP_A = "a" * 32
-FP_B = "b" * 32
-FP_C = "c" * 32
-NODES = ("n0", "n1", "n2")
-
-
-def token(node: str) -> str:
-    return f"token-of-{node}-0123456789"
-
-
-def make_config(
-    store: EmbeddedStore, state_dir: Path, *, run: RunConfig, **server: Any
-) -> CoordinatorConfig:
-    e = store.endpoint
-    overrides = {
-        "run": run.model_dump(mode="json"),
-        "server": {"state_dir": str(state_dir), **server},
-        "storage": {
-            "endpoint_url": e.endpoint_url,
-            "bucket": e.bucket,
-            "access_key": e.access_key,
-            "secret_key": e.secret_key,
-            "prefix": f"t-{uuid.uuid4().hex[:8]}",
-        },
-        "tokens": {n: token(n) for n in NODES},
-    }
-    return load_config(None, overrides)
-
-
-class Api:
-    """The test client plus helpers that speak as a node."""
-
-    def __init__(self, client: TestClient[Any, Any], config: CoordinatorConfig) -> None:
-        self.client = client
-        self.config = config
-
-    @property
-    def coord(self) -> Any:
-        return self.client.app[COORDINATOR]  # type: ignore[index]
-
-    async def call(
-        self, method: str, path: str, node: str | None, body: Any = None, **kw: Any
-    ) -> tuple[int, Any]:
-        headers = {} if node is None else {"Authorization": f"Bearer {token(node)}"}
-        resp = await self.client.request(method, path, json=body, headers=headers, **kw)
-        data = await resp.json() if resp.content_type == "application/json" else await resp.text()
-        return resp.status, data
-
-    async def put_payload(self, node: str, round_: int, body: bytes, *, claimed: bytes) -> int:
-        """Ask for an upload grant for ``claimed`` and PUT ``body`` with it: the store's status."""
-        status, grant = await self.call(
-            "POST",
-            f"/v1/rounds/{round_}/upload",
-            node,
-            {"size": len(claimed), "sha256": hashlib.sha256(claimed).hexdigest()},
-        )
-        assert status == 200, grant
-        async with (
-            ClientSession() as http,
-            http.put(URL(grant["url"], encoded=True), data=body, headers=grant["headers"]) as r,
-        ):
-            return r.status
-
-    async def contribute(
-        self, node: str, round_: int, base: str, body: bytes | None = None
-    ) -> dict[str, Any]:
-        """Upload a payload and submit it; the submit response."""
-        body = body or f"payload {node} {round_}".encode()
-        assert await self.put_payload(node, round_, body, claimed=body) == 200
-        status, resp = await self.submit(node, round_, body, base)
-        assert status == 200, resp
-        return dict(resp)
-
-    async def submit(self, node: str, round_: int, body: bytes, base: str) -> tuple[int, Any]:
-        req = {
-            "size": len(body),
-            "sha256": hashlib.sha256(body).hexdigest(),
-            "base_fingerprint": base,
-        }
-        return await self.call("POST", f"/v1/rounds/{round_}/submit", node, req)
-
-    async def manifest(self, node: str, round_: int, wait: float = 30) -> tuple[int, Any]:
-        return await self.call("GET", f"/v1/rounds/{round_}/manifest?wait={wait}", node)
-
-
-ApiFactory = Callable[..., Any]
-
-
-@pytest_asyncio.fixture
-async def make_api(store: EmbeddedStore, tmp_path: Path) -> AsyncIterator[ApiFactory]:
-    clients: list[TestClient[Any, Any]] = []
-
-    async def factory(run: RunConfig, **server: Any) -> Api:
-        config = make_config(store, tmp_path / f"state{len(clients)}", run=run, **server)
-        client = TestClient(TestServer(create_app(config)))
-        await client.start_server()
-        clients.append(client)
-        return Api(client, config)
-
-    yield factory
-    for client in clients:
-        await client.close()
+from support.api import FP_A, FP_B, FP_C, NODES, ApiFactory
 
 
 def run_config(**kw: Any) -> RunConfig:
@@ -332,7 +224,7 @@ async def test_openapi_lists_every_route_and_metrics_count(make_api: ApiFactory)
     assert status == 200 and doc["openapi"].startswith("3.1")
     routes = {
         (r.method, r.resource.canonical.replace("{round:\\d{1,18}}", "{round}"))
-        for r in api.client.app.router.routes()  # type: ignore[union-attr]
+        for r in api.client.app.router.routes()
         if r.resource is not None and r.method != "HEAD"
     }
     documented = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}

@@ -1,8 +1,9 @@
 """Checkpoints and retention through the coordinator's HTTP API, against the real store.
 
-Nodes run small rounds (presigned uploads, submits, reports) in-process as in
-``test_coordinator_api.py``; checkpoint files go to SeaweedFS through the grants exactly as a node
-sends them, and what the coordinator writes or deletes is checked by listing the bucket.
+Nodes run small rounds (presigned uploads, submits, reports) in-process through ``make_api``
+(``tests/support/api.py``), as in ``test_coordinator_api.py``; checkpoint files go to SeaweedFS
+through the grants exactly as a node sends them, and what the coordinator writes or deletes is
+checked by listing the bucket.
 """
 
 from __future__ import annotations
@@ -11,25 +12,21 @@ import asyncio
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from aiohttp import ClientSession
-from aiohttp.test_utils import TestClient, TestServer
-from test_coordinator_api import FP_A, FP_B, Api, token
 from yarl import URL
 
-from coordinator.app import create_app
-from coordinator.config import CoordinatorConfig, load_config
-from coordinator.db import DB_FILE, Database
+from coordinator.db import Database
 from coordinator.retention import payload_rounds
-from node.cluster.seaweed import EmbeddedStore
+from coordinator.schema import DB_FILE
 from protocol.keys import checkpoint_key, latest_checkpoint_key, run_prefix
 from protocol.messages import CheckpointInfo, RoundReport
 from protocol.runconfig import RunConfig, Timing
+from support.api import FP_A, FP_B, Api, ApiFactory
 
 F = FP_A
 NODES = ("n0", "n1")
@@ -45,56 +42,6 @@ class Clock:
 
     def __call__(self) -> float:
         return time.time() + self.offset
-
-
-def make_config(
-    store: EmbeddedStore, state_dir: Path, run: RunConfig, prefix: str, **storage: Any
-) -> CoordinatorConfig:
-    e = store.endpoint
-    return load_config(
-        None,
-        {
-            "run": run.model_dump(mode="json"),
-            "server": {"state_dir": str(state_dir)},
-            "storage": {
-                "endpoint_url": e.endpoint_url,
-                "bucket": e.bucket,
-                "access_key": e.access_key,
-                "secret_key": e.secret_key,
-                "prefix": prefix,
-                **storage,
-            },
-            "tokens": {n: token(n) for n in NODES},
-        },
-    )
-
-
-Factory = Callable[..., Any]
-
-
-@pytest_asyncio.fixture
-async def make_api(store: EmbeddedStore, tmp_path: Path) -> AsyncIterator[Factory]:
-    """``await make_api(run, state=..., prefix=..., clock=..., **storage)``: a started Api."""
-    clients: list[TestClient[Any, Any]] = []
-
-    async def factory(
-        run: RunConfig,
-        *,
-        state: str = "state",
-        prefix: str | None = None,
-        clock: Callable[[], float] = time.time,
-        **storage: Any,
-    ) -> Api:
-        prefix = prefix or f"ckpt-{uuid.uuid4().hex[:8]}"
-        config = make_config(store, tmp_path / state, run, prefix, **storage)
-        client = TestClient(TestServer(create_app(config, clock=clock)))
-        await client.start_server()
-        clients.append(client)
-        return Api(client, config)
-
-    yield factory
-    for client in clients:
-        await client.close()
 
 
 def run_config(**kw: Any) -> RunConfig:
@@ -150,7 +97,7 @@ def get_json(s3: Any, bucket: str, key: str) -> dict[str, Any]:
 
 
 @pytest.mark.asyncio
-async def test_grant_commit_and_latest(make_api: Factory, s3: Any) -> None:
+async def test_grant_commit_and_latest(make_api: ApiFactory, s3: Any) -> None:
     api = await make_api(run_config(), max_checkpoint_bytes=4096)
     await join_all(api)
     mass = {"computed": 1.5, "sent": 1.0, "held": 0.5, "scale": 3.0}
@@ -197,8 +144,8 @@ async def test_grant_commit_and_latest(make_api: Factory, s3: Any) -> None:
     assert get_json(s3, bucket, sidecar) == info
     status, view = await api.call("GET", "/v1/checkpoints/latest", "n1")
     assert status == 200 and view["info"] == info
-    async with ClientSession() as http, http.get(URL(view["url"], encoded=True)) as r:
-        assert await r.read() == body
+    async with ClientSession() as http, http.get(URL(view["url"], encoded=True)) as resp:
+        assert await resp.read() == body
     status, st = await api.call("GET", "/v1/status", None)
     assert st["checkpoint"] == info
     assert RoundReport.model_validate(st["rounds"][0]["reports"]["n0"]).mass is not None
@@ -208,7 +155,7 @@ async def test_grant_commit_and_latest(make_api: Factory, s3: Any) -> None:
 
 
 @pytest.mark.asyncio
-async def test_expired_grant_passes_to_another_node(make_api: Factory) -> None:
+async def test_expired_grant_passes_to_another_node(make_api: ApiFactory) -> None:
     clock = Clock()
     api = await make_api(run_config(), clock=clock)
     await join_all(api)
@@ -262,7 +209,7 @@ def keys(s3: Any, bucket: str, prefix: str) -> set[str]:
 
 
 @pytest.mark.asyncio
-async def test_retention_and_restart(make_api: Factory, s3: Any, tmp_path: Path) -> None:
+async def test_retention_and_restart(make_api: ApiFactory, s3: Any, tmp_path: Path) -> None:
     run = run_config(retention_rounds=3, keep_checkpoints=2)
     prefix = f"ckpt-{uuid.uuid4().hex[:8]}"
     api = await make_api(run, prefix=prefix)

@@ -15,10 +15,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from harness import REPO_ROOT, CoordinatorProcess, write_coordinator_config
-
 from node.cluster.seaweed import EmbeddedStore
 from protocol.runconfig import RunConfig
+from support.harness import REPO_ROOT, CoordinatorProcess, write_coordinator_config
 
 TOKENS = {"n0": "process-test-token-n0", "n1": "process-test-token-n1"}
 FP = "f" * 32
@@ -116,6 +115,7 @@ def test_config_errors_exit_2_naming_the_field(store: EmbeddedStore, tmp_path: P
 
     # A state directory of another run is refused, naming the fix.
     state = tmp_path / "state"
+    refused: subprocess.CompletedProcess[str] | None = None
     for name in ("one", "two"):
         config = write_coordinator_config(
             tmp_path / f"{name}.toml",
@@ -125,12 +125,12 @@ def test_config_errors_exit_2_naming_the_field(store: EmbeddedStore, tmp_path: P
             prefix="proc-test",
             state_dir=state,
         )
-        proc = subprocess.run(
+        refused = subprocess.run(
             [sys.executable, "-m", "coordinator", "--config", str(config), "--port", "0"],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
         ) if name == "two" else None  # fmt: skip
-        if proc is None:
+        if refused is None:
             with CoordinatorProcess(config, state) as coord:
                 assert coord.terminate() == 0
-    assert proc is not None and proc.returncode == 2
-    assert "belongs to run one-" in proc.stderr and "--state-dir" in proc.stderr
+    assert refused is not None and refused.returncode == 2
+    assert "belongs to run one-" in refused.stderr and "--state-dir" in refused.stderr

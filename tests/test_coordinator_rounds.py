@@ -20,9 +20,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from coordinator import rounds
 from coordinator.db import Database
-from coordinator.machine import Conflict, RoundError, RoundMachine
+from coordinator.errors import Conflict, RoundError
+from coordinator.machine import RoundMachine
 from coordinator.signing import ManifestSigner
-from protocol.messages import Exclusion, MemberState, RoundState, SubmitRequest
+from protocol.messages import Exclusion, MemberState, RoundState, SignedManifest, SubmitRequest
 from protocol.runconfig import RunConfig, Timing
 from protocol.signing import verify_manifest
 
@@ -158,7 +159,7 @@ class RoundMachineModel(RuleBasedStateMachine):
         self.db.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _record(self, manifests: list) -> None:  # type: ignore[type-arg]
+    def _record(self, manifests: list[SignedManifest]) -> None:
         for signed in manifests:
             verify_manifest(signed, self.signer.public_key_hex)
             m = signed.manifest

@@ -14,12 +14,12 @@ import subprocess
 import sys
 
 import pytest
-from cluster import Cluster
 
 from protocol.keys import manifest_key
 from protocol.messages import RoundState, SignedManifest, StatusView
 from protocol.runconfig import RunConfig, Timing
 from protocol.signing import verify_manifest
+from support.cluster import Cluster
 
 TIMING = Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=30)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -77,8 +78,12 @@ def test_bad_config_names_the_field() -> None:
 
 def test_cli_flags_are_pinned() -> None:
     parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    sim = sub.choices["simulate"]  # type: ignore[attr-defined]
+    sub = next(
+        a
+        for a in parser._actions
+        if isinstance(a, argparse._SubParsersAction) and a.dest == "command"
+    )
+    sim = sub.choices["simulate"]
     flags = {s for a in sim._actions for s in a.option_strings}
     assert {
         "--algo",

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
+import torch
 
 from node.compute.worker import Worker
 from node.daemon.faults import Faults
 from node.errors import CheckpointError
 from protocol.errors import ConfigError
+from protocol.fingerprint import fingerprint
 from protocol.runconfig import RunConfig
 
 RUN = RunConfig(model="tiny", rounds=4, inner_steps=2, batch_size=2)
@@ -23,8 +27,8 @@ def test_checkpoint_round_trips_and_is_verified() -> None:
     a, b = _worker(), _worker("n1", 1)
     a.train_and_compress()
     a.apply({"n0": a.read(a.train_and_compress().payload)})
-    data, fp = a.checkpoint_bytes()
-    assert fp == a.fingerprint()
+    data, sha256, fp = a.checkpoint_bytes()
+    assert fp == a.fingerprint() and sha256 == hashlib.sha256(data).hexdigest()
     b.load_checkpoint(data, round_=a.round, expected=fp)
     assert b.fingerprint() == a.fingerprint() and b.round == a.round
     with pytest.raises(CheckpointError, match="fingerprint"):
@@ -41,10 +45,10 @@ def test_mass_is_conserved_whether_or_not_the_payload_is_gathered(gathered: bool
     result = w.train_and_compress()
     if gathered:
         w.apply({"n0": w.read(result.payload)})
-        sent = w.sent_mass(result.payload)
+        sent = w.sent_mass(result.recon)
     else:
         w.apply({})
-        w.return_own(result.payload)
+        w.return_own(result.recon)
         sent = 0.0
     held = w.held_mass()
     assert result.scale > 0
@@ -70,3 +74,36 @@ def test_faults_parse_and_fire_once() -> None:
     for bad in ("crash:nowhere@1", "explode@2", "slow:x@1", "corrupt@"):
         with pytest.raises(ConfigError, match="SPARSELOCO_FAULTS"):
             Faults.parse(bad)
+
+
+def test_the_encoders_recon_is_what_the_payload_decodes_to() -> None:
+    # ĉ is kept from the encoder instead of decoding the own payload; they must be the same bits.
+    w = _worker()
+    result = w.train_and_compress()
+    decoded = w.own_recon(result.payload)
+    assert set(decoded) == set(result.recon)
+    for name, t in result.recon.items():
+        assert torch.equal(t, decoded[name])
+    assert result.sha256 == hashlib.sha256(result.payload).hexdigest()
+
+
+def test_the_remembered_fingerprint_follows_every_change_of_theta() -> None:
+    w, other = _worker(), _worker("n1", 1)
+
+    def fresh() -> str:
+        return fingerprint(w.params)
+
+    assert w.fingerprint() == fresh()
+    result = w.train_and_compress()  # trains, then puts θ_round back bit for bit
+    assert result.base == w.fingerprint() == fresh()
+    w.apply({"n0": w.read(result.payload)})
+    assert w.fingerprint() == fresh() != result.base
+    data, _, fp = w.checkpoint_bytes()
+    other.load_checkpoint(data, round_=w.round, expected=fp)
+    assert other.fingerprint() == fp == fingerprint(other.params)
+    w.corrupt()
+    assert w.fingerprint() == fresh() != fp
+    w.restore(other.snapshot())
+    assert w.fingerprint() == fresh() == fp
+    w.reset_to_initial()
+    assert w.fingerprint() == fresh() == _worker().fingerprint()

@@ -38,7 +38,7 @@ def test_two_workers_stay_bit_identical_and_lose_nothing() -> None:
             before = {n: e.clone() for n, e in w.error.items()}
             w.apply(payloads)
             if w.node_id == "n1":
-                w.return_own(blobs["n1"])
+                w.return_own(results[1].recon)
                 sent = w.read(blobs["n1"])
                 for name, e in w.error.items():
                     added = e - before[name]

@@ -9,7 +9,8 @@ virtual environment's PATH after the install command. ``EmbeddedStore`` starts i
 - the bucket created at start, the data directory under the caller's run folder;
 - telemetry, WebDAV, the admin UI and the table catalogs switched off (all offline, fewer ports).
 
-``stop()`` sends SIGTERM and waits, then kills; the context manager always stops it.
+``stop()`` sends SIGTERM to the server's process group and waits, then kills it
+(``node.cluster.process``); the context manager always stops it.
 ``restart()`` brings it back on the same ports with the same data (fault tests use it). The store's
 output goes to ``{data_dir}/weed.log``.
 """
@@ -20,9 +21,7 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from node.cluster.process import Process
 from node.errors import StoreStartError
 
 log = logging.getLogger("sparseloco.seaweed")
@@ -98,7 +98,7 @@ class EmbeddedStore:
         self.bucket = bucket
         self.access_key = access_key or "sl" + secrets.token_hex(8)
         self.secret_key = secret_key or secrets.token_hex(20)
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: Process | None = None
         self.s3_port: int | None = None
         self._ports: dict[str, int] | None = None
 
@@ -148,15 +148,10 @@ class EmbeddedStore:
         env = dict(
             os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key
         )
-        with open(self.data_dir / "weed.log", "ab") as out:
-            self.process = subprocess.Popen(
-                self._command(ports),
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        # Its own process group: the helpers weed forks are stopped with it.
+        self.process = Process(
+            "weed", self._command(ports), self.data_dir / "weed.log", env=env, own_group=True
+        )
         self.s3_port = ports["s3"]
         try:
             self._wait_ready()
@@ -210,15 +205,8 @@ class EmbeddedStore:
         proc, self.process = self.process, None
         if proc is None or proc.poll() is not None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
-        log.info("event=store_stopped code=%s", proc.returncode)
+        code = proc.stop(timeout=STOP_TIMEOUT_S)
+        log.info("event=store_stopped code=%s", code)
 
     def restart(self) -> StoreEndpoint:
         """Stop and start again on the same ports, data and credentials (an outage, healed)."""

@@ -16,8 +16,6 @@ import json
 import logging
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -28,21 +26,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from node.cluster.process import Process
 from node.cluster.seaweed import EmbeddedStore, StoreEndpoint
+from node.compute.presets import get_run_preset
 from node.errors import UpError
 from protocol.messages import RoundState, StatusView
 from protocol.runconfig import RunConfig, Timing
 
 log = logging.getLogger("sparseloco.up")
 
-#: Run shapes for ``--preset``: model preset plus inner steps and batch size.
-UP_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"model": "tiny", "inner_steps": 10, "batch_size": 8},
-    "small": {"model": "small", "inner_steps": 30, "batch_size": 12},
-}
-
-#: Seconds to wait for a process to leave cleanly after SIGTERM before killing it.
-STOP_TIMEOUT_S = 30.0
 #: Seconds for the coordinator to write its address file after start.
 COORDINATOR_START_S = 60.0
 
@@ -117,70 +109,39 @@ def _quiet_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-class Process:
-    """A child process with its log file; stopped by SIGTERM, then SIGKILL."""
-
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as out:
-            self.popen = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-            )
-
-    def poll(self) -> int | None:
-        return self.popen.poll()
-
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        return self.popen.returncode
-
-    def kill(self) -> int:
-        """SIGKILL (``kill -9``: nothing flushed) and reap."""
-        self.popen.kill()
-        return self.popen.wait()
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
 def start_coordinator(
-    config_path: Path, state_dir: Path, log_path: Path, *, port: int = 0
+    config_path: Path,
+    state_dir: Path,
+    log_path: Path,
+    *,
+    port: int = 0,
+    extra_args: list[str] | None = None,
 ) -> tuple[Process, str]:
     """Start ``python -m coordinator`` and return it with its URL once it listens.
 
     ``port`` 0 picks a free port; a restart passes the previous one so nodes find it again.
+    The URL comes from the ``coordinator.json`` this very process announces in ``state_dir``.
     """
     address = state_dir / "coordinator.json"
-    address.unlink(missing_ok=True)
-    proc = Process(
-        "coordinator",
-        [sys.executable, "-m", "coordinator", "--config", str(config_path), "--port", str(port)],
-        log_path,
-        _quiet_env(),
-    )
+    address.unlink(missing_ok=True)  # a stale file from a killed run must not be read
+    args = [sys.executable, "-m", "coordinator", "--config", str(config_path), "--port", str(port)]
+    proc = Process("coordinator", args + (extra_args or []), log_path, env=_quiet_env())
     deadline = time.monotonic() + COORDINATOR_START_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise UpError(f"the coordinator exited with code {proc.poll()}:\n{proc.tail()}")
         if address.exists():
             try:
-                return proc, json.loads(address.read_text())["url"]
-            except (ValueError, KeyError):
-                pass  # being written
+                announced = json.loads(address.read_text())
+            except ValueError:
+                announced = {}  # written atomically, but read defensively
+            if announced.get("pid") == proc.pid and "url" in announced:
+                return proc, str(announced["url"])
         time.sleep(0.1)
     proc.stop()
-    raise UpError(f"the coordinator did not start within {COORDINATOR_START_S:.0f} s")
+    raise UpError(
+        f"the coordinator did not start within {COORDINATOR_START_S:.0f} s:\n{proc.tail()}"
+    )
 
 
 def start_node(
@@ -200,7 +161,7 @@ def start_node(
     env.pop("SPARSELOCO_FAULTS", None)
     env.update(extra_env or {})
     env["SPARSELOCO_NODE_TOKEN"] = token
-    return Process(name, args, log_path, env)
+    return Process(name, args, log_path, env=env)
 
 
 def fetch_status(url: str, rounds: int = 100_000, timeout: float = 10.0) -> StatusView:
@@ -248,8 +209,7 @@ def _mean(values: list[float | None]) -> float | None:
 
 def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> dict[str, Any]:
     """Run the whole local training run and return its summary."""
-    if cfg.preset not in UP_PRESETS:
-        raise UpError(f"unknown --preset {cfg.preset!r}; choose one of {sorted(UP_PRESETS)}")
+    shape = get_run_preset(cfg.preset).shape()
     run_dir = cfg.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     run = RunConfig(
@@ -257,13 +217,13 @@ def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> 
         rounds=cfg.rounds,
         min_nodes=cfg.nodes,
         gather_size=max(16, cfg.nodes),
-        timing=Timing(  # type: ignore[call-arg]
+        timing=Timing(
             first_round_s=cfg.round_timeout_s,
             min_round_s=min(15.0, cfg.round_timeout_s),
             max_round_s=max(cfg.round_timeout_s, 15.0),
             heartbeat_timeout_s=30.0,
         ),
-        **UP_PRESETS[cfg.preset],
+        **shape,
     )
     store = EmbeddedStore(run_dir / "store")
     procs: list[Process] = []

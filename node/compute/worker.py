@@ -4,10 +4,17 @@ Synchronous and free of network I/O: the daemon runs every method here in its si
 thread, off the event loop, one call at a time (numba's parallel pool and torch must not be
 entered from two threads at once). Holds the model (whose parameters *are* θ between rounds),
 the error-feedback buffer, AdamW, the data stream and the evaluation batches.
+
+Nothing is computed twice on the way of a round: θ's fingerprint is computed once per value of
+θ and kept until θ changes; the payload is hashed once, in the compute thread, when it is made;
+ĉ (what the payload carries, densely) comes from the encoder and is used as is for the
+error-feedback account and step 9, and the own payload is decoded only when ĉ was lost with a
+restart.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -34,8 +41,15 @@ log = logging.getLogger("sparseloco.worker")
 
 @dataclass
 class TrainResult:
+    """One round's local work: the payload and what the daemon needs to account for it."""
+
     payload: bytes
+    #: sha256 (hex) of ``payload``, computed once.
+    sha256: str
+    #: Fingerprint of θ_round, the parameters trained from.
     base: str
+    #: ĉ: the dense fp32 reconstruction of what ``payload`` carries (``decode`` gives the same).
+    recon: dict[str, torch.Tensor]
     train_loss: float
     train_s: float
     encode_s: float
@@ -82,13 +96,18 @@ class Worker:
         self.round = 0
         self.local_steps = 0
         self.stop = threading.Event()
+        #: Fingerprint of θ as it is now; None once θ changed (see ``fingerprint``).
+        self._fingerprint: str | None = None
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.data for n, p in self.model.named_parameters()}
 
     def fingerprint(self) -> str:
-        return fingerprint(self.params)
+        """Fingerprint of θ, computed once per value of θ (every change of θ forgets it)."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.params)
+        return self._fingerprint
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -114,6 +133,7 @@ class Worker:
             restore_adam(self.opt, state.adam)
         self.round = state.round
         self.local_steps = state.local_steps
+        self._fingerprint = None
 
     # -- one round -------------------------------------------------------------------------------
 
@@ -132,8 +152,8 @@ class Worker:
         """
 
         t0 = time.perf_counter()
+        base = self.fingerprint()
         start = {n: p.clone() for n, p in self.params.items()}
-        base = fingerprint(start)
         H = self.run.inner_steps
         losses = []
         try:
@@ -163,15 +183,15 @@ class Worker:
         except BaseException:
             # θ goes back to θ_round; e was not touched yet. The AdamW moments keep the steps
             # taken: they are local and never shared, so that loses nothing.
-            self._reset_to(start)
+            self._reset_to(start, base)
             raise
         delta = pseudo_gradient(start, self.params)
-        self._reset_to(start)
+        self._reset_to(start, base)  # bit for bit θ_round again: its fingerprint still holds
         t1 = time.perf_counter()
         feed_error(self.error, delta, self.run.beta)
         computed = total(self.error)
         scale = float(sum(e.double().abs().sum().item() for e in self.error.values()))
-        payload, _ = compress(
+        payload, recon = compress(
             self.error,
             topk=self.run.topk,
             tile=self.run.tile,
@@ -180,15 +200,26 @@ class Worker:
             node_id=self.node_id,
             base=base,
         )
+        sha256 = hashlib.sha256(payload).hexdigest()
         t2 = time.perf_counter()
         return TrainResult(
-            payload, base, sum(losses) / len(losses), t1 - t0, t2 - t1, computed, scale
+            payload=payload,
+            sha256=sha256,
+            base=base,
+            recon=recon,
+            train_loss=sum(losses) / len(losses),
+            train_s=t1 - t0,
+            encode_s=t2 - t1,
+            computed=computed,
+            scale=scale,
         )
 
-    def _reset_to(self, theta: Mapping[str, torch.Tensor]) -> None:
+    def _reset_to(self, theta: Mapping[str, torch.Tensor], fp: str | None = None) -> None:
+        """Set θ; ``fp`` is its fingerprint when the caller knows it (else computed on demand)."""
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(theta[name])
+        self._fingerprint = fp
 
     def read(self, data: bytes) -> Payload:
         """Validate a peer's payload against this run's model and codec (``PayloadError``)."""
@@ -199,15 +230,20 @@ class Worker:
     def apply(self, payloads: Mapping[str, Payload]) -> None:
         """Steps 7-8: θ -= α · aggregate, in canonical order; then the next round."""
         apply_aggregate(self.params, payloads, alpha=self.run.alpha, clip=self.run.clip)
+        self._fingerprint = None
         self.round += 1
 
-    def return_own(self, payload: bytes) -> None:
-        """Step 9: the node's own payload was not aggregated; put ĉ back into e."""
-        add_back(self.error, decode(payload, self.shapes))
+    def own_recon(self, payload: bytes) -> dict[str, torch.Tensor]:
+        """ĉ of this node's own payload, decoded (only needed when a restart lost it)."""
+        return decode(payload, self.shapes)
 
-    def sent_mass(self, payload: bytes) -> float:
-        """Σ of what a payload carries once decoded (what peers add for this node)."""
-        return total(decode(payload, self.shapes))
+    def return_own(self, recon: Mapping[str, torch.Tensor]) -> None:
+        """Step 9: the node's own payload was not aggregated; put ĉ back into e."""
+        add_back(self.error, recon)
+
+    def sent_mass(self, recon: Mapping[str, torch.Tensor]) -> float:
+        """Σ of what a payload carries (what peers add for this node), from its ĉ."""
+        return total(recon)
 
     def held_mass(self) -> float:
         return total(self.error)
@@ -220,13 +256,15 @@ class Worker:
         first = next(iter(self.params.values()))
         with torch.no_grad():
             first.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+        self._fingerprint = None
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def checkpoint_bytes(self) -> tuple[bytes, str]:
-        """θ as a safetensors file, and its fingerprint."""
+    def checkpoint_bytes(self) -> tuple[bytes, str, str]:
+        """θ as a safetensors file, its sha256 (hex) and θ's fingerprint."""
         params = {n: t.detach().cpu().contiguous() for n, t in self.params.items()}
-        return save_safetensors(params, metadata={"run_id": self.run_id}), fingerprint(params)
+        data = save_safetensors(params, metadata={"run_id": self.run_id})
+        return data, hashlib.sha256(data).hexdigest(), self.fingerprint()
 
     def load_checkpoint(self, data: bytes, *, round_: int, expected: str) -> None:
         """Set θ from a checkpoint file after checking names, shapes and fingerprint.
@@ -246,7 +284,7 @@ class Worker:
             raise CheckpointError(
                 f"checkpoint of round {round_} has fingerprint {actual}, expected {expected}"
             )
-        self._reset_to(tensors)
+        self._reset_to(tensors, actual)
         self.round = round_
 
     def reset_to_initial(self) -> None:

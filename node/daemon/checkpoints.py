@@ -12,16 +12,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import aiohttp
-
 from node.compute.worker import Worker
-from node.daemon.client import CoordinatorClient
-from node.daemon.transfer import TransferTimeouts, get_object, put_object
+from node.daemon.api import CoordinatorApi, Transfers
 from node.errors import CheckpointError, CoordinatorError, RetriesExhausted, TransferError
 from protocol.messages import CheckpointInfo, CheckpointUpload
 
@@ -34,16 +30,9 @@ Compute = Callable[..., Awaitable[Any]]
 class CheckpointSync:
     """Checkpoint traffic for one node; ``compute`` runs CPU work on the node's compute thread."""
 
-    def __init__(
-        self,
-        client: CoordinatorClient,
-        http: aiohttp.ClientSession,
-        timeouts: TransferTimeouts,
-        compute: Compute,
-    ) -> None:
-        self.client = client
-        self.http = http
-        self.timeouts = timeouts
+    def __init__(self, api: CoordinatorApi, transfers: Transfers, compute: Compute) -> None:
+        self.api = api
+        self.transfers = transfers
         self.compute = compute
 
     async def offer(self, worker: Worker) -> CheckpointInfo | None:
@@ -52,20 +41,18 @@ class CheckpointSync:
         r = worker.round
         if not every or r == 0 or r % every:
             return None
-        data, fp = await self.compute(worker.checkpoint_bytes)
-        offer = CheckpointUpload(
-            size=len(data), sha256=hashlib.sha256(data).hexdigest(), fingerprint=fp
-        )
+        data, sha256, fp = await self.compute(worker.checkpoint_bytes)
+        offer = CheckpointUpload(size=len(data), sha256=sha256, fingerprint=fp)
         try:
-            grant = await self.client.checkpoint_grant(r, offer)
+            grant = await self.api.checkpoint_grant(r, offer)
         except CoordinatorError as exc:
             log.info(
                 "event=checkpoint_declined node=%s round=%d why=%s", worker.node_id, r, exc.error
             )
             return None
         try:
-            await put_object(self.http, grant.url, grant.headers, data, timeouts=self.timeouts)
-            info = await self.client.checkpoint_commit(r, offer)
+            await self.transfers.put(grant.url, grant.headers, data)
+            info = await self.api.checkpoint_commit(r, offer)
         except (CoordinatorError, TransferError, RetriesExhausted) as exc:
             log.warning("event=checkpoint_failed node=%s round=%d error=%r", worker.node_id, r, exc)
             return None
@@ -81,14 +68,12 @@ class CheckpointSync:
     async def restore_latest(self, worker: Worker) -> CheckpointInfo | None:
         """Load the newest checkpoint into ``worker``; None (θ untouched) if there is none
         or it fails verification."""
-        view = await self.client.latest_checkpoint()
+        view = await self.api.latest_checkpoint()
         if view is None:
             return None
         info = view.info
         try:
-            data = await get_object(
-                self.http, view.url, size=info.size, sha256=info.sha256, timeouts=self.timeouts
-            )
+            data = await self.transfers.get(view.url, size=info.size, sha256=info.sha256)
             await self.compute(
                 lambda: worker.load_checkpoint(data, round_=info.round, expected=info.fingerprint)
             )

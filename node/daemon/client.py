@@ -1,10 +1,12 @@
-"""The coordinator client: typed calls for every endpoint of ``protocol.messages``.
+"""The coordinator client: ``api.CoordinatorApi`` over HTTP, one typed call per endpoint.
 
-Each call validates its response with the shared pydantic models and retries transient failures
-(connection refused while the coordinator restarts, 5xx, timeouts) with backoff inside a time
-budget. A refusal the coordinator means (401, 404, 409, 422) raises ``CoordinatorError`` at once
-with the coordinator's error code, so the round loop can act on it (``round_closed`` means the
-node missed the round and keeps its contribution).
+Every request is built from the route table in ``protocol.routes`` (method, path, request and
+response models), so no path is typed twice. Each call validates its response with the shared
+pydantic models and retries transient failures (connection refused while the coordinator
+restarts, 5xx, timeouts) with backoff inside a time budget. A refusal the coordinator means
+(401, 404, 409, 422) raises ``CoordinatorError`` at once with the coordinator's error code, so
+the round loop can act on it (``round_closed`` means the node missed the round and keeps its
+contribution).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from pydantic import BaseModel, ValidationError
 from node.daemon.retry import TRANSIENT_STATUS, RetryPolicy, retry
 from node.errors import CoordinatorError, TransientError
 from protocol.messages import (
-    Ack,
     CheckpointInfo,
     CheckpointUpload,
     CheckpointView,
@@ -35,6 +36,7 @@ from protocol.messages import (
     UploadGrant,
     UploadRequest,
 )
+from protocol.routes import ROUTES, Endpoint
 
 log = logging.getLogger("sparseloco.client")
 
@@ -71,15 +73,16 @@ class CoordinatorClient:
 
     async def _call(
         self,
-        method: str,
-        path: str,
-        model: type[M],
+        name: str,
         body: BaseModel | None = None,
         *,
+        round_: int | None = None,
         params: dict[str, str] | None = None,
         extra_wait_s: float = 0.0,
-        accept_202: type[BaseModel] | None = None,
     ) -> BaseModel:
+        """Call endpoint ``name``; the response validated as its model for the status."""
+        ep: Endpoint = ROUTES[name]
+        path = ep.url(round_)
         timeout = aiohttp.ClientTimeout(
             total=self.timeouts.request_s + extra_wait_s, sock_connect=self.timeouts.connect_s
         )
@@ -90,7 +93,7 @@ class CoordinatorClient:
 
         async def attempt() -> BaseModel:
             async with self.session.request(
-                method,
+                ep.method,
                 self.base_url + path,
                 data=data,
                 headers=headers,
@@ -99,7 +102,7 @@ class CoordinatorClient:
             ) as resp:
                 raw = await resp.read()
                 if resp.status in TRANSIENT_STATUS:
-                    raise TransientError(f"{method} {path}: HTTP {resp.status}")
+                    raise TransientError(f"{ep.method} {path}: HTTP {resp.status}")
                 if resp.status >= 400:
                     try:
                         err = ErrorBody.model_validate_json(raw)
@@ -108,82 +111,76 @@ class CoordinatorClient:
                         raise CoordinatorError(
                             resp.status, "http", raw[:200].decode("utf-8", "replace")
                         ) from None
-                target: type[BaseModel] = model
-                if resp.status == 202 and accept_202 is not None:
-                    target = accept_202
+                model = ep.responses.get(resp.status)
+                if model is None:
+                    raise CoordinatorError(
+                        resp.status, "bad_response", f"{ep.method} {path}: unexpected status"
+                    )
                 try:
-                    return target.model_validate_json(raw)
+                    return model.model_validate_json(raw)
                 except ValidationError as exc:
                     raise CoordinatorError(
-                        resp.status, "bad_response", f"{method} {path}: {exc}"
+                        resp.status, "bad_response", f"{ep.method} {path}: {exc}"
                     ) from exc
 
-        return await retry(attempt, policy=self.policy, what=f"{method} {path}")
+        return await retry(attempt, policy=self.policy, what=f"{ep.method} {path}")
 
     async def join(self, client: str = "") -> JoinResponse:
-        out = await self._call("POST", "/v1/join", JoinResponse, JoinRequest(client=client))
-        return JoinResponse.model_validate(out)
+        return _as(JoinResponse, await self._call("join", JoinRequest(client=client)))
 
     async def heartbeat(self) -> RoundView:
-        return RoundView.model_validate(await self._call("POST", "/v1/heartbeat", RoundView))
+        return _as(RoundView, await self._call("heartbeat"))
 
     async def leave(self) -> None:
-        await self._call("POST", "/v1/leave", Ack)
+        await self._call("leave")
 
     async def round(self) -> RoundView:
-        return RoundView.model_validate(await self._call("GET", "/v1/round", RoundView))
+        return _as(RoundView, await self._call("round"))
 
     async def upload_grant(self, round_: int, size: int, sha256: str) -> UploadGrant:
-        out = await self._call(
-            "POST",
-            f"/v1/rounds/{round_}/upload",
-            UploadGrant,
-            UploadRequest(size=size, sha256=sha256),
-        )
-        return UploadGrant.model_validate(out)
+        out = await self._call("upload", UploadRequest(size=size, sha256=sha256), round_=round_)
+        return _as(UploadGrant, out)
 
     async def submit(self, round_: int, request: SubmitRequest) -> SubmitResponse:
-        out = await self._call("POST", f"/v1/rounds/{round_}/submit", SubmitResponse, request)
-        return SubmitResponse.model_validate(out)
+        return _as(SubmitResponse, await self._call("submit", request, round_=round_))
 
     async def manifest(self, round_: int) -> ManifestView | RoundView:
         """The closed round's manifest, or the round's view if it is still open after a wait."""
         wait = self.timeouts.manifest_wait_s
         out = await self._call(
-            "GET",
-            f"/v1/rounds/{round_}/manifest",
-            ManifestView,
-            params={"wait": f"{wait:g}"},
-            extra_wait_s=wait,
-            accept_202=RoundView,
+            "manifest", round_=round_, params={"wait": f"{wait:g}"}, extra_wait_s=wait
         )
         if isinstance(out, ManifestView | RoundView):
             return out
         raise TypeError(f"unexpected response type {type(out).__name__}")
 
     async def report(self, round_: int, report: RoundReport) -> None:
-        await self._call("POST", f"/v1/rounds/{round_}/report", Ack, report)
+        await self._call("report", report, round_=round_)
 
     async def checkpoint_grant(self, round_: int, offer: CheckpointUpload) -> UploadGrant:
         """A presigned PUT for θ_round as a checkpoint; ``CoordinatorError`` ``not_needed``."""
-        out = await self._call("POST", f"/v1/checkpoints/{round_}/upload", UploadGrant, offer)
-        return UploadGrant.model_validate(out)
+        return _as(UploadGrant, await self._call("checkpoint_upload", offer, round_=round_))
 
     async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo:
-        out = await self._call("POST", f"/v1/checkpoints/{round_}/commit", CheckpointInfo, offer)
-        return CheckpointInfo.model_validate(out)
+        return _as(CheckpointInfo, await self._call("checkpoint_commit", offer, round_=round_))
 
     async def latest_checkpoint(self) -> CheckpointView | None:
         """The newest accepted checkpoint with a presigned GET, or None if there is none."""
         try:
-            out = await self._call("GET", "/v1/checkpoints/latest", CheckpointView)
+            out = await self._call("checkpoint_latest")
         except CoordinatorError as exc:
             if exc.status == 404:  # no_checkpoint (or a coordinator without checkpoints)
                 return None
             raise
-        return CheckpointView.model_validate(out)
+        return _as(CheckpointView, out)
 
     async def status(self, rounds: int | None = None) -> StatusView:
         params = {"rounds": str(rounds)} if rounds is not None else None
-        out = await self._call("GET", "/v1/status", StatusView, params=params)
-        return StatusView.model_validate(out)
+        return _as(StatusView, await self._call("status", params=params))
+
+
+def _as(model: type[M], value: BaseModel) -> M:
+    """``value`` as ``model`` (what the route table promised for the status it came with)."""
+    if not isinstance(value, model):
+        raise CoordinatorError(0, "bad_response", f"expected {model.__name__}")
+    return value

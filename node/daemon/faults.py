@@ -15,7 +15,9 @@ Unset (the normal case) means no faults and no cost. Actions:
   silently diverged).
 
 A fault fires at most once per process; the chaos runner restarts a crashed node without the
-variable. Tests only: nothing in a real deployment sets it.
+variable. Tests only: nothing in a real deployment sets it. In-process unit tests of the daemon
+build ``Faults`` directly with another ``die`` (raising instead of exiting), which leaves the
+state directory exactly as a ``kill -9`` at that point would.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.errors import ConfigError
@@ -36,11 +39,19 @@ _ENTRY = re.compile(
 )
 
 
+def kill9() -> None:
+    """End the process at once, as ``kill -9`` would: nothing flushed, no cleanup run."""
+    logging.shutdown()
+    os._exit(137)
+
+
 @dataclass
 class Faults:
     crash: dict[int, str] = field(default_factory=dict)
     slow: dict[int, float] = field(default_factory=dict)
     corrupt: set[int] = field(default_factory=set)
+    #: What a crash point does when it fires.
+    die: Callable[[], None] = kill9
 
     @classmethod
     def parse(cls, text: str | None) -> Faults:
@@ -71,9 +82,9 @@ class Faults:
     def crash_point(self, round_: int, point: str) -> None:
         """Die like ``kill -9`` if a crash was asked for here."""
         if self.crash.get(round_) == point:
+            del self.crash[round_]
             log.warning("event=fault_crash round=%d point=%s", round_, point)
-            logging.shutdown()
-            os._exit(137)
+            self.die()
 
     def slow_for(self, round_: int) -> float:
         return self.slow.pop(round_, 0.0)

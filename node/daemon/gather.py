@@ -1,24 +1,26 @@
-"""A closed round's gather set, from the node's side: verify, fetch, validate.
+"""A closed round's gather set, from the node's side: fetch and validate.
 
 - ``fetch_gather``: every gathered payload through its presigned GET, in parallel, sizes and
-  sha256 checked; the node's own payload is taken from memory when the digest matches.
+  sha256 checked; the node's own payload is taken from memory when its digest (computed once,
+  when it was made) matches the manifest's.
 - ``decode_gather``: each payload validated against the run's model and codec, and its header
   against the manifest (run, round, node).
 
+The manifest's signature is checked before either runs (``protocol.signing.verify_manifest``).
 What is left out is left out by *every* honest node alike: a payload whose stored bytes do not
 match the manifest (all nodes read the same bytes) or that fails validation. A transfer that
-fails only here raises instead, so this node never applies an aggregate its peers did not.
+fails only here raises instead, so this node never applies an aggregate its peers did not; the
+downloads run in one ``asyncio.TaskGroup``, so the first failure cancels its siblings and the
+caller can start over with fresh URLs at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-
-import aiohttp
+from collections.abc import Mapping
 
 from node.compute.worker import Worker, check_payload_header
-from node.daemon.transfer import TransferTimeouts, get_object
+from node.daemon.api import Transfers
 from node.errors import DigestError
 from protocol.codec import Payload
 from protocol.errors import ManifestError, PayloadError
@@ -26,40 +28,48 @@ from protocol.messages import Manifest, ManifestView
 
 
 async def fetch_gather(
-    http: aiohttp.ClientSession,
+    transfers: Transfers,
     view: ManifestView,
     manifest: Manifest,
     *,
     own: bytes | None,
+    own_sha256: str | None,
     own_id: str,
     parallel: int,
-    timeouts: TransferTimeouts,
 ) -> tuple[dict[str, bytes], dict[str, str]]:
-    """Payload bytes by node id, and the nodes left out with the reason (bad digest only)."""
+    """Payload bytes by node id, and the nodes left out with the reason (bad digest only).
+
+    Raises the first transfer failure (after the transfer's own retries), every other download
+    cancelled; ``ManifestError`` if a gathered node has no URL.
+    """
     gate = asyncio.Semaphore(parallel)
     blobs: dict[str, bytes] = {}
     rejected: dict[str, str] = {}
 
     async def fetch(node: str, size: int, sha: str) -> None:
-        if node == own_id and own and hashlib.sha256(own).hexdigest() == sha:
+        if node == own_id and own is not None and own_sha256 == sha:
             blobs[node] = own
             return
         if node not in view.urls:
             raise ManifestError(f"round {manifest.round}: no download URL for {node}")
         async with gate:
             try:
-                blobs[node] = await get_object(
-                    http, view.urls[node], size=size, sha256=sha, timeouts=timeouts
-                )
+                blobs[node] = await transfers.get(view.urls[node], size=size, sha256=sha)
             except DigestError as exc:
                 rejected[node] = f"bad digest: {exc}"
 
-    await asyncio.gather(*(fetch(e.node_id, e.size, e.sha256) for e in manifest.gather))
+    try:
+        async with asyncio.TaskGroup() as group:
+            for entry in manifest.gather:
+                group.create_task(fetch(entry.node_id, entry.size, entry.sha256))
+    except BaseExceptionGroup as failed:
+        # One failure is the answer (the others were cancelled because of it).
+        raise failed.exceptions[0] from None
     return blobs, rejected
 
 
 def decode_gather(
-    worker: Worker, blobs: dict[str, bytes], round_: int
+    worker: Worker, blobs: Mapping[str, bytes], round_: int
 ) -> tuple[dict[str, Payload], dict[str, str]]:
     """Validated payloads by node id, and the ones that failed validation with the reason."""
     payloads: dict[str, Payload] = {}

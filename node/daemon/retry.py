@@ -4,6 +4,7 @@ Every network call of the node goes through ``retry``: a connection refused whil
 restarts, a 503 from a throttled object store or a read timeout costs a few attempts, not the
 round. Anything not classified as transient (a 4xx, a bad digest) fails at once. Each attempt
 has its own named timeout set by the caller; ``RetryPolicy.budget_s`` bounds the whole operation.
+A ``RetriesExhausted`` from a nested retry passes through at once: the budgets never multiply.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ async def retry(
     while True:
         try:
             return await op()
+        except RetriesExhausted:
+            raise  # an inner retry already spent its budget: never multiply the attempts
         except transient as exc:
             attempt += 1
             elapsed = time.monotonic() - start

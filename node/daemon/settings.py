@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from protocol.errors import ConfigError
+from protocol.errors import Problem, config_error
 
 
 class NodeSettings(BaseSettings):
@@ -52,10 +52,11 @@ def load_settings(**flags: Any) -> NodeSettings:
     try:
         return NodeSettings(**given)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            name = "-".join(str(p) for p in err["loc"]).replace("_", "-")
-            env = "SPARSELOCO_NODE_" + name.replace("-", "_").upper()
-            message = err["msg"].removeprefix("Value error, ")
-            problems.append(f"--{name} (or {env}): {message}")
-        raise ConfigError("; ".join(problems)) from exc
+        raise config_error(exc, _flag_or_env) from exc
+
+
+def _flag_or_env(problem: Problem) -> str:
+    """``--state-dir (or SPARSELOCO_NODE_STATE_DIR): <message>``."""
+    name = "-".join(str(p) for p in problem.loc).replace("_", "-")
+    env = "SPARSELOCO_NODE_" + name.replace("-", "_").upper()
+    return f"--{name} (or {env}): {problem.message}"

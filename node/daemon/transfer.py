@@ -10,18 +10,19 @@ set; this module moves the bytes with aiohttp:
 - ``get_object`` downloads and checks size and sha256. Objects larger than ``part_size`` are
   fetched as parallel ranged GETs; a digest mismatch is a ``DigestError`` and is not retried
   (every honest node would see the same bytes).
+- ``HttpTransfers`` is the daemon's ``api.Transfers`` seam over both, bound to one session and
+  its timeouts.
 
-Errors::
-
-    TransferError
-    ├── DigestError        the bytes do not match the manifest's size or sha256
-    └── (retry.TransientError / RetriesExhausted for 5xx, 429 and dropped connections)
+Errors (``node.errors``): ``TransferError`` for a failure a retry will not fix (its ``status``
+says which), ``DigestError`` for bytes that do not match, ``RetriesExhausted`` once 5xx, 429 and
+dropped connections used up their attempts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -83,7 +84,7 @@ def _check_status(status: int, body: bytes, what: str) -> None:
 async def put_object(
     session: aiohttp.ClientSession,
     url: str,
-    headers: dict[str, str],
+    headers: Mapping[str, str],
     data: bytes,
     *,
     timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
@@ -93,7 +94,7 @@ async def put_object(
 
     async def attempt() -> bool:
         async with session.put(
-            _signed(url), data=data, headers=headers, timeout=timeouts.client_timeout()
+            _signed(url), data=data, headers=dict(headers), timeout=timeouts.client_timeout()
         ) as resp:
             body = await resp.read()
             if resp.status == 412:
@@ -164,3 +165,27 @@ async def get_object(
     if actual != sha256:
         raise DigestError(f"download: sha256 {actual[:16]}... does not match {sha256[:16]}...")
     return data
+
+
+class HttpTransfers:
+    """``api.Transfers`` with aiohttp: one session, named timeouts, bounded retries."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
+        policy: RetryPolicy = DEFAULT_POLICY,
+    ) -> None:
+        self.session = session
+        self.timeouts = timeouts
+        self.policy = policy
+
+    async def put(self, url: str, headers: Mapping[str, str], data: bytes) -> bool:
+        return await put_object(
+            self.session, url, headers, data, timeouts=self.timeouts, policy=self.policy
+        )
+
+    async def get(self, url: str, *, size: int, sha256: str) -> bytes:
+        return await get_object(
+            self.session, url, size=size, sha256=sha256, timeouts=self.timeouts, policy=self.policy
+        )

@@ -22,15 +22,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from node.compute.data import ByteCorpus, load_corpus
 from node.compute.model import GPT, build_model, count_parameters, evaluate, get_preset
 from node.compute.optim import InnerOptimConfig, inner_step, make_adamw
 from node.compute.outer import apply_aggregate, compress, feed_error, pseudo_gradient
+from node.compute.presets import get_run_preset
 from protocol.codec import read_payload
-from protocol.errors import ConfigError
+from protocol.errors import Problem, config_error
 from protocol.fingerprint import fingerprint
+from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.simulate")
 
@@ -39,61 +41,50 @@ Algo = Literal["sparseloco", "diloco", "ddp"]
 #: Inner learning rates by algorithm (DESIGN.md: 1e-3 SparseLoCo, 8e-4 DiLoCo, 3e-3-class DDP).
 DEFAULT_INNER_LR: dict[str, float] = {"sparseloco": 1e-3, "diloco": 8e-4, "ddp": 3e-3}
 
-#: Run presets: defaults for everything but the algorithm; explicit options override them.
-RUN_PRESETS: dict[str, dict[str, Any]] = {
-    # A few seconds: for tests and smoke checks.
-    "tiny": {"model": "tiny", "workers": 2, "inner_steps": 5, "rounds": 3, "batch_size": 4},
-    # The CPU quality benchmark: ~0.44M parameters, 4 workers, H=30, k=64.
-    "bench": {"model": "small", "workers": 4, "inner_steps": 30, "rounds": 30, "batch_size": 12},
-}
 
+class SimConfig(RunConfig):
+    """Everything that determines a simulation; written into the result JSON.
 
-class SimConfig(BaseModel):
-    """Everything that determines a simulation; written into the result JSON."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    The run's own fields (model, H, rounds, batch, codec, outer and inner optimiser) are
+    ``RunConfig``'s, with the same validation as a networked run; only what a simulation adds is
+    declared here. Two defaults differ from a networked run's: the ``small`` model with batches
+    of 12, the scale the CPU comparisons are made at. An absent ``inner_lr`` takes the
+    algorithm's (``DEFAULT_INNER_LR``).
+    """
 
     algo: Algo
-    model: str = "small"
-    workers: int = Field(4, ge=1)
-    inner_steps: int = Field(30, ge=1)
-    rounds: int = Field(20, ge=1)
+    model: str = Field("small", min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")
     batch_size: int = Field(12, ge=1)
+    workers: int = Field(4, ge=1)
     data: str | None = None
-    seed: int = 0
-    # SparseLoCo
-    topk: int = Field(64, ge=1)
-    tile: int = Field(64, ge=1)
-    beta: float = Field(0.95, ge=0.0, le=1.0)
-    alpha: float = Field(1.0, gt=0.0)
-    clip: bool = True
     # DiLoCo outer optimiser
     outer_lr: float = Field(0.7, gt=0.0)
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    # Inner optimiser; None takes the algorithm's default.
-    inner_lr: float | None = Field(None, gt=0.0)
-    warmup_frac: float = Field(0.05, ge=0.0, le=1.0)
     # Evaluation
     eval_batches: int = Field(16, ge=1)
     eval_batch_size: int = Field(16, ge=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_lr(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("inner_lr") is None:
+            values = {k: v for k, v in values.items() if k != "inner_lr"}
+            if values.get("algo") in DEFAULT_INNER_LR:
+                values["inner_lr"] = DEFAULT_INNER_LR[values["algo"]]
+        return values
+
     @model_validator(mode="after")
-    def _check(self) -> SimConfig:
+    def _check_model(self) -> SimConfig:
         get_preset(self.model)  # raises ValueError listing the valid names
-        if self.topk > self.tile * self.tile:
-            raise ValueError(f"topk={self.topk} exceeds tile**2={self.tile**2}; lower --topk")
         return self
 
     @property
     def resolved_inner_lr(self) -> float:
-        return self.inner_lr if self.inner_lr is not None else DEFAULT_INNER_LR[self.algo]
+        return self.inner_lr
 
     def inner_optim(self) -> InnerOptimConfig:
-        total = self.rounds * self.inner_steps
         return InnerOptimConfig(
-            lr=self.resolved_inner_lr,
-            warmup_steps=min(total, max(1, round(self.warmup_frac * total))),
-            total_steps=total,
+            lr=self.inner_lr, warmup_steps=self.warmup_steps, total_steps=self.total_inner_steps
         )
 
 
@@ -101,19 +92,18 @@ def build_config(preset: str | None, **options: Any) -> SimConfig:
     """A ``SimConfig`` from a run preset plus explicit options (``None`` values are ignored)."""
     values: dict[str, Any] = {}
     if preset is not None:
-        if preset not in RUN_PRESETS:
-            raise ConfigError(f"unknown --preset {preset!r}; choose one of {sorted(RUN_PRESETS)}")
-        values.update(RUN_PRESETS[preset])
+        values.update(get_run_preset(preset).values())
     values.update({k: v for k, v in options.items() if v is not None})
     try:
         return SimConfig(**values)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
-            message = err["msg"].removeprefix("Value error, ")
-            problems.append(f"{flag}: {message}" if err["loc"] else message)
-        raise ConfigError("; ".join(problems)) from exc
+        raise config_error(exc, _flag) from exc
+
+
+def _flag(problem: Problem) -> str:
+    if not problem.loc:
+        return problem.message
+    return "--" + "-".join(str(p) for p in problem.loc).replace("_", "-") + f": {problem.message}"
 
 
 class Simulation:

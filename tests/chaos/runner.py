@@ -1,6 +1,6 @@
 """Run a chaos scenario against a local cluster of real processes and check every closed round.
 
-``run_scenario`` starts the coordinator and the nodes (``tests/cluster.py``), then polls the
+``run_scenario`` starts the coordinator and the nodes (``support.cluster``), then polls the
 coordinator's status: each step fires once its round is open or closed there, never after a
 sleep. On every poll it also reaps processes: a node that died from its own armed crash fault
 (exit 137) is restarted without faults, as a supervisor would; any other unexpected exit is a
@@ -9,15 +9,14 @@ gets its manifest checked in the bucket at once, before retention may prune it; 
 reports (agreement, mass) run on every poll and once more at the end; checkpoints, retention and
 the loss against the fault-free baseline at the end.
 
-The result is a JSON-ready dict (see ``ScenarioResult``), written to the test's tmp dir and,
-when ``CHAOS_RESULTS`` is set, to that file (or ``{name}.json`` in that directory).
+The result is a JSON-ready dict (built in ``ScenarioRunner._finish``, with the fault list and
+recovery from ``results``), written to the test's tmp dir and, when ``CHAOS_RESULTS`` is set, to
+that file (or ``{name}.json`` in that directory).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import signal
 import time
 import urllib.error
@@ -25,11 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster import Cluster
-
 from node.cluster.seaweed import EmbeddedStore
 from protocol.keys import manifest_key
 from protocol.messages import MemberState, RoundState, StatusView
+from support.cluster import Cluster
 
 from .invariants import (
     Bucket,
@@ -44,15 +42,13 @@ from .invariants import (
     closed,
     reference_fingerprint,
 )
-from .scenario import Scenario, Step, fault_entries
-from .table import render_markdown
+from .results import check_recovery, compare_to_baseline, fault_list, recovery, write_results
+from .scenario import Scenario, Step
 
 POLL_S = 0.1
 #: A node may die unexpectedly this many times before the scenario gives up on it.
 MAX_UNEXPECTED_RESTARTS = 3
 CRASH_EXIT = 137
-#: Steps that undo a fault rather than inject one.
-RECOVERIES = frozenset({"restart_node", "restart_coordinator"})
 
 
 @dataclass
@@ -168,7 +164,7 @@ class ScenarioRunner:
             self.pending = _Pending(step, time.monotonic(), sizes)
         elif step.action == "pause_node":
             assert name is not None
-            os.kill(self.cluster.nodes[name].popen.pid, signal.SIGSTOP)
+            self.cluster.nodes[name].send_signal(signal.SIGSTOP)
             self.pending = _Pending(step, time.monotonic())
 
     def _settle(self) -> None:
@@ -194,7 +190,7 @@ class ScenarioRunner:
             )
             if not gone and held < p.step.max_s:
                 return
-            os.kill(self.cluster.nodes[name].popen.pid, signal.SIGCONT)
+            self.cluster.nodes[name].send_signal(signal.SIGCONT)
             self._event("resumed", name, held_s=round(held, 1), timed_out=gone)
             if not gone:
                 self.failures.add(
@@ -279,9 +275,9 @@ class ScenarioRunner:
             return self._finish(final)
         finally:
             if self.pending is not None and self.pending.step.action == "pause_node":
-                name = self.pending.step.target
-                if name and self.cluster.nodes[name].poll() is None:
-                    os.kill(self.cluster.nodes[name].popen.pid, signal.SIGCONT)
+                paused = self.pending.step.target
+                if paused and self.cluster.nodes[paused].poll() is None:
+                    self.cluster.nodes[paused].send_signal(signal.SIGCONT)
             self.cluster.stop()
 
     def _done(self, steps: list[Step]) -> bool:
@@ -296,7 +292,7 @@ class ScenarioRunner:
         self.failures.update(check_close_logs(logs))
         self.failures.update(check_checkpoint(s, self.bucket, self.cluster.prefix))
         self.failures.update(check_retention(s, self.bucket, self.cluster.prefix))
-        self.failures.update(self._check_recovery(s))
+        self.failures.update(check_recovery(self.sc, s))
         done = closed(s)
         last = done[-1] if done else None
         ref = reference_fingerprint(s, last.round) if last else None
@@ -310,82 +306,18 @@ class ScenarioRunner:
             "nodes": self.sc.nodes,
             "rounds": self.sc.run.rounds,
             "run": self.sc.run.model_dump(mode="json"),
-            "faults": self._fault_list(),
+            "faults": fault_list(self.sc),
             "events": self.events,
             "rounds_closed": len(done),
             "agreement": records,
             "gather": {r.round: r.gather for r in done},
             "excluded": {r.round: r.excluded for r in done if r.excluded},
-            "recovery": self._recovery(s),
+            "recovery": recovery(self.sc, s),
             "checkpoint": s.checkpoint.model_dump(mode="json") if s.checkpoint else None,
             "final_eval_loss": sum(losses) / len(losses) if losses else None,
             "failures": [str(f) for f in sorted(self.failures)],
             "wall_s": round(time.monotonic() - self.t0, 1),
         }
-
-    def _fault_list(self) -> list[dict[str, Any]]:
-        """Every fault injected (restarts are recoveries, listed under ``events`` only)."""
-        out = [
-            {"round": s.round, "when": s.when, "action": s.action, "target": s.target}
-            for s in self.sc.steps
-            if s.action not in RECOVERIES
-        ]
-        armed = [(n, t) for n, t in self.sc.faults.items()]
-        armed += [(s.target, s.faults) for s in self.sc.steps if s.faults and s.target]
-        for node, text in armed:
-            for action, r in fault_entries(text):
-                out.append({"round": r, "when": "in", "action": action, "target": node})
-        return sorted(out, key=lambda f: (f["round"], f["action"]))
-
-    def _faulted(self) -> list[tuple[str, int, str]]:
-        """(node, round, what) for every fault that takes a node out of a round."""
-        out = []
-        for f in self._fault_list():
-            if f["target"]:
-                out.append((f["target"], f["round"], f["action"]))
-        return out
-
-    def _recovery(self, s: StatusView) -> list[dict[str, Any]]:
-        """Per faulted node: the first later round it is in a gather set again."""
-        done = closed(s)
-        out = []
-        for node, r, what in self._faulted():
-            back = next((x.round for x in done if x.round > r and node in x.gather), None)
-            out.append(
-                {
-                    "node": node,
-                    "fault": what,
-                    "round": r,
-                    "back_in_gather": back,
-                    "rounds_to_recover": None if back is None else back - r,
-                }
-            )
-        return out
-
-    def _check_recovery(self, s: StatusView) -> list[Failure]:
-        last = max((r.round for r in closed(s)), default=-1)
-        out = []
-        for rec in self._recovery(s):
-            if rec["fault"] == "start_node":
-                continue  # a joiner's first rounds go to starting up and catching up
-            if rec["back_in_gather"] is None and rec["round"] + self.sc.recover_within < last:
-                out.append(
-                    Failure(
-                        "recovery",
-                        rec["round"],
-                        f"{rec['node']} ({rec['fault']}) never back in a gather set",
-                    )
-                )
-            elif rec["rounds_to_recover"] and rec["rounds_to_recover"] > self.sc.recover_within:
-                out.append(
-                    Failure(
-                        "recovery",
-                        rec["round"],
-                        f"{rec['node']} ({rec['fault']}) took {rec['rounds_to_recover']}"
-                        f" rounds to be gathered again (> {self.sc.recover_within})",
-                    )
-                )
-        return out
 
 
 def _size(path: Path) -> int:
@@ -406,41 +338,6 @@ def run_scenario(scenario: Scenario, tmp_path: Path, store: EmbeddedStore) -> di
         return ScenarioRunner(scenario, root, own).run()
     finally:
         own.stop()
-
-
-def compare_to_baseline(result: dict[str, Any], baseline: dict[str, Any], tol: float) -> None:
-    """Add the baseline's loss to ``result`` and (e) a failure when they differ by over ``tol``."""
-    mine, base = result["final_eval_loss"], baseline["final_eval_loss"]
-    result["baseline_eval_loss"] = base
-    result["baseline_wall_s"] = baseline["wall_s"]
-    result["baseline_failures"] = baseline["failures"]
-    if mine is None or base is None:
-        result["loss_rel_diff"] = None
-        result["failures"].append("[e] run: no final eval loss to compare")
-        return
-    rel = abs(mine - base) / abs(base)
-    result["loss_rel_diff"] = rel
-    if rel > tol:
-        result["failures"].append(
-            f"[e] run: final eval loss {mine:.4f} vs fault-free {base:.4f} ({rel:.1%} > {tol:.0%})"
-        )
-
-
-def write_results(result: dict[str, Any], tmp_path: Path) -> Path:
-    """The result as JSON in ``tmp_path`` and, with ``CHAOS_RESULTS`` set, there too."""
-    text = json.dumps(result, indent=2, sort_keys=True, default=str)
-    path = tmp_path / f"{result['scenario']}.json"
-    path.write_text(text)
-    target = os.environ.get("CHAOS_RESULTS")
-    if target:
-        out = Path(target)
-        if out.suffix != ".json":
-            out.mkdir(parents=True, exist_ok=True)
-            out = out / path.name
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-    (tmp_path / f"{result['scenario']}.md").write_text(render_markdown([result]))
-    return path
 
 
 def chaos_test(scenario: Scenario, tmp_path: Path, store: EmbeddedStore) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from typing import Any
 
 import msgpack
 import pytest
-import reference_codec as ref
 import torch
 import zstandard
 from hypothesis import HealthCheck, settings
@@ -19,6 +18,7 @@ from hypothesis import HealthCheck, settings
 from protocol.codec import decode, encode, read_payload
 from protocol.envelope import wrap_body
 from protocol.errors import PayloadError
+from support import reference_codec as ref
 
 # A small model: "a" has 6 tiles of 4x4 keeping 4 each (24 kept, codes padded to 6 bytes),
 # "b" 5 tiles of 2 keeping 1 (5 kept: the last codes byte has padding), "c" is a scalar.
@@ -44,23 +44,35 @@ BIG, _ = encode(
 
 
 def reject(data: Any, model: dict = MODEL, **kwargs: Any) -> PayloadError:
-    """Decode ``data`` both ways; both must raise PayloadError; returns the error."""
+    """Decode ``data`` every way (eager, lazy as the node reads, dense); each must raise
+    PayloadError, the lazy check naming the same field as the eager decode; returns the error."""
     with pytest.raises(PayloadError) as err:
         read_payload(data, model, **kwargs)
     assert isinstance(err.value, ValueError)
     assert isinstance(err.value.field, str) and err.value.field
+    with pytest.raises(PayloadError) as lazy:
+        read_payload(data, model, lazy=True, **kwargs)
+    assert lazy.value.field == err.value.field
     with pytest.raises(PayloadError):
         decode(data, model)
     return err.value
 
 
 def check_valid_or_rejected(data: bytes, model: dict = MODEL) -> None:
-    """``data`` either raises PayloadError or decodes to a self-consistent payload."""
+    """``data`` either raises PayloadError or decodes to a self-consistent payload; the lazy
+    check (the node's path) reaches the same verdict, naming the same field."""
+    try:
+        read_payload(data, model, lazy=True)
+        lazy_field = None
+    except PayloadError as err:
+        lazy_field = err.field
     try:
         payload = read_payload(data, model)
     except PayloadError as err:
         assert isinstance(err.field, str) and err.field
+        assert lazy_field == err.field
         return
+    assert lazy_field is None
     assert list(payload.tensors) == sorted(model)
     for name, t in payload.tensors.items():
         geo = t.geometry

@@ -19,8 +19,9 @@ from urllib.parse import urlparse
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
+from node.cluster.process import Process
 from node.cluster.seaweed import EmbeddedStore
-from node.cluster.up import Process, coordinator_toml, fetch_status, start_coordinator, start_node
+from node.cluster.up import coordinator_toml, fetch_status, start_coordinator, start_node
 from protocol.messages import RoundState, StatusView
 from protocol.runconfig import RunConfig
 from protocol.signing import public_key_hex

@@ -96,7 +96,7 @@ class RefGeometry:
 
     def tile_flat_indices(self) -> list[list[int]]:
         """For each tile (row-major over the grid), the row-major flat index of each position."""
-        out = []
+        out: list[list[int]] = []
         if self.n_tiles == 0:
             return out
         for ti in range(self.rows // self.h):
@@ -181,7 +181,9 @@ def encode_tensor(x: torch.Tensor, *, topk: int, tile: int) -> RefEncoded:
     """Reference compression of one tensor (plain loops; small tensors only)."""
     g = geometry(tuple(x.shape), topk=topk, tile=tile)
     flat = [float(v) for v in x.detach().to(torch.float32).reshape(-1).tolist()]
-    positions, values, flat_kept = [], [], []
+    positions: list[list[int]] = []
+    values: list[float] = []
+    flat_kept: list[int] = []
     for idx in g.tile_flat_indices():
         tile_vals = [flat[i] for i in idx]
         pos = top_k_positions(tile_vals, g.k)

@@ -1,0 +1,250 @@
+"""The coordinator's route handlers, and the table that names them for ``protocol.routes``.
+
+Handlers are thin: they authenticate the bearer token, validate the body with the wire models of
+``protocol.messages``, call the ``RoundMachine`` or the ``CheckpointBook`` (which commit before
+we answer), and let ``coordinator.handling`` map every failure to an ``ErrorBody``. The object
+store calls (presigning, HEAD checks) happen here, around the synchronous state changes.
+``HANDLERS`` has one entry per endpoint name; ``coordinator.app`` registers them by that name.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from coordinator.errors import ApiError, Conflict
+from coordinator.handling import Handler, node_of, ok, query_number, read_body, round_of
+from coordinator.metrics import CONTENT_TYPE
+from coordinator.openapi import openapi_document
+from coordinator.service import COORDINATOR, Coordinator
+from coordinator.status import build_status
+from coordinator.storage import ObjectInfo, sha256_b64
+from protocol.keys import payload_key
+from protocol.messages import (
+    Ack,
+    CheckpointUpload,
+    CheckpointView,
+    JoinRequest,
+    JoinResponse,
+    ManifestView,
+    RoundReport,
+    SubmitRequest,
+    UploadGrant,
+    UploadRequest,
+)
+
+log = logging.getLogger("sparseloco.coordinator.app")
+
+
+def _matches(info: ObjectInfo | None, size: int, sha256: str) -> bool:
+    """Whether a stored object has this size and (if the store keeps one) this checksum."""
+    return (
+        info is not None
+        and info.size == size
+        and (info.sha256_b64 is None or info.sha256_b64 == sha256_b64(sha256))
+    )
+
+
+def _grant(coord: Coordinator, key: str, size: int, sha256: str) -> UploadGrant:
+    """A presigned write-once PUT of ``size`` bytes hashing to ``sha256`` at ``key``."""
+    url, headers = coord.store.presign_put(key, size, sha256)
+    expires = float(coord.config.server.presign_expiry_s)
+    return UploadGrant(key=key, url=url, headers=headers, expires_in_s=expires)
+
+
+def _check_size(coord: Coordinator, size: int) -> None:
+    limit = coord.config.storage.max_payload_bytes
+    if size > limit:
+        raise ApiError(413, "too_large", f"size {size} exceeds the run's limit {limit}", "size")
+
+
+def _payload_key(coord: Coordinator, node_id: str, round_: int) -> str:
+    """The key of ``node_id``'s payload for ``round_``, once the round state allows it."""
+    coord.machine.check_submittable(node_id, round_)
+    return payload_key(coord.config.storage.prefix, coord.machine.run_id, round_, node_id)
+
+
+async def join(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    req = await read_body(request, JoinRequest)
+    slot = coord.machine.join(node_id, req.client)
+    timing = coord.config.run.timing
+    return ok(
+        JoinResponse(
+            node_id=node_id,
+            run_id=coord.machine.run_id,
+            run=coord.config.run,
+            slot=slot,
+            manifest_public_key=coord.signer.public_key_hex,
+            heartbeat_interval_s=timing.heartbeat_timeout_s / 4,
+            round=coord.machine.round_view(node_id),
+        )
+    )
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    return ok(request.app[COORDINATOR].machine.heartbeat(node_of(request)))
+
+
+async def leave(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    coord.after_close(coord.machine.leave(node_of(request)))
+    return ok(Ack())
+
+
+async def current_round(request: web.Request) -> web.Response:
+    return ok(request.app[COORDINATOR].machine.round_view(node_of(request)))
+
+
+async def upload(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    round_ = round_of(request)
+    req = await read_body(request, UploadRequest)
+    _check_size(coord, req.size)
+    key = _payload_key(coord, node_id, round_)
+    log.info("event=upload_granted round=%d node=%s size=%d", round_, node_id, req.size)
+    return ok(_grant(coord, key, req.size, req.sha256))
+
+
+async def submit(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    round_ = round_of(request)
+    req = await read_body(request, SubmitRequest)
+    _check_size(coord, req.size)
+    prior = coord.machine.previous_submission(node_id, round_, req)
+    if prior is not None:
+        return ok(prior)
+    key = _payload_key(coord, node_id, round_)
+    digest_ok = _matches(await coord.store.head(key), req.size, req.sha256)
+    resp, closed = coord.machine.submit(node_id, round_, req, digest_ok)
+    coord.metrics.submissions.labels(result=resp.reason or "accepted").inc()
+    coord.after_close(closed)
+    return ok(resp)
+
+
+async def manifest(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    round_ = round_of(request)
+    server = coord.config.server
+    wait = min(query_number(request, "wait", 0.0, 1e9), server.manifest_wait_max_s)
+    signed = coord.machine.manifest(round_)
+    if signed is None:
+        await coord.wait_closed(round_, wait)
+        signed = coord.machine.manifest(round_)
+    if signed is None:
+        return ok(coord.machine.round_view(node_id), status=202)
+    urls = {e.node_id: coord.store.presign_get(e.key) for e in signed.manifest.gather}
+    return ok(ManifestView(signed=signed, urls=urls))
+
+
+async def report(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    round_ = round_of(request)
+    body = await read_body(request, RoundReport)
+    coord.machine.report(node_id, round_, body)
+    return ok(Ack())
+
+
+async def status(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    default = coord.config.server.status_rounds
+    n = int(query_number(request, "rounds", default, 100000))
+    machine = coord.machine
+    view = build_status(
+        machine.db,
+        machine.run,
+        last_seen=machine.members.last_seen,
+        now=machine.clock(),
+        n_rounds=n,
+    )
+    return ok(view)
+
+
+async def checkpoint_upload(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    round_ = round_of(request)
+    offer = await read_body(request, CheckpointUpload)
+    key = coord.checkpoints.grant(node_id, round_, offer)
+    # An expired grant (another node's, or this node's for other bytes) may have left an object
+    # behind; the key is write-once, so it must go unless it surely holds exactly these bytes
+    # (a store that keeps no checksum cannot say: same-shaped checkpoints have equal sizes).
+    stored = await coord.store.head(key)
+    if stored is not None and stored.sha256_b64 != sha256_b64(offer.sha256):
+        await coord.store.delete_keys([key])
+        log.info("event=checkpoint_stale_deleted round=%d node=%s", round_, node_id)
+    return ok(_grant(coord, key, offer.size, offer.sha256))
+
+
+async def checkpoint_commit(request: web.Request) -> web.Response:
+    """Commit an uploaded checkpoint, answering once its sidecar and ``latest.json`` are written.
+
+    The stored object is checked by HEAD (size and checksum), never downloaded; a node that loads
+    the checkpoint verifies the fingerprint of what it loaded. If the store fails after the
+    checkpoint is recorded, the answer is 503: the publisher keeps retrying in the background, and
+    a retried commit (idempotent) answers once everything is written.
+    """
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    round_ = round_of(request)
+    offer = await read_body(request, CheckpointUpload)
+    info = coord.checkpoints.committed(node_id, round_, offer)
+    if info is None:
+        stored = await coord.store.head(coord.checkpoints.key(round_))
+        if not _matches(stored, offer.size, offer.sha256):
+            raise Conflict(
+                "missing", f"no object with this size and sha256 at the checkpoint of {round_}"
+            )
+        info = coord.checkpoints.commit(node_id, round_, offer)
+        coord.metrics.checkpoints.inc()
+        coord.retention.kick()
+    try:
+        await coord.publisher.publish_checkpoints()
+    except Exception:
+        coord.publisher.kick()
+        raise
+    return ok(info)
+
+
+async def checkpoint_latest(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    node_of(request)
+    info = coord.checkpoints.latest()
+    if info is None:
+        raise ApiError(404, "no_checkpoint", "no checkpoint has been committed yet")
+    return ok(CheckpointView(info=info, url=coord.store.presign_get(info.key)))
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    coord.metrics.set_members(m.state for m in coord.machine.db.members())
+    coord.metrics.round.set(coord.machine.round_number())
+    return web.Response(body=coord.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+HANDLERS: dict[str, Handler] = {
+    "join": join,
+    "heartbeat": heartbeat,
+    "leave": leave,
+    "round": current_round,
+    "upload": upload,
+    "submit": submit,
+    "manifest": manifest,
+    "report": report,
+    "checkpoint_upload": checkpoint_upload,
+    "checkpoint_commit": checkpoint_commit,
+    "checkpoint_latest": checkpoint_latest,
+    "status": status,
+    "openapi": openapi,
+    "metrics": metrics,
+}

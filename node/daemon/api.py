@@ -1,0 +1,99 @@
+"""The daemon's seams: what it needs from the coordinator, the object store and the clock.
+
+``NodeDaemon`` talks to the outside world only through these three small Protocols, built in
+``node.daemon.loop.run_node``:
+
+- ``CoordinatorApi``: one coroutine per endpoint the node calls (``node.daemon.client``
+  implements it over HTTP, with retries);
+- ``Transfers``: a PUT to and a verified GET from presigned URLs (``node.daemon.transfer``
+  implements it with aiohttp);
+- ``Clock``: the daemon's own pauses (polling a waiting round, heartbeats, an injected slow
+  fault) and timestamps, so a test can drive time by hand.
+
+The unit tests drive the real daemon against in-memory fakes of all three
+(``tests/support/fake_coordinator.py``, ``tests/support/fake_store.py``): no process, no socket.
+Errors follow ``node.errors``: a refusal is ``CoordinatorError``, a transfer that cannot succeed
+is ``TransferError``, a transient failure that outlived its retries is ``RetriesExhausted``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+from protocol.messages import (
+    CheckpointInfo,
+    CheckpointUpload,
+    CheckpointView,
+    JoinResponse,
+    ManifestView,
+    RoundReport,
+    RoundView,
+    SubmitRequest,
+    SubmitResponse,
+    UploadGrant,
+)
+
+
+class CoordinatorApi(Protocol):
+    """The coordinator as one node sees it (``protocol.routes`` lists the endpoints)."""
+
+    async def join(self, client: str = "") -> JoinResponse: ...
+
+    async def heartbeat(self) -> RoundView: ...
+
+    async def leave(self) -> None: ...
+
+    async def round(self) -> RoundView: ...
+
+    async def upload_grant(self, round_: int, size: int, sha256: str) -> UploadGrant: ...
+
+    async def submit(self, round_: int, request: SubmitRequest) -> SubmitResponse: ...
+
+    async def manifest(self, round_: int) -> ManifestView | RoundView:
+        """The closed round's manifest, or the open round's view after a bounded wait."""
+        ...
+
+    async def report(self, round_: int, report: RoundReport) -> None: ...
+
+    async def checkpoint_grant(self, round_: int, offer: CheckpointUpload) -> UploadGrant: ...
+
+    async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo: ...
+
+    async def latest_checkpoint(self) -> CheckpointView | None:
+        """The newest committed checkpoint with a presigned GET, or None if there is none."""
+        ...
+
+
+class Transfers(Protocol):
+    """Bulk bytes through presigned URLs: the node's whole view of the object store."""
+
+    async def put(self, url: str, headers: Mapping[str, str], data: bytes) -> bool:
+        """Upload ``data`` with exactly ``headers``; False if the write-once key already held it."""
+        ...
+
+    async def get(self, url: str, *, size: int, sha256: str) -> bytes:
+        """Download and verify an object of known size and sha256 (``DigestError`` if not)."""
+        ...
+
+
+class Clock(Protocol):
+    """Time as the daemon uses it."""
+
+    def now(self) -> float:
+        """Seconds on a monotonic scale (only differences mean anything)."""
+        ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class RealClock:
+    """``time.monotonic`` and ``asyncio.sleep``."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)

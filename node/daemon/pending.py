@@ -1,0 +1,107 @@
+"""The round a node has trained but not yet applied, and how it survives a restart.
+
+Between compressing round r and applying round r's aggregate, a node holds exactly one
+``PendingRound``: its payload (with the sha256 computed once), the fingerprint of θ_r it
+trained from, ĉ (the dense reconstruction of what the payload carries, kept from the encoder),
+the error-feedback mass it had to send or keep, and what it will report about the round.
+``None`` means nothing is pending: the node is between rounds or only catching up.
+
+On disk the same fact is the state file's phase ``submitting`` (its error buffer already has ĉ
+subtracted) plus ``pending.slc`` with the payload bytes, both written atomically
+(``node.compute.state``). A restart rebuilds the ``PendingRound`` from them; ĉ is then decoded
+from the payload again, the only time the node decodes its own payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from node.compute.state import (
+    PENDING_FILE,
+    NodeState,
+    load_pending,
+    save_pending,
+    save_state,
+)
+from node.compute.worker import TrainResult, Worker
+from node.errors import StateError
+
+#: State-file extra holding ``[computed, scale]`` of the pending round's mass.
+MASS_KEY = "mass_in"
+
+
+@dataclass
+class PendingRound:
+    """One trained, compressed round on its way to being applied."""
+
+    round: int
+    payload: bytes
+    sha256: str
+    #: Fingerprint of θ_round, the parameters the payload was trained from.
+    base: str
+    #: ĉ from the encoder; None after a restart (decode ``payload`` when it is needed).
+    recon: dict[str, torch.Tensor] | None
+    #: Σ(β·e + Δ) and Σ|β·e + Δ| before compression; None if a restart lost them.
+    computed: float | None = None
+    scale: float | None = None
+    train_loss: float | None = None
+    bytes_up: int = 0
+    #: Seconds per phase of this round on this node, for the report.
+    timings: dict[str, float] = field(default_factory=dict)
+    #: When the submit went out (the daemon's clock), to time the wait for the manifest.
+    submitted_at: float | None = None
+
+    @classmethod
+    def trained(cls, round_: int, result: TrainResult) -> PendingRound:
+        return cls(
+            round=round_,
+            payload=result.payload,
+            sha256=result.sha256,
+            base=result.base,
+            recon=result.recon,
+            computed=result.computed,
+            scale=result.scale,
+            train_loss=result.train_loss,
+            timings={"train": result.train_s, "encode": result.encode_s},
+        )
+
+
+def save_submitting(state_dir: Path, worker: Worker, pending: PendingRound) -> None:
+    """Persist a just-compressed round: the payload first, then the state that points at it."""
+    save_pending(state_dir, pending.payload)
+    snapshot = worker.snapshot("submitting")
+    if pending.computed is not None:
+        snapshot.extra[MASS_KEY] = [pending.computed, pending.scale]
+    save_state(state_dir, snapshot)
+
+
+def save_idle(state_dir: Path, worker: Worker) -> str:
+    """Persist θ, e and AdamW with nothing pending; the fingerprint of the saved θ."""
+    snapshot = worker.snapshot("idle")
+    save_state(state_dir, snapshot)
+    (state_dir / PENDING_FILE).unlink(missing_ok=True)
+    return snapshot.fingerprint
+
+
+def resume(state_dir: Path, state: NodeState, base: str) -> PendingRound | None:
+    """The pending round a saved state describes (``base``: the fingerprint of the restored θ),
+    or None if the state was idle."""
+    if state.phase != "submitting":
+        return None
+    payload = load_pending(state_dir)
+    if payload is None:
+        raise StateError(f"{state_dir}: state says a payload is pending but none is")
+    mass = state.extra.get(MASS_KEY)
+    return PendingRound(
+        round=state.round,
+        payload=payload,
+        sha256=hashlib.sha256(payload).hexdigest(),
+        base=base,
+        recon=None,
+        computed=None if mass is None else float(mass[0]),
+        scale=None if mass is None else float(mass[1]),
+    )

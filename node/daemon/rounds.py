@@ -1,0 +1,241 @@
+"""Finishing a round on a node: DESIGN.md's steps 6-9, one named step each.
+
+``RoundFinisher.finish(r)`` runs for every round the node applies, whether it took part
+(the daemon's pending round is r) or only catches up:
+
+1. ``wait``: the signed manifest of r (a stop request ends the wait);
+2. ``verify``: its signature, run and round (``protocol.signing``);
+3. ``diverged``: θ's fingerprint against the manifest's base; a mismatch means resync;
+4. ``download``: the whole gather set or nothing; a failed transfer fetches the manifest again
+   for fresh URLs, a few times, then stops loudly; 404 (retention pruned the round) means the
+   node is further behind than replay reaches and skips to the newest checkpoint;
+5. ``decode``: validate every payload (lazily: checked now, decoded once while aggregating);
+6. ``apply``: aggregate in node-id order and apply (plus the chaos suite's faults);
+7. ``settle``: the own contribution: counted as sent if aggregated, else ĉ back into e
+   (step 9), and the error-feedback account computed = sent + held;
+8. ``save``: held-out loss, the new state on disk, the fingerprint of θ_{r+1};
+9. ``report``: fingerprint, losses, bytes, timings and mass to the coordinator; then offer a
+   checkpoint if r+1 is a checkpoint round.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from node.daemon.gather import decode_gather, fetch_gather
+from node.daemon.pending import PendingRound
+from node.errors import CoordinatorError, RetriesExhausted, TransferError
+from protocol.codec import Payload
+from protocol.messages import Manifest, ManifestView, Mass, RoundReport
+from protocol.signing import verify_manifest
+
+if TYPE_CHECKING:
+    from node.daemon.loop import NodeDaemon
+
+#: Attempts at a round's whole gather set (each with fresh URLs) before the node stops.
+DOWNLOAD_ROUNDS = 3
+
+Blobs = dict[str, bytes]
+Rejected = dict[str, str]
+
+
+class RoundFinisher:
+    """The steps after training, for one daemon (its seams, worker and pending round)."""
+
+    def __init__(self, daemon: NodeDaemon) -> None:
+        self.d = daemon
+
+    async def finish(self, r: int) -> None:
+        """Apply round r (steps 6-9); returns early on a stop, a resync or a skip."""
+        d = self.d
+        pending = d.pending if d.pending is not None and d.pending.round == r else None
+        view = await self.wait(r)
+        if view is None:
+            return
+        if pending is not None and pending.submitted_at is not None:
+            pending.timings["wait"] = d.clock.now() - pending.submitted_at
+        manifest = self.verify(view, r)
+        if await self.diverged(manifest):
+            await d.resync()
+            return
+        t0 = time.perf_counter()
+        fetched = await self.download(r, view, manifest, pending)
+        if fetched is None:
+            return
+        blobs, rejected = fetched
+        t1 = time.perf_counter()
+        payloads, invalid = await d.compute(decode_gather, d.worker, blobs, r)
+        rejected.update(invalid)
+        t2 = time.perf_counter()
+        await self.apply(r, payloads)
+        t3 = time.perf_counter()
+        mass = await self.settle(pending, manifest, payloads)
+        fingerprint, eval_loss, eval_s = await d.compute(self.save)
+        t4 = time.perf_counter()
+        if pending is not None:
+            pending.timings.update(download=t1 - t0, decode=t2 - t1, aggregate_apply=t3 - t2)
+            pending.timings.update(eval=eval_s, save=t4 - t3 - eval_s)
+        report = RoundReport(
+            fingerprint=fingerprint,
+            rejected=rejected,
+            train_loss=pending.train_loss if pending else None,
+            eval_loss=eval_loss,
+            bytes_up=pending.bytes_up if pending else 0,
+            bytes_down=sum(len(b) for n, b in blobs.items() if n != d.node_id or not pending),
+            timings=pending.timings if pending else {},
+            mass=mass,
+        )
+        d.pending = None
+        d.log(
+            "applied",
+            applied_round=r,
+            gather=",".join(e.node_id for e in manifest.gather) or "-",
+            fingerprint=fingerprint,
+            eval_loss=f"{eval_loss:.4f}" if eval_loss is not None else "-",
+        )
+        await self.report(r, report)
+        await d.sync.offer(d.worker)
+
+    # -- the steps -----------------------------------------------------------------------------
+
+    async def wait(self, r: int) -> ManifestView | None:
+        """Round r's manifest once it closed; None if a stop was requested first."""
+        d = self.d
+        while not d.stopping.is_set():
+            out = await d.until_stopped(d.api.manifest(r))
+            if isinstance(out, ManifestView):
+                return out
+        return None
+
+    def verify(self, view: ManifestView, r: int) -> Manifest:
+        """The manifest, once signed by the key from the join and for this run and round."""
+        d = self.d
+        joined = d.joined
+        if joined is None:
+            raise RuntimeError("the node has not joined yet")
+        return verify_manifest(
+            view.signed, joined.manifest_public_key, run_id=joined.run_id, round_=r
+        )
+
+    async def diverged(self, manifest: Manifest) -> bool:
+        """Whether θ is not the θ this round's payloads were trained from."""
+        d = self.d
+        base = manifest.base_fingerprint
+        if base is None:
+            return False
+        ours = await d.compute(d.worker.fingerprint)
+        if ours == base:
+            return False
+        d.log("diverged", ours=ours, manifest=base)
+        return True
+
+    async def download(
+        self, r: int, view: ManifestView, manifest: Manifest, pending: PendingRound | None
+    ) -> tuple[Blobs, Rejected] | None:
+        """The whole gather set, or None if the node skipped ahead to a checkpoint.
+
+        404 after every attempt means retention already deleted this round's payloads, so the
+        node is further behind than replay reaches: a newer checkpoint is the way forward.
+        """
+        try:
+            return await self.fetch(r, view, manifest, pending)
+        except TransferError as exc:
+            if exc.status != 404 or not await self.skip_to_checkpoint(r, manifest, pending):
+                raise
+            return None
+
+    async def fetch(
+        self, r: int, view: ManifestView, manifest: Manifest, pending: PendingRound | None
+    ) -> tuple[Blobs, Rejected]:
+        """The whole gather set, or an error: never a part of it.
+
+        Leaving out a payload that only *this* node failed to fetch would make it apply another
+        aggregate than its peers and drift away from them. So a failed transfer (after its own
+        retries) fetches the manifest again for fresh URLs and starts over, a few times, and
+        then gives up loudly; a restart resumes from the saved state.
+        """
+        d = self.d
+        attempt = 1
+        while True:
+            try:
+                return await fetch_gather(
+                    d.transfers,
+                    view,
+                    manifest,
+                    own=pending.payload if pending else None,
+                    own_sha256=pending.sha256 if pending else None,
+                    own_id=d.node_id,
+                    parallel=d.settings.parallel_downloads,
+                )
+            except (TransferError, RetriesExhausted) as exc:
+                d.log("download_failed", attempt=attempt, error=repr(exc))
+                fresh = await self.wait(r) if attempt < DOWNLOAD_ROUNDS else None
+                if fresh is None:
+                    raise
+                view, attempt = fresh, attempt + 1
+
+    async def skip_to_checkpoint(
+        self, r: int, manifest: Manifest, pending: PendingRound | None
+    ) -> bool:
+        """Retention deleted round r's payloads (404): continue from a newer checkpoint.
+
+        False if there is none past r; the caller then stops (the worker may hold that older
+        checkpoint by now, and nothing of it was saved).
+        """
+        d = self.d
+        info = await d.sync.restore_latest(d.worker)
+        if info is None or info.round <= r:
+            return False
+        # Our own payload of this round (after a restart) was either aggregated by the
+        # others, so e already lacks it, or not, so it goes back into e: nothing is lost.
+        if pending is not None and d.node_id not in {e.node_id for e in manifest.gather}:
+            await d.return_own(pending)
+        d.pending = None
+        await d.compute(d.save_idle)
+        d.log("skipped_to_checkpoint", checkpoint=info.round)
+        return True
+
+    async def apply(self, r: int, payloads: dict[str, Payload]) -> None:
+        """Aggregate and apply (θ becomes θ_{r+1}); the chaos suite's faults of this point."""
+        d = self.d
+        await d.compute(d.worker.apply, payloads)
+        d.faults.crash_point(r, "mid_apply")
+        if d.faults.corrupt_now(r):
+            await d.compute(d.worker.corrupt)
+
+    async def settle(
+        self, pending: PendingRound | None, manifest: Manifest, payloads: dict[str, Payload]
+    ) -> Mass | None:
+        """The own contribution: sent if aggregated, else back into e; its mass account."""
+        d = self.d
+        if pending is None:
+            return None
+        recon = await d.own_recon(pending)
+        if d.node_id in payloads:
+            sent = await d.compute(d.worker.sent_mass, recon)
+        else:
+            sent = 0.0
+            await d.compute(d.worker.return_own, recon)
+            d.log("contribution_kept", reason=repr(manifest.excluded.get(d.node_id, "rejected")))
+        if pending.computed is None or pending.scale is None:
+            return None
+        held = await d.compute(d.worker.held_mass)
+        return Mass(computed=pending.computed, sent=sent, held=held, scale=pending.scale)
+
+    def save(self) -> tuple[str, float | None, float]:
+        """(compute thread) Held-out loss (and its seconds), then the new state on disk; the
+        fingerprint of θ_{r+1}, the loss, the seconds."""
+        d = self.d
+        every = d.settings.eval_every
+        t0 = time.perf_counter()
+        worker = d.worker
+        eval_loss = worker.evaluate() if every and worker.round % every == 0 else None
+        eval_s = time.perf_counter() - t0
+        return d.save_idle(), eval_loss, eval_s
+
+    async def report(self, r: int, report: RoundReport) -> None:
+        try:
+            await self.d.api.report(r, report)
+        except CoordinatorError as exc:
+            self.d.log("report_refused", error=exc.error)

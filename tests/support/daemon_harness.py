@@ -1,0 +1,125 @@
+"""Running real ``NodeDaemon``s against the in-memory fakes, for the daemon's unit tests.
+
+``Harness`` owns one ``FakeCoordinator`` (the real round machine), one ``FakeStore`` and one
+``FakeClock``, and builds daemons wired to them, each with its own state directory under the
+test's tmp dir. ``reference_fingerprints`` is what one node alone must end up with, computed
+with the worker directly (train, compress, read the own payload, apply), so a test can check a
+daemon's θ bit for bit without trusting the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from node.compute.state import load_state
+from node.compute.worker import Worker
+from node.daemon.faults import Faults
+from node.daemon.loop import NodeDaemon
+from node.daemon.settings import NodeSettings
+from protocol.messages import RoundReport, SignedManifest
+from protocol.runconfig import RunConfig
+from support.fake_coordinator import FakeCoordinator
+from support.fake_store import FakeClock, FakeStore
+
+#: Real seconds any wait of a test may take before it counts as a hang.
+HANG_S = 120.0
+
+
+class Crash(BaseException):
+    """Raised at a crash point instead of exiting: the state dir is left as kill -9 leaves it."""
+
+
+def crash() -> None:
+    raise Crash()
+
+
+def crash_at(round_: int, point: str) -> Faults:
+    return Faults(crash={round_: point}, die=crash)
+
+
+class Harness:
+    def __init__(self, root: Path, run: RunConfig) -> None:
+        self.root = root
+        self.run = run
+        self.clock = FakeClock()
+        self.store = FakeStore()
+        self.coord = FakeCoordinator(run, root / "coordinator", self.store, self.clock)
+
+    def state_dir(self, node_id: str) -> Path:
+        return self.root / "nodes" / node_id
+
+    def daemon(self, node_id: str, faults: Faults | None = None) -> NodeDaemon:
+        settings = NodeSettings(
+            coordinator="http://coordinator.invalid",
+            token="unit-test-token-" + node_id,
+            state_dir=self.state_dir(node_id),
+            threads=1,
+            eval_batches=1,
+            eval_batch_size=2,
+        )
+        return NodeDaemon(
+            settings,
+            self.coord.api(node_id),
+            self.store.transfers(node_id),
+            clock=self.clock,
+            faults=faults if faults is not None else Faults(),
+        )
+
+    def start(self, daemon: NodeDaemon) -> asyncio.Task[int]:
+        return asyncio.create_task(daemon.run(handle_signals=False), name=daemon.settings.token)
+
+    def reports(self, round_: int) -> dict[str, RoundReport]:
+        """Every node's report of ``round_`` as the coordinator recorded it."""
+        return {
+            node: RoundReport.model_validate(body)
+            for node, body in self.coord.db.reports(round_).items()
+        }
+
+    def manifest(self, round_: int) -> SignedManifest:
+        signed = self.coord.machine.manifest(round_)
+        assert signed is not None, f"round {round_} is not closed"
+        return signed
+
+    def saved_fingerprint(self, node_id: str, shapes: dict[str, tuple[int, ...]]) -> str:
+        state = load_state(self.state_dir(node_id), shapes)
+        assert state is not None
+        return state.fingerprint
+
+    async def advance_until(self, done: Callable[[], bool], step_s: float) -> None:
+        """Let fake time pass in steps (so heartbeats keep members alive) until ``done()``."""
+        async with asyncio.timeout(HANG_S):
+            while not done():
+                self.coord.advance(step_s)
+                await asyncio.sleep(0.01)
+
+    def close(self) -> None:
+        self.coord.close()
+
+
+async def until(done: Callable[[], bool], what: str) -> None:
+    """Wait (on the real clock, polling) until ``done()``; fail after ``HANG_S``."""
+    try:
+        async with asyncio.timeout(HANG_S):
+            while not done():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+def worker(run: RunConfig, node_id: str = "node-0", slot: int = 0) -> Worker:
+    return Worker(
+        run, run_id=run.run_id, node_id=node_id, slot=slot, eval_batches=1, eval_batch_size=2
+    )
+
+
+def reference_fingerprints(run: RunConfig, node_id: str = "node-0") -> list[str]:
+    """θ's fingerprint after each round for one node alone, straight through the worker."""
+    w = worker(run, node_id)
+    out = []
+    for _ in range(run.rounds):
+        result = w.train_and_compress()
+        w.apply({node_id: w.read(result.payload)})
+        out.append(w.fingerprint())
+    return out

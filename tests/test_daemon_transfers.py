@@ -1,0 +1,152 @@
+"""The daemon when downloads fail: refetch with fresh URLs, stop loudly, skip a pruned round.
+
+Same fakes as ``test_daemon.py`` (the real daemon against the real round machine, an in-memory
+store and clock). A node must never apply an aggregate its peers did not: a gather set it cannot
+fetch completely is fetched again with fresh URLs, and if that keeps failing the node stops with
+its state untouched. A round whose payloads retention already deleted (404) is not replayable,
+so the node continues from a newer checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from node.compute.state import load_state
+from node.daemon.gather import fetch_gather
+from node.errors import RetriesExhausted, TransferError
+from protocol.keys import payload_key, round_prefix
+from protocol.messages import Manifest, ManifestEntry, ManifestView, MemberState, SignedManifest
+from protocol.runconfig import RunConfig, Timing
+from support.daemon_harness import Crash, Harness, crash_at, worker
+from support.fake_store import FakeStore
+
+pytestmark = pytest.mark.asyncio
+
+PATIENT = Timing(first_round_s=1000, min_round_s=1000, max_round_s=1000, heartbeat_timeout_s=10_000)
+
+
+def run_config(**changes: object) -> RunConfig:
+    values: dict[str, object] = {
+        "name": "unit",
+        "model": "tiny",
+        "rounds": 3,
+        "inner_steps": 2,
+        "batch_size": 2,
+        "checkpoint_every": 0,
+        "min_nodes": 2,
+        "timing": PATIENT,
+    }
+    values.update(changes)
+    return RunConfig.model_validate(values)
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Callable[[RunConfig], Harness]]:
+    made: list[Harness] = []
+
+    def make(run: RunConfig) -> Harness:
+        h = Harness(tmp_path, run)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+async def test_a_failed_fetch_is_fetched_again_and_the_nodes_agree(harness, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="sparseloco.node")
+    h = harness(run_config())
+    h.store.transfers("node-0").plan.failing = 1  # node-0's first GET gives up
+    tasks = [h.start(h.daemon(n)) for n in ("node-0", "node-1")]
+    assert [await t for t in tasks] == [0, 0]
+    assert any(
+        "event=download_failed node=node-0" in m and "attempt=1" in m for m in caplog.messages
+    )
+    for r in range(h.run.rounds):
+        reports = h.reports(r)
+        assert reports["node-0"].fingerprint == reports["node-1"].fingerprint
+        assert reports["node-0"].rejected == {}
+
+
+async def test_a_fetch_that_keeps_failing_stops_the_node_before_applying(harness, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="sparseloco.node")
+    run = run_config()
+    h = harness(run)
+    h.store.transfers("node-0").plan.failing = 1000
+    failing = h.start(h.daemon("node-0"))
+    healthy = h.start(h.daemon("node-1"))
+    with pytest.raises(RetriesExhausted):
+        await failing
+    attempts = [m for m in caplog.messages if "event=download_failed node=node-0" in m]
+    assert len(attempts) == 3  # each with a fresh manifest, then it gives up loudly
+    state = load_state(h.state_dir("node-0"), worker(run).shapes)
+    assert state is not None and state.round == 0 and state.phase == "submitting"
+    assert "node-0" not in h.reports(0)  # it applied nothing, so it reported nothing
+    healthy.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await healthy
+
+
+async def test_a_pruned_round_skips_ahead_to_the_newest_checkpoint(harness, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="sparseloco.node")
+    timing = Timing(first_round_s=200, min_round_s=200, max_round_s=200, heartbeat_timeout_s=100)
+    run = run_config(rounds=6, min_nodes=1, checkpoint_every=2, retention_rounds=3, timing=timing)
+    h = harness(run)
+    for node in ("node-0", "node-1"):  # both members from the start: both expected in round 0
+        await h.coord.api(node).join()
+    with pytest.raises(Crash):  # node-1 applies round 0, then dies while training round 1
+        await asyncio.gather(
+            h.daemon("node-1", crash_at(1, "after_train")).run(handle_signals=False),
+            survivor := h.start(h.daemon("node-0")),
+        )
+    # Round 1 waits for node-1 until it times out; then node-0 goes on alone.
+    await h.advance_until(lambda: h.coord.machine.round_number() >= 2, step_s=20)
+    assert await survivor == 0
+    assert h.coord.db.member("node-1").state == MemberState.TIMED_OUT
+    newest = h.coord.book.latest()
+    assert newest is not None and newest.round == run.rounds  # θ at the end of the run
+    for r in range(4):  # what retention would have deleted by round 4
+        h.store.delete_prefix(round_prefix("", run.run_id, r) + "payloads/")
+
+    assert await h.daemon("node-1").run(handle_signals=False) == 0
+    assert any("event=skipped_to_checkpoint node=node-1" in m for m in caplog.messages)
+    theta = worker(run).shapes
+    assert h.saved_fingerprint("node-1", theta) == h.saved_fingerprint("node-0", theta)
+
+
+async def test_one_failed_download_cancels_the_others_at_once() -> None:
+    store = FakeStore()
+    entries = []
+    for node in ("a", "b", "c"):
+        key = payload_key("", "run", 0, node)
+        store.objects[key] = node.encode() * 10
+        entries.append(ManifestEntry(node_id=node, key=key, sha256="0" * 64, size=10))
+    transfers = store.transfers("me")
+    transfers.plan.blocked = asyncio.Event()  # a and c hang until cancelled
+    transfers.plan.missing = {entries[1].key}  # b fails at once
+    manifest = Manifest(
+        run_id="run",
+        round=0,
+        base_fingerprint=None,
+        gather=entries,
+        excluded={},
+        opened_at=0.0,
+        closed_at=1.0,
+    )
+    view = ManifestView(
+        signed=SignedManifest(manifest=manifest, signature="0" * 128),
+        urls={e.node_id: store.presign_get(e.key) for e in entries},
+    )
+    with pytest.raises(TransferError) as failed:
+        async with asyncio.timeout(10):
+            await fetch_gather(
+                transfers, view, manifest, own=None, own_sha256=None, own_id="me", parallel=8
+            )
+    assert failed.value.status == 404
+    assert transfers.plan.cancelled == 2
