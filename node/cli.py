@@ -32,7 +32,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         description="Train N workers in one process on equal token budgets and write JSON.",
     )
     p.add_argument("--algo", required=True, choices=["sparseloco", "diloco", "ddp"])
-    p.add_argument("--preset", help="run preset: tiny (seconds) or bench (the CPU benchmark)")
+    p.add_argument(
+        "--preset", help="run preset: tiny (seconds), small, bench (the CPU benchmark) or base"
+    )
     p.add_argument("--model", help="model preset: tiny, small, base, medium, large, 1b")
     p.add_argument("--workers", type=int)
     p.add_argument("--inner-steps", type=int, help="H, inner steps per round")
@@ -145,7 +147,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--preset", default="tiny", help="run shape: tiny (default) or small")
+    p.add_argument(
+        "--preset", default="tiny", help="run shape: tiny (default), small, bench or base"
+    )
     p.add_argument("--data", help="text file, directory or glob (default: bundled corpus)")
     p.add_argument("--dir", dest="run_dir", help="run folder (default: runs/up-<time>)")
     p.add_argument("--round-timeout", type=float, default=120.0, help="seconds per round")
