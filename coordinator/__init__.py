@@ -1,6 +1,6 @@
 """The coordinator service: membership, round state machine, gather sets, signed manifests.
 
-Modules, one concept each (it never imports ``node``; DESIGN.md layering rules)::
+Modules, one concept each (it never imports ``node``: the project's layering rule)::
 
     errors.py       the coordinator's exception tree (and which errors are transient)
     config.py       the config tree (TOML + env + flags) and its readable errors
@@ -8,7 +8,10 @@ Modules, one concept each (it never imports ``node``; DESIGN.md layering rules):
                     policy, deadlines)
     schema.py       the SQLite tables and how the database file is opened (WAL)
     db.py           typed reads and writes of the database, the single source of truth
-    membership.py   members: join, heartbeat, leave, timeouts, last heartbeat times
+    membership.py   members: join, heartbeat, leave, timeouts, revocation, the end of the run,
+                    last heartbeat times, the process each active member is bound to
+    tokens.py       node tokens: sha256 digests in the database, seeding rule, checked on every
+                    request, reloaded when the operator changes them
     machine.py      the round state machine over the database (synchronous, injected clock)
     status.py       the run's status view for dashboards (reads only)
     checkpoints.py  who uploads θ_R as a checkpoint, and when it counts as committed
@@ -17,12 +20,16 @@ Modules, one concept each (it never imports ``node``; DESIGN.md layering rules):
                     import: its errors leave as StorageError)
     publisher.py    uploads signed manifests, checkpoint sidecars and latest.json, retrying
     retention.py    deletes old payloads and checkpoints from the store
-    metrics.py      Prometheus metrics
+    metrics.py      Prometheus metrics; the run's counters start from the database's totals
+    node_metrics.py each node's series (losses, timings, rates, bytes, retries) from its reports
     openapi.py      the OpenAPI document generated from ``protocol.routes``
+    redact.py       secrets never printed: masked values in errors, a filter for log lines
     handling.py     what every route shares: auth, body validation, error mapping
     service.py      the ``Coordinator`` every handler shares, and what follows a round's close
-    handlers.py     the aiohttp route handlers, by endpoint name
+    handlers.py     the aiohttp route handlers, by endpoint name (``dashboard/``: the page at ``/``)
     app.py          ``create_app``: wiring, route registration, background tasks' lifecycle
-    server.py       running as a process: listen, announce, stop cleanly on a signal
+    preflight.py    checks before anything is written: the port, the object store
+    server.py       running as a process: check, listen, announce, stop cleanly on a signal
+    admin.py        ``coordinator token add|list|revoke``: the operator's token commands
     __main__.py     ``python -m coordinator`` CLI
 """

@@ -1,24 +1,51 @@
 """``python -m coordinator --config run.toml [--host H] [--port P] [--state-dir D]``.
 
-Flags override the environment (``SPARSELOCO_COORD_...``), which overrides the TOML file. A bad
-configuration prints the field and the fix and exits with status 2; a clean stop exits 0.
+Flags override the environment (``SPARSELOCO_COORD_...``), which overrides the TOML file. Before
+it writes anything the coordinator binds its port and checks the object store. Exit status: 0
+after a clean stop (SIGTERM, Ctrl-C); 2 for a bad configuration (the message names the field and
+the fix); 1 when a start-up check fails (port in use, store unreachable, wrong credentials,
+missing bucket). No message or log line shows a secret.
+
+``python -m coordinator token add|list|revoke ...`` manages the node tokens in the state
+directory, also while the coordinator runs (``coordinator.admin``; ``token --help``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from collections.abc import Sequence
 
 import uvloop
 
 from coordinator.config import load_config
+from coordinator.errors import StartupError
+from coordinator.redact import install, scrub
 from coordinator.server import serve
 from protocol.errors import ConfigError
+from protocol.version import version_line
+
+#: Set by ``sparseloco coordinator`` so usage lines name the command the operator typed.
+PROG_ENV = "SPARSELOCO_PROG"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m coordinator", description=__doc__)
+def prog() -> str:
+    return os.environ.get(PROG_ENV) or "python -m coordinator"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=prog(),
+        description="Run the coordinator of one SparseLoCo run. Flags override the"
+        " environment (SPARSELOCO_COORD_<SECTION>__<FIELD>), which overrides the TOML file."
+        " Before it writes anything it binds the port and checks the object store. Exit status:"
+        " 0 after a clean stop (SIGTERM, Ctrl-C), 1 when a start-up check fails, 2 for a bad"
+        " configuration.",
+        epilog=f"token administration: {prog()} token {{add,list,revoke}} --help",
+    )
+    parser.add_argument("--version", action="version", version=version_line("sparseloco"))
     parser.add_argument("--config", required=True, help="TOML file (see deploy/run.example.toml)")
     parser.add_argument("--host", help="address to listen on (server.host)")
     parser.add_argument("--port", type=int, help="port, 0 for any free one (server.port)")
@@ -27,8 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["token"]:
+        from coordinator.admin import main as token_main
+
+        return token_main(args_in[1:], prog=f"{prog()} token")
+    args = parse_args(args_in)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
@@ -37,10 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"server": {"host": args.host, "port": args.port, "state_dir": args.state_dir}}
     try:
         config = load_config(args.config, overrides)
-        uvloop.run(serve(config))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    secrets = config.secrets()
+    install(secrets)
+    try:
+        uvloop.run(serve(config))
+    except ConfigError as exc:
+        print(f"error: {scrub(str(exc), secrets)}", file=sys.stderr)
+        return 2
+    except StartupError as exc:
+        print(f"error: {scrub(str(exc), secrets)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,13 +1,15 @@
 """The coordinator's aiohttp app: its parts wired together, and its background tasks.
 
-``create_app`` opens the state directory (database, signing key), builds the ``Coordinator``
-(``coordinator.service``) and registers one handler per entry of ``protocol.routes.ENDPOINTS``,
-by name, from ``coordinator.handlers.HANDLERS``.
+``create_app`` opens the state directory (database, signing key), seeds the node tokens from
+the config (``coordinator.tokens``: only for nodes the database holds no token for), builds the
+``Coordinator`` (``coordinator.service``) with its metrics started from the database's totals,
+and registers one handler per entry of ``protocol.routes.ENDPOINTS``, by name, from
+``coordinator.handlers.HANDLERS``.
 
-Background tasks (the ticker that times out members and closes overdue rounds, the publisher of
-manifests and checkpoint sidecars, and retention) are owned by the app's cleanup context and
-cancelled in that order on shutdown, after the long-polls were released; the database closes
-last.
+Background tasks (the ticker that applies token revocations, times out members and closes
+overdue rounds, the publisher of manifests and checkpoint sidecars, and retention) are owned by
+the app's cleanup context and cancelled in that order on shutdown, after the long-polls were
+released; the database closes last.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from coordinator.db import Database
 from coordinator.handlers import HANDLERS
 from coordinator.handling import TOKENS, error_middleware
 from coordinator.machine import RoundMachine
-from coordinator.metrics import CoordinatorMetrics
+from coordinator.metrics import CoordinatorMetrics, totals
 from coordinator.publisher import ManifestPublisher
 from coordinator.retention import Retention
 from coordinator.schema import DB_FILE
 from coordinator.service import COORDINATOR, Coordinator
 from coordinator.signing import ManifestSigner
 from coordinator.storage import ObjectStore, S3Store
+from coordinator.tokens import TokenBook, TokenTable
 from protocol.routes import ENDPOINTS, ROUND
 
 log = logging.getLogger("sparseloco.coordinator.app")
@@ -47,6 +50,7 @@ async def _ticker(coord: Coordinator) -> None:
     while True:
         await asyncio.sleep(TICK_S)
         try:
+            coord.apply_token_changes()
             coord.after_close(coord.machine.tick())
         except Exception:  # one bad tick must not stop timeouts and deadlines for good
             log.exception("event=tick_failed")
@@ -62,7 +66,10 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    coord.machine.db.close()
+    try:
+        coord.tokens.flush_used(force=True)
+    finally:
+        coord.machine.db.close()
     log.info("event=background_stopped")
 
 
@@ -70,7 +77,8 @@ async def _release_waiters(app: web.Application) -> None:
     app[COORDINATOR].release_waiters()
 
 
-def _s3_store(config: CoordinatorConfig) -> S3Store:
+def s3_store(config: CoordinatorConfig) -> S3Store:
+    """The boto3 store of ``config.storage`` (``create_app``'s default)."""
     storage = config.storage
     return S3Store(
         endpoint_url=storage.endpoint_url,
@@ -80,6 +88,22 @@ def _s3_store(config: CoordinatorConfig) -> S3Store:
         region=storage.region,
         expiry_s=config.server.presign_expiry_s,
     )
+
+
+def _tokens(
+    db: Database, config: CoordinatorConfig, machine: RoundMachine, clock: Callable[[], float]
+) -> TokenBook:
+    """Seed the config's tokens, then take out members revoked while the coordinator was down."""
+    TokenTable(db).seed(config.tokens, clock())
+    book = TokenBook(db, clock=clock)
+    machine.revoke(book.revoked_nodes())
+    if not book.active_nodes():
+        log.warning(
+            "event=no_tokens fix=%s",
+            "no node can join: add one with `sparseloco coordinator token add NODE_ID"
+            " --state-dir DIR`, or list nodes under [tokens] in the config",
+        )
+    return book
 
 
 def create_app(
@@ -97,15 +121,17 @@ def create_app(
     state_dir.mkdir(parents=True, exist_ok=True)
     storage = config.storage
     if store is None:
-        store = _s3_store(config)
+        store = s3_store(config)
     db = Database(state_dir / DB_FILE)
     signer = ManifestSigner.load_or_create(state_dir)
     try:
         machine = RoundMachine(db, config.run, signer, prefix=storage.prefix, clock=clock)
+        tokens = _tokens(db, config, machine, clock)
     except BaseException:
         db.close()
         raise
-    metrics = CoordinatorMetrics()
+    metrics = CoordinatorMetrics(totals(db), inner_steps=config.run.inner_steps)
+    metrics.nodes.from_reports(db)
     coord = Coordinator(
         config=config,
         machine=machine,
@@ -132,7 +158,7 @@ def create_app(
             current_round=machine.round_number,
             metrics=metrics,
         ),
-        tokens=config.node_for_token(),
+        tokens=tokens,
     )
     app = web.Application(
         middlewares=[error_middleware], client_max_size=config.server.max_body_bytes

@@ -7,19 +7,27 @@ the TOML file (``--config run.toml``), then the defaults below. Sections::
     [run]       protocol.runconfig.RunConfig: what every node must agree on (its hash is the run id)
     [server]    where and how the HTTP service listens, and where it keeps its state
     [storage]   the S3-compatible object store (endpoint, bucket, prefix, credentials)
-    [tokens]    node_id = "bearer token", one line per node allowed to join
+    [tokens]    node_id = "bearer token": seeds the token database (``coordinator.tokens``)
 
 Any invalid value raises ``protocol.errors.ConfigError`` whose message names the dotted field and
-how to fix it; the CLI prints it and exits with status 2.
+how to fix it; the CLI prints it and exits with status 2. An unknown key is named with the
+closest known one ("did you mean server.port?"). Values in the TOML file are checked strictly
+(``topk = "64"`` is an error, not 64): the file has types, and a quoted number is a mistake worth
+a message. Environment variables are text by nature and are converted as usual. No error shows
+a secret: not the store's keys, not a token, not the value of a misspelt key
+(``coordinator.redact``).
 """
 
 from __future__ import annotations
 
+import difflib
+import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -27,7 +35,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from protocol.errors import ConfigError, Problem, config_error
+from coordinator.redact import scrub, secrets_in, shown
+from protocol.errors import ConfigError, Problem, problems
 from protocol.keys import check_id
 from protocol.runconfig import RunConfig
 
@@ -82,8 +91,8 @@ class CoordinatorConfig(BaseSettings):
     run: RunConfig = RunConfig()
     server: ServerConfig
     storage: StorageConfig
-    #: node_id -> bearer token.
-    tokens: dict[str, str] = Field(min_length=1)
+    #: node_id -> bearer token, added to the token database at start for nodes it has none of.
+    tokens: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("tokens")
     @classmethod
@@ -103,9 +112,18 @@ class CoordinatorConfig(BaseSettings):
     def run_id(self) -> str:
         return self.run.run_id
 
-    def node_for_token(self) -> dict[str, str]:
-        """token -> node_id, for authentication."""
-        return {token: node_id for node_id, token in self.tokens.items()}
+    def secrets(self) -> set[str]:
+        """The strings no log line may show: the store's keys and the config's tokens."""
+        return {self.storage.access_key, self.storage.secret_key, *self.tokens.values()}
+
+
+#: Each section of the file and the type its table must have (for the strict type check).
+SECTIONS: dict[str, Any] = {
+    "run": RunConfig,
+    "server": ServerConfig,
+    "storage": StorageConfig,
+    "tokens": dict[str, str],
+}
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -130,9 +148,103 @@ def _fix_hint(loc: str) -> str:
 
 def _describe(problem: Problem) -> str:
     """One failed field as a line: what is wrong, what was given, and where to set it."""
+    if problem.kind == "extra_forbidden":
+        return _unknown_key(problem.loc)
     loc = problem.dotted
-    got = "" if problem.kind == "missing" else f" (got {problem.input!r})"
+    value = None if problem.kind == "missing" else shown(problem.loc, problem.input)
+    got = "" if value is None else f" (got {value})"
     return f"config field {loc or '(root)'}: {problem.message}{got}; {_fix_hint(loc)}"
+
+
+def _keys_at(parent: tuple[str | int, ...]) -> list[str]:
+    """The keys the config accepts in the table at ``parent`` (``()`` is the top level)."""
+    model: type[BaseModel] = CoordinatorConfig
+    for part in parent:
+        field = model.model_fields.get(str(part))
+        inner = field.annotation if field is not None else None
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return []
+        model = inner
+    return list(model.model_fields)
+
+
+def _unknown_key(loc: tuple[str | int, ...]) -> str:
+    """An unknown key, with the closest known one; never its value (it may be a secret)."""
+    parent, key = loc[:-1], str(loc[-1])
+    known = _keys_at(parent)
+    dotted = ".".join(str(p) for p in loc)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not parent:
+        fix = f"did you mean [{close[0]}]?" if close else "remove it"
+        return f"config field {dotted}: unknown section; {fix} (sections: {', '.join(known)})"
+    where = ".".join(str(p) for p in parent)
+    fix = f"did you mean {where}.{close[0]}?" if close else "remove it"
+    return f"config field {dotted}: unknown key; {fix} (known in [{where}]: {', '.join(known)})"
+
+
+def _strict_types(file_values: dict[str, Any]) -> list[str]:
+    """The file's values of the wrong type, as lines (a TOML string is never read as a number).
+
+    Only type errors count here: missing fields (perhaps in the environment), unknown keys and
+    range errors are the full validation's to report.
+    """
+    lines: list[str] = []
+    for section, kind in SECTIONS.items():
+        values = file_values.get(section)
+        if not isinstance(values, dict):
+            continue
+        try:
+            raw = json.dumps(values, default=str)
+            TypeAdapter(kind).validate_json(raw, strict=True)
+        except ValidationError as exc:
+            for problem in problems(exc):
+                if not problem.kind.endswith("_type"):
+                    continue
+                loc = (section, *problem.loc)
+                dotted = ".".join(str(p) for p in loc)
+                value = shown(loc, problem.input)
+                got = "" if value is None else f" (got {value})"
+                lines.append(
+                    f"config field {dotted}: {problem.message}{got}; TOML values are not"
+                    f" converted: write [{section}] {'.'.join(map(str, problem.loc))} with the"
+                    " right type (a number without quotes, true/false, a quoted string)"
+                )
+    return lines
+
+
+def _env_secrets() -> set[str]:
+    """Secret values given in the environment (``SPARSELOCO_COORD_STORAGE__SECRET_KEY``...)."""
+    found: set[str] = set()
+    for name, value in os.environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key.startswith("tokens"):
+            try:
+                tokens = json.loads(value)
+            except ValueError:
+                tokens = value
+            found |= set(tokens.values()) if isinstance(tokens, dict) else {str(tokens)}
+        elif key.endswith(("access_key", "secret_key")):
+            found.add(value)
+    return {s for s in found if isinstance(s, str)}
+
+
+def state_dir_of(path: str | Path | None, flag: str | Path | None = None) -> Path:
+    """Where a coordinator with this config keeps its state, by the same precedence as ``serve``
+    (``--state-dir``, the environment, the file), without validating the rest of the config:
+    the token commands need no store credentials. ``ConfigError`` if none says."""
+    if flag is not None:
+        return Path(flag)
+    env = os.environ.get(ENV_PREFIX + "SERVER__STATE_DIR")
+    if env:
+        return Path(env)
+    if path is not None:
+        server = _read_toml(Path(path)).get("server")
+        if isinstance(server, dict) and isinstance(server.get("state_dir"), str):
+            return Path(server["state_dir"])
+        raise ConfigError(f"config file {path} has no [server] state_dir; pass --state-dir")
+    raise ConfigError("say which coordinator: --config run.toml or --state-dir DIR")
 
 
 def load_config(
@@ -158,10 +270,14 @@ def load_config(
         ) -> tuple[PydanticBaseSettingsSource, ...]:
             return (init_settings, env_settings, InitSettingsSource(settings_cls, file_values))
 
+    lines = _strict_types(file_values)
     try:
         loaded = _Sources(**flag_values)
     except ValidationError as exc:
-        raise config_error(exc, _describe, sep="\n") from exc
+        lines += [_describe(p) for p in problems(exc)]
+    if lines:
+        secrets = secrets_in(file_values) | secrets_in(flag_values) | _env_secrets()
+        raise ConfigError(scrub("\n".join(lines), secrets))
     # Hand back the plain class so callers never see the per-call subclass.
     return CoordinatorConfig.model_construct(**dict(loaded))
 

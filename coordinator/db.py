@@ -9,12 +9,15 @@ active member is given a fresh heartbeat window anyway.
 
 The database is the single source of truth; the round machine queries it for every decision.
 This module is its typed reads and writes, returning frozen row types; the tables themselves
-and how the file is opened are ``coordinator.schema``.
+and how the file is opened are ``coordinator.schema``. The node tokens' table is read and written
+by ``coordinator.tokens`` through ``execute``, so the secrets' handling stays in one module; the
+counters' totals at start are summed by ``coordinator.metrics`` the same way.
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +35,8 @@ class MemberRow:
     state: MemberState
     joined_round: int
     gone_in_round: int | None
+    #: The process the member was bound to at its last join (``None``: it sent no instance id).
+    instance: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,10 @@ class SubmissionRow:
     rejected: Exclusion | None
 
 
+#: Meta key prefix of retention's persistent deletion counts (``deleted.payload``).
+DELETED = "deleted."
+
+
 class Database:
     """Typed queries over the coordinator's SQLite file. Not shared across threads."""
 
@@ -82,6 +91,10 @@ class Database:
 
     def close(self) -> None:
         self._conn.close()
+
+    def execute(self, sql: str, params: tuple[object, ...] = ()) -> sqlite3.Cursor:
+        """One statement on this connection, for tables another module owns (tokens)."""
+        return self._conn.execute(sql, params)
 
     @contextmanager
     def tx(self) -> Iterator[None]:
@@ -117,16 +130,15 @@ class Database:
         )
 
     # members
+    _MEMBER_COLS = "node_id, slot, state, joined_round, gone_in_round, instance"
+
     def members(self) -> list[MemberRow]:
-        rows = self._conn.execute(
-            "SELECT node_id, slot, state, joined_round, gone_in_round FROM members ORDER BY slot"
-        )
-        return [MemberRow(r[0], r[1], MemberState(r[2]), r[3], r[4]) for r in rows]
+        rows = self._conn.execute(f"SELECT {self._MEMBER_COLS} FROM members ORDER BY slot")
+        return [MemberRow(r[0], r[1], MemberState(r[2]), *r[3:]) for r in rows]
 
     def member(self, node_id: str) -> MemberRow | None:
         row = self._conn.execute(
-            "SELECT node_id, slot, state, joined_round, gone_in_round FROM members WHERE node_id=?",
-            (node_id,),
+            f"SELECT {self._MEMBER_COLS} FROM members WHERE node_id=?", (node_id,)
         ).fetchone()
         return None if row is None else MemberRow(row[0], row[1], MemberState(row[2]), *row[3:])
 
@@ -145,6 +157,9 @@ class Database:
             "UPDATE members SET state=?, joined_round=?, gone_in_round=? WHERE node_id=?",
             (state.value, joined_round, gone_in_round, node_id),
         )
+
+    def bind_instance(self, node_id: str, instance: str | None) -> None:
+        self._conn.execute("UPDATE members SET instance=? WHERE node_id=?", (instance, node_id))
 
     # rounds
     @staticmethod
@@ -284,18 +299,19 @@ class Database:
         return int(n)
 
     # reports
-    def record_report(self, round_: int, node_id: str, fingerprint: str, report_json: str) -> None:
-        """Record a node's report of a round; its first report stays.
+    def record_report(self, round_: int, node_id: str, fingerprint: str, report_json: str) -> bool:
+        """Record a node's report of a round; its first report stays. True if this was it.
 
         A node that resynchronises replays rounds it already reported; the first report (what
         it held when it took part, with its mass account and timings) is the history to keep,
         including a fingerprint that was wrong at the time.
         """
-        self._conn.execute(
+        cur = self._conn.execute(
             "INSERT INTO reports(round, node_id, fingerprint, report) VALUES(?,?,?,?)"
             " ON CONFLICT(round, node_id) DO NOTHING",
             (round_, node_id, fingerprint, report_json),
         )
+        return cur.rowcount == 1
 
     def reported_fingerprints(self, round_: int) -> list[str]:
         rows = self._conn.execute(
@@ -361,3 +377,12 @@ class Database:
             self._conn.execute("UPDATE checkpoints SET published=1 WHERE round=?", (round_,))
         if pruned:
             self._conn.execute("UPDATE checkpoints SET pruned=1 WHERE round=?", (round_,))
+
+    # retention's counts
+    def add_deleted(self, kind: str, n: int) -> None:
+        """Add ``n`` to retention's persistent count of deleted ``kind`` objects."""
+        self._conn.execute(
+            "INSERT INTO meta(key, value) VALUES(?, ?)"
+            " ON CONFLICT(key) DO UPDATE SET value=CAST(value AS INTEGER) + ?",
+            (DELETED + kind, str(n), n),
+        )

@@ -7,20 +7,30 @@ other module knows which library talks to the store::
 
     SparseLoCoError                            (protocol.errors; also ConfigError, ManifestError...)
     ├── ApiError (RuntimeError)                any status: a request refused before the machine
-    │                                          saw it (bad token, bad body, no checkpoint yet)
+    │                                          saw it (bad token, revoked token, bad body...)
     ├── RoundError (RuntimeError)              the round or checkpoint state refuses the request;
     │   │                                      ``.code`` is the API error code
     │   ├── UnknownRound (LookupError)   404   the round does not exist (yet)
     │   ├── Conflict                     409   well formed, but at odds with the state
+    │   │   └── TokenInUse               409   another process holds this node's membership;
+    │   │                                      ``.retry_after_s`` until it may be taken over
     │   └── TooLarge (ValueError)        413   a checkpoint over ``max_checkpoint_bytes``
-    └── StorageError (OSError)           503   the object store failed or refused; ``.code`` is
-                                               the store's own error code when it sent one
+    ├── StorageError (OSError)           503   the object store failed or refused; ``.code`` is
+    │                                          the store's own error code when it sent one
+    ├── StartupError (RuntimeError)            a start-up check failed (port in use, store
+    │                                          unreachable, credentials, bucket): nothing was
+    │                                          written, the process exits with status 1
+    └── TokenAdminError (ValueError)           ``coordinator token ...`` refused (a node that
+                                               already has a token, nothing to revoke, no
+                                               database in the state directory)
 
 ``RuntimeError`` for a refused request mirrors the node's side of the same answer
 (``node.errors.CoordinatorError``). ``TRANSIENT`` names the errors a background task retries.
 """
 
 from __future__ import annotations
+
+import math
 
 from protocol.errors import SparseLoCoError
 
@@ -56,6 +66,23 @@ class Conflict(RoundError):
     """The request is well formed but conflicts with the state (HTTP 409)."""
 
 
+class TokenInUse(Conflict):
+    """Another process (instance) holds this node's active membership (HTTP 409).
+
+    ``retry_after_s`` is how long until that process counts as gone if it stays silent.
+    """
+
+    def __init__(self, node_id: str, retry_after_s: float) -> None:
+        #: Whole seconds to wait, as the message and the ``Retry-After`` header say.
+        self.wait_s = max(1, math.ceil(retry_after_s))
+        super().__init__(
+            "token_in_use",
+            f"another process is using the token of {node_id}; stop it, or wait {self.wait_s} s"
+            " for the coordinator to count it as gone",
+        )
+        self.retry_after_s = retry_after_s
+
+
 class TooLarge(RoundError, ValueError):
     """The offered checkpoint exceeds the size limit (HTTP 413); ``field`` names the field."""
 
@@ -74,6 +101,14 @@ class StorageError(SparseLoCoError, OSError):
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class StartupError(SparseLoCoError, RuntimeError):
+    """A check before serving failed; the message says what and how to fix it (no secrets)."""
+
+
+class TokenAdminError(SparseLoCoError, ValueError):
+    """An operator's token command cannot be done as asked; the message says why."""
 
 
 #: Errors a background task (publisher, retention) retries: the store is down, slow or refusing

@@ -5,22 +5,36 @@ Handlers are thin: they authenticate the bearer token, validate the body with th
 we answer), and let ``coordinator.handling`` map every failure to an ``ErrorBody``. The object
 store calls (presigning, HEAD checks) happen here, around the synchronous state changes.
 ``HANDLERS`` has one entry per endpoint name; ``coordinator.app`` registers them by that name.
+
+The dashboard (``GET /`` and its script and style sheet) is three static files shipped as package
+data in ``coordinator/dashboard/``; the page itself polls ``GET /v1/status``, so it needs nothing
+else from the coordinator. Its headers allow only this origin's own files to load or run.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from importlib import resources
 
 from aiohttp import web
 
 from coordinator.errors import ApiError, Conflict
-from coordinator.handling import Handler, node_of, ok, query_number, read_body, round_of
+from coordinator.handling import (
+    Handler,
+    instance_of,
+    node_of,
+    ok,
+    query_number,
+    read_body,
+    round_of,
+)
 from coordinator.metrics import CONTENT_TYPE
 from coordinator.openapi import openapi_document
 from coordinator.service import COORDINATOR, Coordinator
 from coordinator.status import build_status
 from coordinator.storage import ObjectInfo, sha256_b64
-from protocol.keys import payload_key
+from protocol.keys import payload_key, probe_key
 from protocol.messages import (
     Ack,
     CheckpointUpload,
@@ -28,11 +42,14 @@ from protocol.messages import (
     JoinRequest,
     JoinResponse,
     ManifestView,
+    ProbeGrant,
+    ProbeRequest,
     RoundReport,
     SubmitRequest,
     UploadGrant,
     UploadRequest,
 )
+from protocol.routes import ROUTES
 
 log = logging.getLogger("sparseloco.coordinator.app")
 
@@ -67,9 +84,10 @@ def _payload_key(coord: Coordinator, node_id: str, round_: int) -> str:
 
 async def join(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    node_id = node_of(request)
+    node_id = node_of(request, bound=False)  # the join checks the process, with its body
     req = await read_body(request, JoinRequest)
-    slot = coord.machine.join(node_id, req.client)
+    instance = req.instance or instance_of(request)
+    slot = coord.machine.join(node_id, req.client, instance, req.previous_instance)
     timing = coord.config.run.timing
     return ok(
         JoinResponse(
@@ -147,7 +165,8 @@ async def report(request: web.Request) -> web.Response:
     node_id = node_of(request)
     round_ = round_of(request)
     body = await read_body(request, RoundReport)
-    coord.machine.report(node_id, round_, body)
+    if coord.machine.report(node_id, round_, body):
+        coord.metrics.nodes.observe(node_id, round_, body)
     return ok(Ack())
 
 
@@ -232,7 +251,61 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=coord.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+#: Headers of every dashboard file: never served stale, and nothing but this origin's own
+#: script, style sheet and API may load or run on the page (no inline code, no framing).
+DASHBOARD_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": (
+        "default-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+@functools.cache
+def _dashboard_file(name: str) -> bytes:
+    return resources.files("coordinator").joinpath("dashboard", name).read_bytes()
+
+
+def _dashboard(endpoint: str, file: str) -> Handler:
+    """The handler serving ``coordinator/dashboard/{file}`` as the route table types it."""
+    media_type = ROUTES[endpoint].media_type
+
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(
+            body=_dashboard_file(file),
+            content_type=media_type,
+            charset="utf-8",
+            headers=DASHBOARD_HEADERS,
+        )
+
+    return serve
+
+
+async def probe(request: web.Request) -> web.Response:
+    """A throwaway object for ``sparseloco doctor``: one per node, replaced at each probe."""
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    req = await read_body(request, ProbeRequest)
+    key = probe_key(coord.config.storage.prefix, coord.machine.run_id, node_id)
+    await coord.store.delete_keys([key])  # write-once: the previous probe must go first
+    grant = _grant(coord, key, req.size, req.sha256)
+    log.info("event=probe_granted node=%s size=%d", node_id, req.size)
+    return ok(
+        ProbeGrant(
+            key=key,
+            put_url=grant.url,
+            put_headers=grant.headers,
+            get_url=coord.store.presign_get(key),
+            expires_in_s=grant.expires_in_s,
+        )
+    )
+
+
 HANDLERS: dict[str, Handler] = {
+    "probe": probe,
     "join": join,
     "heartbeat": heartbeat,
     "leave": leave,
@@ -247,4 +320,7 @@ HANDLERS: dict[str, Handler] = {
     "status": status,
     "openapi": openapi,
     "metrics": metrics,
+    "dashboard": _dashboard("dashboard", "index.html"),
+    "dashboard_script": _dashboard("dashboard_script", "app.js"),
+    "dashboard_style": _dashboard("dashboard_style", "style.css"),
 }

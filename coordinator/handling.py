@@ -4,37 +4,59 @@ Kept apart from ``coordinator.handlers`` so the handlers read as what they do. E
 becomes an ``ErrorBody`` (the classes are ``coordinator.errors``)::
 
     400 bad_json      body is not JSON             401 unauthorized   no or unknown token
-    404 unknown_round / not_found / no_checkpoint  409 round_closed, round_open, not_expected,
-    413 too_large     body, payload or checkpoint      not_member, already_submitted, not_needed,
-                      too big                          wrong_fingerprint, not_granted, missing
-    422 invalid       validation failed (field = dotted location of the first error)
+    404 unknown_round / not_found / no_checkpoint  401 token_revoked  the operator revoked it
+    413 too_large     body, payload or checkpoint  409 round_closed, round_open, not_expected,
+                      too big                          not_member, already_submitted, not_needed,
+    422 invalid       validation failed (field =       wrong_fingerprint, not_granted, missing
+                      dotted location of the       409 token_in_use   another process holds this
+                      first error)                     node (with a Retry-After header)
     503 storage_unavailable                        the object store did not answer
+
+Authentication (``node_of``) checks the bearer token against the ``TokenBook`` and, when the
+request names its process (the ``X-Sparseloco-Instance`` header), that no other live process
+holds the node's membership.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from coordinator.errors import ApiError, RoundError, StorageError, TooLarge, UnknownRound
+from coordinator.errors import (
+    ApiError,
+    RoundError,
+    StorageError,
+    TokenInUse,
+    TooLarge,
+    UnknownRound,
+)
+from coordinator.service import COORDINATOR
+from coordinator.tokens import TokenBook
 from protocol.errors import problems
-from protocol.messages import ErrorBody
+from protocol.messages import INSTANCE_HEADER, INSTANCE_PATTERN, ErrorBody
 
 log = logging.getLogger("sparseloco.coordinator.app")
 
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-#: token -> node id, for authentication.
-TOKENS = web.AppKey("tokens", dict)
+#: The node tokens, for authentication.
+TOKENS = web.AppKey("tokens", TokenBook)
 
 
-def error(status: int, code: str, message: str, field: str | None = None) -> web.Response:
+def error(
+    status: int,
+    code: str,
+    message: str,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
     body = ErrorBody(error=code, message=message, field=field)
-    return web.json_response(text=body.model_dump_json(), status=status)
+    return web.json_response(text=body.model_dump_json(), status=status, headers=headers)
 
 
 def ok(model: BaseModel, status: int = 200) -> web.Response:
@@ -51,6 +73,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error(404, exc.code, exc.message)
     except TooLarge as exc:
         return error(413, exc.code, exc.message, exc.field)
+    except TokenInUse as exc:
+        return error(409, exc.code, exc.message, headers={"Retry-After": str(exc.wait_s)})
     except RoundError as exc:
         return error(409, exc.code, exc.message)
     except web.HTTPRequestEntityTooLarge as exc:
@@ -65,14 +89,33 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error(exc.status, code, exc.reason)
 
 
-def node_of(request: web.Request) -> str:
-    """The node id of the request's bearer token; 401 without a known one."""
+def node_of(request: web.Request, *, bound: bool = True) -> str:
+    """The node id of the request's bearer token (401 without a valid one), once the request's
+    process may speak for it (409 ``token_in_use`` while another live process holds it).
+
+    ``bound=False`` leaves the process check to the caller (a join decides it with its body).
+    """
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    node_id = request.app[TOKENS].get(token.strip()) if scheme == "Bearer" else None
-    if node_id is None:
-        raise ApiError(401, "unauthorized", "send Authorization: Bearer <token> from the config")
-    return str(node_id)
+    if scheme != "Bearer" or not token.strip():
+        raise ApiError(401, "unauthorized", "send Authorization: Bearer <token>")
+    node_id = request.app[TOKENS].authenticate(token.strip())
+    instance = instance_of(request)
+    if bound:
+        request.app[COORDINATOR].machine.check_instance(node_id, instance)
+    return node_id
+
+
+def instance_of(request: web.Request) -> str | None:
+    """The process id the request carries (``X-Sparseloco-Instance``); 422 if malformed."""
+    value = request.headers.get(INSTANCE_HEADER)
+    if value is None:
+        return None
+    if not re.fullmatch(INSTANCE_PATTERN, value):
+        raise ApiError(
+            422, "invalid", f"{INSTANCE_HEADER} must be 8-64 of A-Z a-z 0-9 _ -", INSTANCE_HEADER
+        )
+    return value
 
 
 async def read_body(request: web.Request, model: type[M]) -> M:

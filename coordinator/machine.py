@@ -9,7 +9,11 @@ a leave or a timeout does to the rounds.
 
 Round life: ``waiting`` (fewer active members than ``min_nodes``) -> ``open`` (with a deadline)
 -> ``closed`` (manifest signed, stored). Closing round r creates r+1, open at once if enough
-members are active; closing the run's last round finishes the run.
+members are active; closing the run's last round finishes the run, and every active member with
+it (``finished``, never ``timed out``).
+
+Rounds are numbered from 0 everywhere (API, keys, logs); ``round_closed`` logs the round's
+number and ``done=N/R``, how many of the run's R rounds are closed with it.
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ class RoundMachine:
             db, heartbeat_timeout_s=run.timing.heartbeat_timeout_s, now=clock()
         )
         cur = self._current()
+        if cur.state == RoundState.CLOSED:
+            # A database written before members finished with the run may still list them as
+            # active; they would otherwise "time out" of a run that is over.
+            self.members.finish(cur.round)
         log.info("event=state_loaded run=%s round=%d state=%s", self.run_id, cur.round, cur.state)
 
     def _open_run(self) -> None:
@@ -124,19 +132,49 @@ class RoundMachine:
         )
 
     # ---- membership ----------------------------------------------------------------------
-    def join(self, node_id: str, client: str = "") -> int:
-        """Make ``node_id`` an active member (it may open a waiting round); returns its slot."""
+    def join(
+        self,
+        node_id: str,
+        client: str = "",
+        instance: str | None = None,
+        previous: str | None = None,
+    ) -> int:
+        """Make ``node_id`` an active member (it may open a waiting round); returns its slot.
+
+        ``instance`` binds the member to the joining process; ``previous`` is the process it
+        succeeds on the same state directory (``Membership.check_instance``).
+        """
         now = self.clock()
         with self.db.tx():
             cur = self._current()
-            if cur.state == RoundState.CLOSED:
+            finished = cur.state == RoundState.CLOSED
+            if finished:
                 joined = self.run.rounds
             else:
                 has_subs = self.db.count_submissions(cur.round) > 0
                 joined = rounds.joined_round_for(cur.state, cur.round, has_subs)
-            slot = self.members.join(node_id, client, joined=joined, current=cur.round, now=now)
+            slot = self.members.join(
+                node_id,
+                client,
+                joined=joined,
+                current=cur.round,
+                now=now,
+                instance=instance,
+                previous=previous,
+                finished=finished,
+            )
             self._maybe_open(now)
         return slot
+
+    def check_instance(self, node_id: str, instance: str | None) -> None:
+        """Refuse a call from a process other than the one ``node_id``'s membership is bound to."""
+        self.members.check_instance(node_id, instance, self.clock())
+
+    def revoke(self, node_ids: set[str]) -> list[SignedManifest]:
+        """Their tokens were revoked: they take no part any more; an open round stops waiting."""
+        current = self._current().round
+        changed = [n for n in sorted(node_ids) if self.members.revoke(n, current)]
+        return self._maybe_close(self.clock()) if changed else []
 
     def heartbeat(self, node_id: str) -> RoundView:
         self.members.heartbeat(node_id, self.clock())
@@ -286,20 +324,28 @@ class RoundMachine:
             ):
                 raise Conflict("round_closed", f"round {round_} closed concurrently")
             nxt = round_ + 1
+            finished = 0
             if nxt < self.run.rounds:
                 if self.members.active_count() >= self.run.min_nodes:
                     length = self._deadline_length()
                     self.db.insert_round(nxt, RoundState.OPEN, now, now + length)
                 else:
                     self.db.insert_round(nxt, RoundState.WAITING, None, None)
+            else:
+                finished = self.members.finish(round_)
         log.info(
-            "event=round_closed round=%d gather=%d excluded=%d duration_s=%.2f finished=%s",
+            "event=round_closed round=%d done=%d/%d gather=%d excluded=%d duration_s=%.2f"
+            " finished=%s",
             round_,
+            nxt,
+            self.run.rounds,
             len(decision.gather),
             len(decision.excluded),
             now - row.started_at,
             nxt >= self.run.rounds,
         )
+        if nxt >= self.run.rounds:
+            log.info("event=run_finished rounds=%d members_finished=%d", nxt, finished)
         return signed
 
     # ---- manifests and reports -----------------------------------------------------------
@@ -312,17 +358,21 @@ class RoundMachine:
             return None
         return SignedManifest.model_validate_json(row.signed_manifest)
 
-    def report(self, node_id: str, round_: int, report: RoundReport) -> None:
+    def report(self, node_id: str, round_: int, report: RoundReport) -> bool:
+        """Record ``node_id``'s report of closed ``round_``; True if it is its first for it."""
         row = self.db.get_round(round_)
         if row is None:
             raise UnknownRound(round_)
         if row.state != RoundState.CLOSED:
             raise Conflict("round_open", f"round {round_} is not closed yet; report after it")
         with self.db.tx():
-            self.db.record_report(round_, node_id, report.fingerprint, report.model_dump_json())
+            first = self.db.record_report(
+                round_, node_id, report.fingerprint, report.model_dump_json()
+            )
         log.info(
             "event=reported round=%d node=%s fingerprint=%s", round_, node_id, report.fingerprint
         )
+        return first
 
 
 def _submission(row: SubmissionRow) -> rounds.Submission:

@@ -1,9 +1,19 @@
 """Membership: who takes part in the run, and when each member was last heard from.
 
 A node joins (or rejoins) and becomes ``active``; it stays active while it heartbeats within
-``heartbeat_timeout_s``, and becomes ``left`` when it says goodbye or ``timed_out`` when it falls
-silent. Its slot is fixed at its first join. Which round a joiner starts with is a round rule
+``heartbeat_timeout_s``, and becomes ``left`` when it says goodbye, ``timed out`` when it falls
+silent, ``revoked`` when the operator revokes its token, and ``finished`` when the run's last
+round closes while it is active (or when it joins a finished run): a normal end is not a
+timeout. Its slot is fixed at its first join. Which round a joiner starts with is a round rule
 (``rounds.joined_round_for``), so the round machine decides it and hands it over.
+
+An active member is bound to the process that joined it (its ``instance``, a random id the node
+sends). Another process presenting the same token is refused (``TokenInUse``) while the member
+is active and was heard from within the heartbeat timeout; after that timeout, or after a clean
+leave, a new process may join and take over. So may, at once, a process that names the bound
+one as its predecessor on the same state directory (``previous``: the node restarted after a
+crash; only a process with that directory knows the id). A request without an instance id (a
+client older than the binding) is not checked.
 
 Kept apart from the round machine because it owns the one piece of state that is not in the
 database: the last heartbeat of every active member. That is deliberately not persisted: after a
@@ -17,7 +27,7 @@ import logging
 
 from coordinator import rounds
 from coordinator.db import Database, MemberRow
-from coordinator.errors import Conflict
+from coordinator.errors import Conflict, TokenInUse
 from protocol.messages import MemberState
 
 log = logging.getLogger("sparseloco.coordinator.membership")
@@ -46,44 +56,101 @@ class Membership:
         member = self.db.member(node_id)
         return member is not None and rounds.is_expected(rule_member(member), round_)
 
-    def join(self, node_id: str, client: str, *, joined: int, current: int, now: float) -> int:
+    def check_instance(
+        self, node_id: str, instance: str | None, now: float, previous: str | None = None
+    ) -> None:
+        """Refuse (``TokenInUse``) any process but the one a live, active member is bound to,
+        or its successor on the same state directory (``previous`` names the bound one)."""
+        if instance is None:
+            return
+        member = self.db.member(node_id)
+        if member is None or member.state != MemberState.ACTIVE:
+            return
+        if member.instance is None or instance == member.instance:
+            return
+        if previous is not None and previous == member.instance:
+            log.info("event=took_over node=%s instance=%s previous=%s", node_id, instance, previous)
+            return
+        remaining = self.last_seen.get(node_id, now) + self.heartbeat_timeout_s - now
+        if remaining > 0:
+            log.warning(
+                "event=token_in_use node=%s instance=%s bound=%s retry_after_s=%.1f",
+                node_id,
+                instance,
+                member.instance,
+                remaining,
+            )
+            raise TokenInUse(node_id, remaining)
+
+    def join(
+        self,
+        node_id: str,
+        client: str,
+        *,
+        joined: int,
+        current: int,
+        now: float,
+        instance: str | None = None,
+        previous: str | None = None,
+        finished: bool = False,
+    ) -> int:
         """Make ``node_id`` active, taking part from round ``joined``; returns its slot.
 
         ``current`` is the round in progress: an active member that already takes part in it
-        (a retried join) keeps the round it joined in.
+        (a retried join) keeps the round it joined in. The member is bound to ``instance``,
+        unless another live process holds it (``TokenInUse``; ``previous`` may take over from
+        the process it names, see ``check_instance``). In a ``finished`` run the member
+        is recorded as finished: there is nothing left to take part in, or to time out of.
         """
         with self.db.tx():
+            self.check_instance(node_id, instance, now, previous)
             member = self.db.member(node_id)
+            state = MemberState.FINISHED if finished else MemberState.ACTIVE
             if member is None:
                 slot = self.db.add_member(node_id, joined, client)
+                self.db.set_member(node_id, state, joined, None)
             else:
                 slot = member.slot
                 if member.state == MemberState.ACTIVE and member.joined_round <= current:
                     joined = member.joined_round
-                self.db.set_member(node_id, MemberState.ACTIVE, joined, None)
-            self.last_seen[node_id] = now
+                self.db.set_member(node_id, state, joined, None)
+            self.db.bind_instance(node_id, instance)
+            if not finished:
+                self.last_seen[node_id] = now
         log.info(
-            "event=joined node=%s slot=%d joined_round=%d round=%d returning=%s",
+            "event=joined node=%s slot=%d joined_round=%d round=%d returning=%s instance=%s%s",
             node_id,
             slot,
             joined,
             current,
             member is not None,
+            instance or "-",
+            " run_finished=true" if finished else "",
         )
         return slot
 
     def heartbeat(self, node_id: str, now: float) -> None:
-        """Note that ``node_id`` is alive; ``not_member`` unless it is an active member."""
+        """Note that ``node_id`` is alive; ``not_member`` unless it is an active member.
+
+        A finished member may still beat (it may be replaying the last rounds); nothing changes.
+        """
         member = self.db.member(node_id)
+        if member is not None and member.state == MemberState.FINISHED:
+            return
         if member is None or member.state != MemberState.ACTIVE:
             raise Conflict("not_member", f"{node_id} is not an active member; join again")
         self.last_seen[node_id] = now
 
     def leave(self, node_id: str, current: int) -> None:
-        """Mark ``node_id`` as left during round ``current``; ``not_member`` if it never joined."""
+        """Mark ``node_id`` as left during round ``current``; ``not_member`` if it never joined.
+
+        A finished member stays finished: leaving after the end is the normal way out.
+        """
         member = self.db.member(node_id)
         if member is None:
             raise Conflict("not_member", f"{node_id} never joined")
+        if member.state == MemberState.FINISHED:
+            return
         with self.db.tx():
             self.db.set_member(node_id, MemberState.LEFT, member.joined_round, current)
         self.last_seen.pop(node_id, None)
@@ -109,6 +176,36 @@ class Membership:
                 current,
                 now - seen,
             )
+
+    def revoke(self, node_id: str, current: int) -> bool:
+        """The node's token was revoked: it takes no further part; whether anything changed.
+
+        An active member counts as gone in round ``current`` (so that round no longer waits for
+        it); a member that already left or timed out keeps the round it went in.
+        """
+        member = self.db.member(node_id)
+        if member is None or member.state in (MemberState.REVOKED, MemberState.FINISHED):
+            return False
+        gone = current if member.state == MemberState.ACTIVE else member.gone_in_round
+        with self.db.tx():
+            self.db.set_member(node_id, MemberState.REVOKED, member.joined_round, gone)
+        self.last_seen.pop(node_id, None)
+        log.warning("event=revoked node=%s round=%d was=%s", node_id, current, member.state)
+        return True
+
+    def finish(self, last_round: int) -> int:
+        """The run's last round closed: every active member finished; how many."""
+        finished = 0
+        for member in self.db.members():
+            if member.state != MemberState.ACTIVE:
+                continue
+            with self.db.tx():
+                self.db.set_member(
+                    member.node_id, MemberState.FINISHED, member.joined_round, last_round
+                )
+            self.last_seen.pop(member.node_id, None)
+            finished += 1
+        return finished
 
 
 def rule_member(row: MemberRow) -> rounds.Member:

@@ -73,7 +73,7 @@ def openapi_document(version: str = "1") -> dict[str, Any]:
                 "content": {"application/json": {"schema": _ref(model)}},
             }
         if not ep.responses:
-            kind = "application/json" if ep.json else "text/plain"
+            kind = "application/json" if ep.json else ep.media_type
             op["responses"]["200"] = {"description": "OK", "content": {kind: {}}}
         for status in ep.errors:
             op["responses"][str(status)] = {

@@ -12,8 +12,9 @@ once at start, and every ``RETRY_S`` seconds besides:
   their sidecar is published, so the publisher never writes a sidecar after its deletion.
 
 What was deleted is recorded (``meta.pruned_through``: every payload round up to it is gone;
-``checkpoints.pruned``), so no round is listed twice. Store errors are logged and retried at the
-next wake; they never stop the service.
+``checkpoints.pruned``), so no round is listed twice, and counted in the same transaction
+(``meta.deleted.payload``, ``meta.deleted.checkpoint``) for the metrics after a restart. Store
+errors are logged and retried at the next wake; they never stop the service.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Retention:
             n = await self.store.delete_prefix(prefix)
             with self.db.tx():
                 self.db.set_meta(PRUNED_THROUGH, str(round_))
+                self.db.add_deleted("payload", n)
             self._count("payload", n)
             deleted += n
             log.info("event=pruned round=%d objects=%d", round_, n)
@@ -110,6 +112,7 @@ class Retention:
             n = await self.store.delete_keys([key, sidecar_key(key)])
             with self.db.tx():
                 self.db.mark_checkpoint(round_, pruned=True)
+                self.db.add_deleted("checkpoint", n)
             self._count("checkpoint", n)
             deleted += n
             log.info("event=checkpoint_pruned round=%d objects=%d", round_, n)

@@ -121,7 +121,7 @@ def decide_close(
     """Gather at most ``gather_size`` valid submissions in arrival order; say why others are out.
 
     Valid: not rejected on arrival, and trained from the round's base fingerprint. Expected
-    members without a submission are excluded as missed deadline, left or timed out.
+    members without a submission are excluded as missed deadline, left, timed out or revoked.
     """
     if gather_size < 1:
         raise ValueError(f"gather_size must be >= 1, got {gather_size}")
@@ -155,6 +155,8 @@ def absent_reason(state: MemberState) -> Exclusion:
         return Exclusion.LEFT
     if state == MemberState.TIMED_OUT:
         return Exclusion.TIMED_OUT
+    if state == MemberState.REVOKED:
+        return Exclusion.REVOKED
     return Exclusion.MISSED_DEADLINE
 
 

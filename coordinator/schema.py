@@ -3,8 +3,12 @@
 One SQLite file in the state directory (``DB_FILE``), in WAL mode with full sync, so a commit
 survives a crash of the process or the machine. The tables::
 
-    meta                 run id, run config, how far publishing and retention got
-    members              every node that ever joined: slot, state, the round it joined or left
+    meta                 run id, run config, how far publishing and retention got, the tokens'
+                         change counter, retention's deletion counts
+    members              every node that ever joined: slot, state, the round it joined or left,
+                         the process instance an active member is bound to
+    tokens               every node token ever issued, as its sha256: node, state, source,
+                         created, revoked, last used (``coordinator.tokens``)
     rounds               every round: state, times, deadline, base fingerprint, signed manifest
     submissions          each node's submission to a round, in arrival order (``seq``)
     reports              each node's report after applying a closed round (first one kept)
@@ -12,7 +16,11 @@ survives a crash of the process or the machine. The tables::
     checkpoints          committed checkpoints, and whether published and pruned
 
 Kept apart from ``coordinator.db`` (the typed reads and writes) so the layout reads in one place.
-Tables are created if missing; nothing migrates yet (``SCHEMA_VERSION`` is 1).
+The version lives in SQLite's ``user_version``. A new file gets every table at the current
+version; an older file is brought forward one step at a time (``MIGRATIONS``), each step in one
+transaction, so a crash mid-upgrade leaves the old version intact. Version 1 files were never
+stamped (their ``user_version`` is 0): a file with tables and version 0 is version 1. A file
+newer than this code is refused rather than misread.
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from protocol.errors import ConfigError
+
 DB_FILE = "coordinator.sqlite"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -31,7 +41,8 @@ CREATE TABLE IF NOT EXISTS members (
     state TEXT NOT NULL,
     joined_round INTEGER NOT NULL,
     gone_in_round INTEGER,
-    client TEXT NOT NULL DEFAULT ''
+    client TEXT NOT NULL DEFAULT '',
+    instance TEXT
 );
 CREATE TABLE IF NOT EXISTS rounds (
     round INTEGER PRIMARY KEY,
@@ -73,7 +84,23 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     published INTEGER NOT NULL DEFAULT 0,
     pruned INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS tokens (
+    hash TEXT PRIMARY KEY,
+    node_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    source TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked_at REAL,
+    last_used REAL
+);
+CREATE INDEX IF NOT EXISTS tokens_by_node ON tokens(node_id);
 """
+
+#: Statements that bring a file of version ``v`` to ``v + 1``, keyed by ``v``.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    # 1 -> 2: node tokens in the database (the table comes from SCHEMA), instance binding.
+    1: ("ALTER TABLE members ADD COLUMN instance TEXT",),
+}
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -85,5 +112,53 @@ def connect(path: Path) -> sqlite3.Connection:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
     conn.execute("PRAGMA foreign_keys=ON")
-    conn.executescript(SCHEMA)
+    try:
+        _upgrade(conn, path)
+    except BaseException:
+        conn.close()
+        raise
     return conn
+
+
+def schema_version(conn: sqlite3.Connection) -> int:
+    """The file's schema version: ``user_version``, or 1 for an unstamped file with tables."""
+    (stamped,) = conn.execute("PRAGMA user_version").fetchone()
+    if stamped:
+        return int(stamped)
+    (tables,) = conn.execute(
+        "SELECT COUNT(*) FROM sqlite_master WHERE type='table' AND name='members'"
+    ).fetchone()
+    return 1 if tables else 0
+
+
+def _upgrade(conn: sqlite3.Connection, path: Path) -> None:
+    """Create the tables of a new file, or migrate an older one to ``SCHEMA_VERSION``."""
+    version = schema_version(conn)
+    if version > SCHEMA_VERSION:
+        raise ConfigError(
+            f"{path} has schema version {version}, newer than this coordinator's"
+            f" {SCHEMA_VERSION}; run the newer coordinator, or use another --state-dir"
+        )
+    if version == SCHEMA_VERSION:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        # Re-read under the write lock: another process may have upgraded the file meanwhile.
+        version = schema_version(conn)
+        if version:  # an existing file: one step at a time (a new one has nothing to migrate)
+            for step in range(version, SCHEMA_VERSION):
+                for statement in MIGRATIONS[step]:
+                    conn.execute(statement)
+        if version < SCHEMA_VERSION:
+            for statement in _statements(SCHEMA):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _statements(script: str) -> list[str]:
+    """The statements of ``script`` (``executescript`` would commit the open transaction)."""
+    return [s.strip() for s in script.split(";") if s.strip()]

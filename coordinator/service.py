@@ -2,7 +2,8 @@
 
 ``coordinator.app`` builds one per app and keeps it under the ``COORDINATOR`` key;
 ``coordinator.handlers`` reads it from the request. It also owns the long-polls waiting for a
-round to close, and what follows a close: wake them, count it, publish, prune.
+round to close, what follows a close (wake them, count it, publish, prune), and what follows a
+token revocation made by the operator's command (the member is out, the round stops waiting).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from coordinator.publisher import ManifestPublisher
 from coordinator.retention import Retention
 from coordinator.signing import ManifestSigner
 from coordinator.storage import ObjectStore
+from coordinator.tokens import TokenBook
 from protocol.messages import SignedManifest
 
 
@@ -36,7 +38,7 @@ class Coordinator:
     metrics: CoordinatorMetrics
     publisher: ManifestPublisher
     retention: Retention
-    tokens: dict[str, str]  # token -> node id
+    tokens: TokenBook
     waiters: dict[int, asyncio.Event] = field(default_factory=dict)
     stopping: bool = False
 
@@ -51,6 +53,13 @@ class Coordinator:
                 event.set()
         self.publisher.kick()
         self.retention.kick()
+
+    def apply_token_changes(self) -> None:
+        """Take out every member whose token was revoked since the last call; note token use."""
+        revoked = self.tokens.take_revoked()
+        if revoked:
+            self.after_close(self.machine.revoke(revoked))
+        self.tokens.flush_used()
 
     async def wait_closed(self, round_: int, timeout: float) -> None:
         """Return when ``round_`` closes, the server stops, or after ``timeout`` seconds."""

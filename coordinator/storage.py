@@ -135,6 +135,10 @@ class S3Store:
         except BotoCoreError as exc:
             raise StorageError(f"{what}: {exc}") from exc
 
+    async def check_bucket(self) -> None:
+        """HEAD the bucket: ``StorageError`` (code ``404``, ``403``...) unless it is reachable."""
+        await self._call(f"head bucket {self.bucket}", "head_bucket")
+
     async def head(self, key: str) -> ObjectInfo | None:
         try:
             resp = await self._call(f"head {key}", "head_object", Key=key, ChecksumMode="ENABLED")

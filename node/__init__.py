@@ -1,4 +1,4 @@
-"""The participant: everything one node of a SparseLoCo run does, in four rooms.
+"""The participant: everything one node of a SparseLoCo run does, in five rooms.
 
 ::
 
@@ -11,9 +11,11 @@
                 display, and the benchmarks (codec, quality, networked round).
     cluster/    ``sparseloco up``: an embedded SeaweedFS store, a coordinator and N nodes as real
                 processes on this machine, with a live view.
+    tools/      commands beside the daemon: ``store`` (the embedded store for a real run),
+                ``doctor`` (can this machine take part?) and ``export`` (the verified model).
     cli.py      the ``sparseloco`` command; ``errors.py`` the node's exception tree;
     corpus/     the bundled demo corpus (public-domain plays).
 
-Layering: ``compute`` imports only ``protocol``; ``daemon`` builds on ``compute``; ``research``
-and ``cluster`` build on both. Nothing here imports ``coordinator``.
+Layering: ``compute`` imports only ``protocol``; ``daemon`` builds on ``compute``; ``research``,
+``cluster`` and ``tools`` build on both. Nothing here imports ``coordinator``.
 """

@@ -4,13 +4,17 @@ Subcommands:
 
 - ``up``: a whole local run (embedded object store, coordinator, N nodes), the main job;
 - ``node``: the node daemon, joining a coordinator with a token;
-- ``coordinator``: the coordinator service (``python -m coordinator``, run as its own process:
+- ``coordinator``: the coordinator service and its token administration (``python -m
+  coordinator``, run as its own process with every argument passed on, ``--help`` included:
   ``node`` and ``coordinator`` never import each other);
+- ``store``: the embedded S3-compatible store for a run on one machine (``node.tools.commands``);
+- ``doctor``: can this machine take part in that run (``node.tools.doctor``);
+- ``export``: the run's newest checkpoint as a verified safetensors file (``node.tools.export``);
 - ``simulate``: SparseLoCo, DiLoCo and DDP in one process;
 - ``bench``: ``codec`` (payload size, speed, memory) and ``quality`` (the three algorithms).
 
 Each subcommand parses its flags into a validated config; bad values fail at start with a
-message naming the flag.
+message naming the flag, before anything heavy (torch) is imported.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from node.tools.commands import add_doctor, add_export, add_store
 from protocol.errors import Problem, SparseLoCoError, config_error
+from protocol.version import version_line
 
 log = logging.getLogger("sparseloco")
 
@@ -204,9 +210,9 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_node(args: argparse.Namespace) -> int:
-    from node.daemon.loop import run_node
     from node.daemon.settings import load_settings
 
+    # Settings first: a missing flag is an error in a moment, not after torch has loaded.
     settings = load_settings(
         coordinator=args.coordinator,
         token=args.token,
@@ -214,24 +220,28 @@ def _cmd_node(args: argparse.Namespace) -> int:
         data=args.data,
         threads=args.threads,
     )
+    from node.daemon.loop import run_node
+
     return run_node(settings)
 
 
 def _add_coordinator(sub: argparse._SubParsersAction) -> None:
+    # No flags of its own, not even --help: ``main`` hands every argument after the word
+    # ``coordinator`` to ``python -m coordinator`` (argparse.REMAINDER would drop leading flags).
     p = sub.add_parser(
         "coordinator",
-        help="run the coordinator service (same flags as python -m coordinator)",
+        help="run the coordinator service, or manage its node tokens (coordinator --help)",
         add_help=False,
     )
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_coordinator)
+    p.set_defaults(func=_cmd_coordinator, forward=[])
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     # A separate interpreter image: the node package never imports the coordinator.
     import os
 
-    os.execv(sys.executable, [sys.executable, "-m", "coordinator", *args.rest])
+    env = dict(os.environ, SPARSELOCO_PROG="sparseloco coordinator")
+    os.execve(sys.executable, [sys.executable, "-m", "coordinator", *args.forward], env)
     return 0  # not reached
 
 
@@ -255,18 +265,33 @@ def build_parser() -> argparse.ArgumentParser:
         description="SparseLoCo: communication-efficient LLM pre-training over the internet.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=version_line("sparseloco"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_up(sub)
     _add_node(sub)
     _add_coordinator(sub)
+    add_store(sub)
+    add_doctor(sub)
+    add_export(sub)
     _add_simulate(sub)
     _add_bench(sub)
     return parser
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``; what follows ``coordinator`` is kept, unparsed, in ``args.forward``."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "coordinator":
+        args.forward = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparseloco`` console script."""
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",

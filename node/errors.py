@@ -13,6 +13,8 @@ Library errors (aiohttp, safetensors, the file system) are translated where they
     ├── TransientError (ConnectionError)     worth retrying: 5xx, 429, a dropped connection
     ├── RetriesExhausted (ConnectionError)   transient failures used up their attempts or budget;
     │                                        never retried again by an outer retry
+    ├── Refused (RuntimeError)               a refusal that cannot heal by waiting (revoked
+    │                                        token, another run); the message says what to do
     ├── StoreStartError (RuntimeError)       the embedded object store did not start
     └── UpError (RuntimeError)               a part of ``sparseloco up`` failed
 
@@ -67,6 +69,11 @@ class RetriesExhausted(SparseLoCoError, ConnectionError):
 
     Final: ``node.daemon.retry.retry`` re-raises it at once, so nested retries never multiply.
     """
+
+
+class Refused(SparseLoCoError, RuntimeError):
+    """The coordinator refused this node for good (a revoked or unknown token, another process
+    holding the token too long); waiting will not help, the message says what will."""
 
 
 class StoreStartError(SparseLoCoError, RuntimeError):

@@ -7,6 +7,7 @@ Every key of a run lives under ``{prefix}/runs/{run_id}/``::
     checkpoints/{round:08d}/model.safetensors   parameters at the start of a round
     checkpoints/{round:08d}/model.json          its sidecar: the committed CheckpointInfo
     checkpoints/latest.json                     which checkpoint is the newest
+    probes/{node_id}.bin                        a node's throwaway object (``sparseloco doctor``)
 
 Zero-padded rounds keep a plain listing in round order.
 """
@@ -62,3 +63,9 @@ def latest_checkpoint_key(prefix: str, run_id: str) -> str:
 def sidecar_key(key: str) -> str:
     """The ``.json`` sidecar next to a checkpoint's ``.safetensors`` file."""
     return key.removesuffix(".safetensors") + ".json"
+
+
+def probe_key(prefix: str, run_id: str, node_id: str) -> str:
+    """Key of ``node_id``'s probe object: what ``sparseloco doctor`` uploads and reads back."""
+    check_id("node id", node_id)
+    return f"{run_prefix(prefix, run_id)}probes/{node_id}.bin"

@@ -17,6 +17,12 @@ generated from the same source. Endpoints (all under ``/v1``, bearer-token auth)
     GET  /v1/checkpoints/latest                            -> CheckpointView (404 no_checkpoint)
     GET  /v1/status                                        -> StatusView
 
+Every node request also names its process in the ``X-Sparseloco-Instance`` header (a random id
+drawn at its start): while a member is active it is bound to that process, and a second process
+with the same token is refused with 409 ``token_in_use`` instead of silently taking its place.
+A process restarted on the same state directory names its predecessor at join
+(``previous_instance``) and takes over at once.
+
 A ``Manifest`` is the record of one closed round. The coordinator signs its canonical JSON
 with Ed25519 (``protocol.signing``) and stores ``SignedManifest`` in the object store; nodes
 verify the signature with the public key they received at join. The route table itself (method,
@@ -60,16 +66,36 @@ class Exclusion(StrEnum):
     OVER_LIMIT = "over limit"
     LEFT = "left"
     TIMED_OUT = "timed out"
+    REVOKED = "revoked"  # the operator revoked the node's token during the round
 
 
 class MemberState(StrEnum):
     ACTIVE = "active"
     LEFT = "left"
     TIMED_OUT = "timed out"
+    REVOKED = "revoked"  # the operator revoked its token; it takes no further part
+    FINISHED = "finished"  # took part until the run's last round closed
+
+
+#: The header every node request carries: a random id of the process, drawn at its start, so
+#: the coordinator can tell a second process using the same token from the first one.
+INSTANCE_HEADER = "X-Sparseloco-Instance"
+INSTANCE_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
+InstanceId = Annotated[str, StringConstraints(pattern=INSTANCE_PATTERN)]
 
 
 class JoinRequest(Message):
     client: str = Field("", max_length=128, description="free-form client name and version")
+    instance: InstanceId | None = Field(
+        None,
+        description="random id of the joining process (also sent as the X-Sparseloco-Instance"
+        " header); a member is bound to it while it is active",
+    )
+    previous_instance: InstanceId | None = Field(
+        None,
+        description="the instance that ran on this node's state directory before this process"
+        " (a restart after a crash): it may take over its membership at once",
+    )
 
 
 class RoundView(Message):
@@ -105,6 +131,27 @@ class UploadGrant(Message):
     key: str
     url: str
     headers: dict[str, str] = Field(description="headers the PUT must send exactly")
+    expires_in_s: float
+
+
+#: Largest probe object ``sparseloco doctor`` may move through the store.
+MAX_PROBE_BYTES = 16 << 20
+
+
+class ProbeRequest(Message):
+    """A node asking to test its path to the store with a throwaway object."""
+
+    size: int = Field(gt=0, le=MAX_PROBE_BYTES, description="probe bytes")
+    sha256: Sha256Hex
+
+
+class ProbeGrant(Message):
+    """A presigned PUT and GET of this node's probe object (``runs/{run}/probes/{node}.bin``)."""
+
+    key: str
+    put_url: str
+    put_headers: dict[str, str] = Field(description="headers the PUT must send exactly")
+    get_url: str
     expires_in_s: float
 
 
@@ -185,6 +232,9 @@ class RoundReport(Message):
     )
     mass: Mass | None = Field(
         None, description="error-feedback accounting of this node's own contribution"
+    )
+    retries: int = Field(
+        0, ge=0, description="failed attempts at the coordinator or the store since the last report"
     )
 
 

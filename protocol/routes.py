@@ -8,6 +8,10 @@ answer. Three users read it and none re-types a path:
 - the coordinator registers one handler per entry, by ``name`` (``coordinator/app.py``);
 - the coordinator's OpenAPI document is generated from it (``coordinator/openapi.py``);
 - the node's client builds every request from it (``node/daemon/client.py``).
+
+Every authenticated endpoint may also answer 401 ``token_revoked`` (the operator revoked the
+token), 409 ``token_in_use`` (another process holds this node's membership) and 422 for a
+malformed ``X-Sparseloco-Instance`` header; their ``errors`` say so.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from protocol.messages import (
     JoinRequest,
     JoinResponse,
     ManifestView,
+    ProbeGrant,
+    ProbeRequest,
     RoundReport,
     RoundView,
     StatusView,
@@ -48,7 +54,8 @@ class Endpoint:
     auth: bool = True
     query: dict[str, str] = field(default_factory=dict)  # name -> description
     errors: tuple[int, ...] = ()
-    json: bool = True  # False: the response is not JSON (metrics)
+    json: bool = True  # False: the response is not JSON (metrics, the dashboard)
+    media_type: str = "text/plain"  # what a non-JSON response is
 
     def url(self, round_: int | None = None) -> str:
         """The path with ``round_`` in place of ``{round}`` (required exactly when it has one)."""
@@ -59,12 +66,13 @@ class Endpoint:
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("join", "POST", "/v1/join", "Join the run (or rejoin)", JoinRequest,
-             {200: JoinResponse}, errors=(400, 401, 413, 422)),
+             {200: JoinResponse}, errors=(400, 401, 409, 413, 422)),
     Endpoint("heartbeat", "POST", "/v1/heartbeat", "Stay an active member", None,
-             {200: RoundView}, errors=(401, 409)),
-    Endpoint("leave", "POST", "/v1/leave", "Leave the run", None, {200: Ack}, errors=(401, 409)),
+             {200: RoundView}, errors=(401, 409, 422)),
+    Endpoint("leave", "POST", "/v1/leave", "Leave the run", None, {200: Ack},
+             errors=(401, 409, 422)),
     Endpoint("round", "GET", "/v1/round", "The current round as the caller sees it", None,
-             {200: RoundView}, errors=(401,)),
+             {200: RoundView}, errors=(401, 409, 422)),
     Endpoint("upload", "POST", "/v1/rounds/{round}/upload",
              "A presigned PUT for the caller's payload of this round", UploadRequest,
              {200: UploadGrant}, errors=(400, 401, 404, 409, 413, 422)),
@@ -75,7 +83,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "The signed manifest of a closed round, long-polling while it is open", None,
              {200: ManifestView, 202: RoundView},
              query={"wait": "seconds to wait for the round to close (capped by the server)"},
-             errors=(401, 404, 422)),
+             errors=(401, 404, 409, 422)),
     Endpoint("report", "POST", "/v1/rounds/{round}/report",
              "Report the fingerprint after applying a closed round", RoundReport, {200: Ack},
              errors=(400, 401, 404, 409, 413, 422)),
@@ -87,12 +95,21 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              {200: CheckpointInfo}, errors=(400, 401, 409, 413, 422, 503)),
     Endpoint("checkpoint_latest", "GET", "/v1/checkpoints/latest",
              "The newest committed checkpoint with a presigned GET", None,
-             {200: CheckpointView}, errors=(401, 404)),
+             {200: CheckpointView}, errors=(401, 404, 409, 422)),
+    Endpoint("probe", "POST", "/v1/probe",
+             "A presigned PUT and GET of a throwaway object, to test the path to the store",
+             ProbeRequest, {200: ProbeGrant}, errors=(400, 401, 409, 413, 422, 503)),
     Endpoint("status", "GET", "/v1/status", "The run, its members and recent rounds", None,
              {200: StatusView}, auth=False,
              query={"rounds": "how many recent rounds to include"}, errors=(422,)),
     Endpoint("openapi", "GET", "/openapi.json", "This document", None, auth=False),
     Endpoint("metrics", "GET", "/metrics", "Prometheus metrics", None, auth=False, json=False),
+    Endpoint("dashboard", "GET", "/", "The live dashboard: one page that polls /v1/status", None,
+             auth=False, json=False, media_type="text/html"),
+    Endpoint("dashboard_script", "GET", "/dashboard/app.js", "The dashboard's script", None,
+             auth=False, json=False, media_type="text/javascript"),
+    Endpoint("dashboard_style", "GET", "/dashboard/style.css", "The dashboard's style sheet",
+             None, auth=False, json=False, media_type="text/css"),
 )  # fmt: skip
 
 #: Endpoints by name.

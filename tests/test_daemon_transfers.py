@@ -18,7 +18,7 @@ import pytest
 
 from node.compute.state import load_state
 from node.daemon.gather import fetch_gather
-from node.errors import RetriesExhausted, TransferError
+from node.errors import TransferError
 from protocol.keys import payload_key, round_prefix
 from protocol.messages import Manifest, ManifestEntry, ManifestView, MemberState, SignedManifest
 from protocol.runconfig import RunConfig, Timing
@@ -65,32 +65,35 @@ async def test_a_failed_fetch_is_fetched_again_and_the_nodes_agree(harness, capl
     h.store.transfers("node-0").plan.failing = 1  # node-0's first GET gives up
     tasks = [h.start(h.daemon(n)) for n in ("node-0", "node-1")]
     assert [await t for t in tasks] == [0, 0]
-    assert any(
-        "event=download_failed node=node-0" in m and "attempt=1" in m for m in caplog.messages
-    )
+    waited = [m for m in caplog.messages if "event=download_waiting node=node-0" in m]
+    assert len(waited) == 1 and "applied_round=0" in waited[0]
+    assert any("event=download_resumed node=node-0" in m for m in caplog.messages)
     for r in range(h.run.rounds):
         reports = h.reports(r)
         assert reports["node-0"].fingerprint == reports["node-1"].fingerprint
         assert reports["node-0"].rejected == {}
 
 
-async def test_a_fetch_that_keeps_failing_stops_the_node_before_applying(harness, caplog) -> None:
+async def test_a_fetch_that_keeps_failing_waits_and_never_applies_a_part(harness, caplog) -> None:
     caplog.set_level(logging.INFO, logger="sparseloco.node")
     run = run_config()
     h = harness(run)
-    h.store.transfers("node-0").plan.failing = 1000
-    failing = h.start(h.daemon("node-0"))
-    healthy = h.start(h.daemon("node-1"))
-    with pytest.raises(RetriesExhausted):
-        await failing
-    attempts = [m for m in caplog.messages if "event=download_failed node=node-0" in m]
-    assert len(attempts) == 3  # each with a fresh manifest, then it gives up loudly
+    plan = h.store.transfers("node-0").plan
+    plan.failing = 10**6  # node-0 cannot reach the store: the others can
+    tasks = [h.start(h.daemon(n)) for n in ("node-0", "node-1")]
+    await h.advance_until(lambda: plan.calls >= 6, step_s=5)  # many attempts, fresh URLs each
+    assert not tasks[0].done()  # still waiting, not exited
+    waited = [m for m in caplog.messages if "event=download_waiting node=node-0" in m]
+    assert len(waited) == 1  # logged once, not once per attempt
     state = load_state(h.state_dir("node-0"), worker(run).shapes)
     assert state is not None and state.round == 0 and state.phase == "submitting"
     assert "node-0" not in h.reports(0)  # it applied nothing, so it reported nothing
-    healthy.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await healthy
+
+    plan.failing = 0  # the store answers again: node-0 catches up by itself
+    await h.advance_until(lambda: all(t.done() for t in tasks), step_s=5)
+    assert [t.result() for t in tasks] == [0, 0]
+    last = h.reports(run.rounds - 1)
+    assert last["node-0"].fingerprint == last["node-1"].fingerprint
 
 
 async def test_a_pruned_round_skips_ahead_to_the_newest_checkpoint(harness, caplog) -> None:

@@ -67,13 +67,13 @@ def weed_binary() -> str:
     return found
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free TCP ports on ``host`` (held open together so they differ)."""
     socks = []
     try:
         for _ in range(n):
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
@@ -82,7 +82,11 @@ def free_ports(n: int) -> list[int]:
 
 
 class EmbeddedStore:
-    """A ``weed mini`` process serving S3 on loopback, with one bucket."""
+    """A ``weed mini`` process serving S3 on ``host`` (loopback by default), with one bucket.
+
+    ``s3_port`` fixes the S3 port (``sparseloco store --port``); every other port is a free one
+    on the same address, chosen at the first start and kept across restarts.
+    """
 
     def __init__(
         self,
@@ -91,6 +95,8 @@ class EmbeddedStore:
         bucket: str = "sparseloco",
         access_key: str | None = None,
         secret_key: str | None = None,
+        host: str = "127.0.0.1",
+        s3_port: int | None = None,
     ) -> None:
         if not 3 <= len(bucket) <= 63:
             raise ValueError(f"bucket name {bucket!r} must have 3-63 characters")
@@ -99,7 +105,9 @@ class EmbeddedStore:
         self.access_key = access_key or "sl" + secrets.token_hex(8)
         self.secret_key = secret_key or secrets.token_hex(20)
         self.process: Process | None = None
+        self.host = host
         self.s3_port: int | None = None
+        self._fixed_s3_port = s3_port
         self._ports: dict[str, int] | None = None
 
     @property
@@ -107,7 +115,7 @@ class EmbeddedStore:
         if self.s3_port is None:
             raise RuntimeError("the store is not started")
         return StoreEndpoint(
-            endpoint_url=f"http://127.0.0.1:{self.s3_port}",
+            endpoint_url=f"http://{self.host}:{self.s3_port}",
             bucket=self.bucket,
             access_key=self.access_key,
             secret_key=self.secret_key,
@@ -123,8 +131,8 @@ class EmbeddedStore:
             f"-s3.localSocket={self.data_dir / 's3.sock'}",
             f"-filer.localSocket={self.data_dir / 'filer.sock'}",
             f"-dir={self.data_dir}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
             f"-bucket={self.bucket}",
             "-webdav=false",
             "-admin.ui=false",
@@ -143,7 +151,9 @@ class EmbeddedStore:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self._ports is None:
             names = [n for name in _PORTS for n in (name, name + ".grpc")]
-            self._ports = dict(zip(names, free_ports(len(names)), strict=True))
+            self._ports = dict(zip(names, free_ports(len(names), self.host), strict=True))
+            if self._fixed_s3_port:
+                self._ports["s3"] = self._fixed_s3_port
         ports = self._ports  # a restart keeps the ports, so clients find the store again
         env = dict(
             os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key

@@ -4,6 +4,10 @@ Fed with the coordinator's ``StatusView`` a couple of times a second. The table 
 per node (state, last loss, bytes up and down, whether it was in the last gather set); below it
 the round, the gather set and whether the fingerprints agreed. Without a terminal (CI, a pipe)
 it writes one line per closed round instead.
+
+Rounds are numbered as everywhere else (the API, ``--json``, the coordinator's and the nodes'
+logs): from 0. Progress is said as a count: ``round=2 done=3/5`` is round 2 closing, the third
+of five.
 """
 
 from __future__ import annotations
@@ -85,8 +89,9 @@ class UpView:
             self.logged.add(summary.round)
             losses = [r.eval_loss for r in summary.reports.values() if r.eval_loss is not None]
             log.info(
-                "event=round_closed round=%d/%d gather=%s excluded=%s eval_loss=%s"
+                "event=round_closed round=%d done=%d/%d gather=%s excluded=%s eval_loss=%s"
                 " fingerprints=%s duration_s=%.2f",
+                summary.round,
                 summary.round + 1,
                 self.rounds,
                 ",".join(summary.gather) or "-",
@@ -113,8 +118,11 @@ class UpView:
                 _bytes(down),
                 "yes" if last and member.node_id in last.gather else "-",
             )
-        done = len(closed)
-        line = f"round {min(done + 1, self.rounds)}/{self.rounds} ({status.state.value})"
+        done = min(status.round, self.rounds)  # rounds before the one in progress are closed
+        if status.state == RoundState.FINISHED:
+            line = f"finished: {done} of {self.rounds} rounds done"
+        else:
+            line = f"round {status.round} ({status.state.value}), {done} of {self.rounds} done"
         if last is not None:
             line += f" | last gather {','.join(last.gather) or '-'} | fingerprints {_agree(last)}"
         return Group(table, Text(line))

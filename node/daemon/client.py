@@ -6,21 +6,25 @@ pydantic models and retries transient failures (connection refused while the coo
 restarts, 5xx, timeouts) with backoff inside a time budget. A refusal the coordinator means
 (401, 404, 409, 422) raises ``CoordinatorError`` at once with the coordinator's error code, so
 the round loop can act on it (``round_closed`` means the node missed the round and keeps its
-contribution).
+contribution). Every request names this process (``X-Sparseloco-Instance``, a random id per
+client), so a second process using the same token is refused instead of taking over; a join
+also names the process that ran on the same state directory before (``node.daemon.instance``).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import TypeVar
 
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
-from node.daemon.retry import TRANSIENT_STATUS, RetryPolicy, retry
+from node.daemon.retry import FOREVER, TRANSIENT_STATUS, Link, RetryPolicy, retry
 from node.errors import CoordinatorError, TransientError
 from protocol.messages import (
+    INSTANCE_HEADER,
     CheckpointInfo,
     CheckpointUpload,
     CheckpointView,
@@ -28,6 +32,8 @@ from protocol.messages import (
     JoinRequest,
     JoinResponse,
     ManifestView,
+    ProbeGrant,
+    ProbeRequest,
     RoundReport,
     RoundView,
     StatusView,
@@ -63,13 +69,21 @@ class CoordinatorClient:
         token: str,
         *,
         timeouts: ClientTimeouts | None = None,
-        policy: RetryPolicy | None = None,
+        policy: RetryPolicy = FOREVER,
+        instance: str | None = None,
+        previous_instance: str | None = None,
     ) -> None:
         self.session = session
         self.base_url = base_url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {token}"}
+        #: This process, as the coordinator tells it from another one using the same token.
+        self.instance = instance or secrets.token_hex(8)
+        #: The process that ran on this node's state directory before (``daemon.instance``).
+        self.previous_instance = previous_instance
+        self.headers = {"Authorization": f"Bearer {token}", INSTANCE_HEADER: self.instance}
         self.timeouts = timeouts or ClientTimeouts()
-        self.policy = policy or RetryPolicy(attempts=40, max_delay_s=5.0, budget_s=180.0)
+        self.policy = policy
+        #: Whether the coordinator answers; logs once per change of state, not per attempt.
+        self.link = Link("coordinator")
 
     async def _call(
         self,
@@ -103,6 +117,7 @@ class CoordinatorClient:
                 raw = await resp.read()
                 if resp.status in TRANSIENT_STATUS:
                     raise TransientError(f"{ep.method} {path}: HTTP {resp.status}")
+                self.link.answered()
                 if resp.status >= 400:
                     try:
                         err = ErrorBody.model_validate_json(raw)
@@ -123,10 +138,13 @@ class CoordinatorClient:
                         resp.status, "bad_response", f"{ep.method} {path}: {exc}"
                     ) from exc
 
-        return await retry(attempt, policy=self.policy, what=f"{ep.method} {path}")
+        return await retry(attempt, policy=self.policy, what=f"{ep.method} {path}", link=self.link)
 
     async def join(self, client: str = "") -> JoinResponse:
-        return _as(JoinResponse, await self._call("join", JoinRequest(client=client)))
+        request = JoinRequest(
+            client=client, instance=self.instance, previous_instance=self.previous_instance
+        )
+        return _as(JoinResponse, await self._call("join", request))
 
     async def heartbeat(self) -> RoundView:
         return _as(RoundView, await self._call("heartbeat"))
@@ -173,6 +191,10 @@ class CoordinatorClient:
                 return None
             raise
         return _as(CheckpointView, out)
+
+    async def probe(self, size: int, sha256: str) -> ProbeGrant:
+        """A presigned PUT and GET of a throwaway object (``sparseloco doctor``)."""
+        return _as(ProbeGrant, await self._call("probe", ProbeRequest(size=size, sha256=sha256)))
 
     async def status(self, rounds: int | None = None) -> StatusView:
         params = {"rounds": str(rounds)} if rounds is not None else None

@@ -28,34 +28,34 @@ import contextlib
 import functools
 import logging
 import signal
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import aiohttp
 import torch
 
-from node.compute.state import STATE_FILE, load_state
 from node.compute.worker import Worker
 from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.client import ClientTimeouts, CoordinatorClient
 from node.daemon.faults import Faults
-from node.daemon.pending import PendingRound, resume, save_idle, save_submitting
-from node.daemon.retry import RetryPolicy
+from node.daemon.instance import claim
+from node.daemon.pending import PendingRound, restore, save_idle, save_submitting
+from node.daemon.retry import FOREVER, Backoff, Link
 from node.daemon.rounds import RoundFinisher
 from node.daemon.settings import NodeSettings
 from node.daemon.transfer import HttpTransfers, TransferTimeouts
+from node.daemon.upload import submit
 from node.errors import (
     Abandoned,
     CoordinatorError,
-    RetriesExhausted,
+    Refused,
     StateError,
-    TransferError,
 )
 from protocol.errors import SparseLoCoError
-from protocol.messages import JoinResponse, RoundState, RoundView, SubmitRequest
+from protocol.messages import JoinResponse, RoundState, RoundView
 
 log = logging.getLogger("sparseloco.node")
 
@@ -64,9 +64,8 @@ T = TypeVar("T")
 CLIENT = "sparseloco-node/0.1"
 #: Seconds between polls of a round that waits for enough members.
 WAITING_POLL_S = 0.25
-
-#: Refusals that mean "this round went on without us"; the contribution stays in e.
-_MISSED = frozenset({"round_closed", "not_expected", "already_submitted", "run_finished"})
+#: Seconds a join waits for another process holding this node's token to go away.
+TOKEN_IN_USE_WAIT_S = 120.0
 
 
 class NodeDaemon:
@@ -80,6 +79,7 @@ class NodeDaemon:
         *,
         clock: Clock | None = None,
         faults: Faults | None = None,
+        links: Sequence[Link] = (),
     ) -> None:
         self.settings = settings
         self.api = api
@@ -93,6 +93,9 @@ class NodeDaemon:
         #: The round trained and compressed but not yet applied; None between rounds.
         self.pending: PendingRound | None = None
         self.sync = CheckpointSync(api, transfers, self.compute)
+        #: The services' link states (coordinator, store), for the retries each report counts.
+        self.links = tuple(links)
+        self._retries_reported = 0
         self.finisher = RoundFinisher(self)
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -146,74 +149,108 @@ class NodeDaemon:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def run(self, *, handle_signals: bool = True) -> int:
-        """Join, take part until the run ends or a stop is requested, leave; the exit status."""
+        """Join, take part until the run ends or a stop is requested, leave; the exit status.
+
+        Outages of the coordinator or the store are waited out; a stop request is honoured
+        within ``settings.stop_grace_s`` in every state. ``Refused`` ends it when the
+        coordinator refuses the node for good.
+        """
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
         for sig in signals:
             loop.add_signal_handler(sig, self.request_stop)
         try:
-            self.joined = await self.api.join(client=CLIENT)
-            self._worker, self.pending, resumed = await self.compute(self._setup, self.joined)
+            joined = await self.until_stopped(self._join())
+            if joined is None:
+                self.log("stopped", before="joining")
+                return 0
+            self.joined = joined
+            self._worker, self.pending, resumed = await self.compute(restore, self.settings, joined)
             if not resumed:
                 # No usable local state: start from the newest checkpoint if there is one
                 # (else θ_0); the loop replays the manifests since.
                 await self.sync.restore_latest(self.worker)
                 await self.compute(self.save_idle)
-            self.log("joined", run=self.joined.run_id, slot=self.joined.slot)
+            self.log("joined", run=joined.run_id, slot=joined.slot)
             heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
             try:
-                finished = await self._loop()
+                finished = await self._rounds_until_stopped()
             finally:
                 heartbeat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await heartbeat
-            if not finished:
+            if finished:
+                self.log(
+                    "run_finished",
+                    rounds=self.worker.run.rounds,
+                    fingerprint=self.worker.fingerprint(),
+                )
+            else:
                 with contextlib.suppress(SparseLoCoError, aiohttp.ClientError, TimeoutError):
-                    await asyncio.wait_for(self.api.leave(), self.settings.request_timeout_s)
+                    await asyncio.wait_for(self.api.leave(), max(1.0, self.settings.stop_grace_s))
                 self.log("left")
+        except CoordinatorError as exc:
+            if exc.status == 401:
+                raise Refused(
+                    f"the coordinator refused this node's token ({exc.error}); the token was"
+                    " revoked or never issued: ask the run's operator for a valid one"
+                ) from exc
+            raise
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
             self.executor.shutdown(wait=True)
         return 0
 
-    def _setup(self, joined: JoinResponse) -> tuple[Worker, PendingRound | None, bool]:
-        """The worker, the pending round, and whether usable local state was restored."""
-        s = self.settings
-        if s.threads:
-            torch.set_num_threads(s.threads)
-        worker = Worker(
-            joined.run,
-            run_id=joined.run_id,
-            node_id=joined.node_id,
-            slot=joined.slot,
-            data=s.data,
-            eval_batches=s.eval_batches,
-            eval_batch_size=s.eval_batch_size,
-        )
+    async def _join(self) -> JoinResponse:
+        """Join the run; wait (bounded) while another process still holds this token."""
+        waited_since: float | None = None
+        backoff = Backoff(first_s=2.0, cap_s=10.0)
+        while True:
+            try:
+                return await self.api.join(client=CLIENT)
+            except CoordinatorError as exc:
+                if exc.error != "token_in_use":
+                    raise
+                now = self.clock.now()
+                if waited_since is None:
+                    waited_since = now
+                    log.warning(
+                        "event=token_in_use node=? waiting_up_to_s=%.0f message=%r",
+                        TOKEN_IN_USE_WAIT_S,
+                        str(exc),
+                    )
+                elif now - waited_since > TOKEN_IN_USE_WAIT_S:
+                    raise Refused(
+                        f"another process is using this node's token (still after"
+                        f" {TOKEN_IN_USE_WAIT_S:.0f} s): stop it, or give this node its own token"
+                    ) from exc
+                await self.clock.sleep(backoff.next())
+
+    async def _rounds_until_stopped(self) -> bool:
+        """The round loop: True when the run finished, False after a stop request.
+
+        A stop lets the round in hand finish for ``stop_grace_s`` (training stops between
+        inner steps at once), then cuts it: everything on disk is consistent at any point, and
+        a restart continues from there.
+        """
+        rounds = asyncio.create_task(self._loop(), name="rounds")
+        stop = asyncio.ensure_future(self.stopping.wait())
         try:
-            state = load_state(s.state_dir, worker.shapes)
-        except StateError as exc:
-            # Torn or damaged: keep the evidence, recover from the object store instead.
-            aside = s.state_dir / f"{STATE_FILE}.damaged-{int(time.time())}"
-            (s.state_dir / STATE_FILE).rename(aside)
-            log.warning(
-                "event=state_damaged node=%s moved_to=%s error=%r", joined.node_id, aside, exc
-            )
-            state = None
-        if state is None:
-            return worker, None, False
-        if state.run_id != joined.run_id or state.node_id != joined.node_id:
-            raise StateError(
-                f"{s.state_dir} holds node {state.node_id!r} of run {state.run_id!r}, not"
-                f" {joined.node_id!r} of {joined.run_id!r}; use another --state-dir"
-            )
-        worker.restore(state)
-        pending = resume(s.state_dir, state, worker.fingerprint())
-        log.info(
-            "event=resumed node=%s round=%d phase=%s", joined.node_id, state.round, state.phase
-        )
-        return worker, pending, True
+            await asyncio.wait({rounds, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not rounds.done():
+                await asyncio.wait({rounds}, timeout=self.settings.stop_grace_s)
+            if not rounds.done():
+                self.log("stop_cut_round", grace_s=self.settings.stop_grace_s)
+                rounds.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await rounds
+                return False
+            return rounds.result()
+        finally:
+            stop.cancel()
+            if not rounds.done():
+                rounds.cancel()
 
     def save_idle(self) -> str:
         """(compute thread) θ, e and AdamW to disk with nothing pending; θ's fingerprint."""
@@ -276,7 +313,7 @@ class NodeDaemon:
         if delay:
             self.log("fault_slow", seconds=delay)
             await self.sleep(delay)
-        await self._submit(pending)
+        await submit(self, pending)
         await self.finisher.finish(r)
 
     async def _resume_pending(self, view: RoundView) -> None:
@@ -286,36 +323,8 @@ class NodeDaemon:
             raise StateError("no pending round to resume")
         r = pending.round
         if r == view.round and view.state == RoundState.OPEN and not view.submitted:
-            await self._submit(pending)
+            await submit(self, pending)
         await self.finisher.finish(r)
-
-    async def _submit(self, pending: PendingRound) -> None:
-        """Upload through a presigned PUT and announce it; a missed round is not an error."""
-        r, payload = pending.round, pending.payload
-        t0 = time.perf_counter()
-        pending.bytes_up = 0
-        try:
-            grant = await self.api.upload_grant(r, len(payload), pending.sha256)
-            self.faults.crash_point(r, "mid_upload")
-            await self.transfers.put(grant.url, grant.headers, payload)
-            pending.bytes_up = len(payload)
-            pending.timings["upload"] = time.perf_counter() - t0
-            self.faults.crash_point(r, "after_upload")
-            request = SubmitRequest(
-                size=len(payload), sha256=pending.sha256, base_fingerprint=pending.base
-            )
-            response = await self.api.submit(r, request)
-            if not response.accepted:
-                self.log("submission_rejected", reason=repr(response.reason))
-            self.faults.crash_point(r, "after_submit")
-        except CoordinatorError as exc:
-            if exc.error not in _MISSED:
-                raise
-            self.log("missed_round", reason=exc.error)
-        except (TransferError, RetriesExhausted) as exc:
-            # The round goes on without this payload; step 9 keeps its contribution.
-            self.log("upload_failed", error=repr(exc))
-        pending.submitted_at = self.clock.now()
 
     async def resync(self) -> None:
         """θ differs from the round's base: start again from the newest checkpoint (or θ_0).
@@ -331,6 +340,12 @@ class NodeDaemon:
             await self.compute(self.worker.reset_to_initial)
         await self.compute(self.save_idle)
         self.log("resynced", source=f"checkpoint {info.round}" if info else "θ_0")
+
+    def retries_since_last_report(self) -> int:
+        """Failed attempts at the coordinator or the store since the previous report."""
+        total = sum(link.failures for link in self.links)
+        new, self._retries_reported = total - self._retries_reported, total
+        return new
 
     async def own_recon(self, pending: PendingRound) -> dict[str, torch.Tensor]:
         """ĉ of the pending payload: kept from the encoder, decoded only after a restart."""
@@ -348,15 +363,24 @@ async def serve(settings: NodeSettings) -> int:
     timeouts = ClientTimeouts(
         connect_s=settings.connect_timeout_s, request_s=settings.request_timeout_s
     )
-    policy = RetryPolicy(attempts=1000, max_delay_s=5.0, budget_s=settings.coordinator_budget_s)
     transfer_timeouts = TransferTimeouts(
         connect_s=settings.connect_timeout_s, transfer_s=settings.transfer_timeout_s
     )
+    policy = replace(FOREVER, budget_s=settings.outage_budget_s)
+    instance, previous = claim(settings.state_dir)  # who we are, and who ran here before
     async with aiohttp.ClientSession() as http:
         api = CoordinatorClient(
-            http, settings.coordinator, settings.token, timeouts=timeouts, policy=policy
+            http,
+            settings.coordinator,
+            settings.token,
+            timeouts=timeouts,
+            policy=policy,
+            instance=instance,
+            previous_instance=previous,
         )
-        return await NodeDaemon(settings, api, HttpTransfers(http, transfer_timeouts)).run()
+        transfers = HttpTransfers(http, transfer_timeouts)
+        daemon = NodeDaemon(settings, api, transfers, links=(api.link, transfers.link))
+        return await daemon.run()
 
 
 def run_node(settings: NodeSettings) -> int:

@@ -15,6 +15,8 @@ from the payload again, the only time the node decodes its own payload.
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,13 +24,19 @@ import torch
 
 from node.compute.state import (
     PENDING_FILE,
+    STATE_FILE,
     NodeState,
     load_pending,
+    load_state,
     save_pending,
     save_state,
 )
 from node.compute.worker import TrainResult, Worker
+from node.daemon.settings import NodeSettings
 from node.errors import StateError
+from protocol.messages import JoinResponse
+
+log = logging.getLogger("sparseloco.node")
 
 #: State-file extra holding ``[computed, scale]`` of the pending round's mass.
 MASS_KEY = "mass_in"
@@ -105,3 +113,42 @@ def resume(state_dir: Path, state: NodeState, base: str) -> PendingRound | None:
         computed=None if mass is None else float(mass[0]),
         scale=None if mass is None else float(mass[1]),
     )
+
+
+def restore(s: NodeSettings, joined: JoinResponse) -> tuple[Worker, PendingRound | None, bool]:
+    """(compute thread) The worker for ``joined``, restored from the state dir when it holds
+    usable state: the worker, the pending round, and whether state was restored.
+
+    A torn or damaged state file is set aside (kept as evidence) and the node recovers from the
+    object store instead; state of another run or node is refused.
+    """
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    worker = Worker(
+        joined.run,
+        run_id=joined.run_id,
+        node_id=joined.node_id,
+        slot=joined.slot,
+        data=s.data,
+        eval_batches=s.eval_batches,
+        eval_batch_size=s.eval_batch_size,
+    )
+    try:
+        state = load_state(s.state_dir, worker.shapes)
+    except StateError as exc:
+        # Torn or damaged: keep the evidence, recover from the object store instead.
+        aside = s.state_dir / f"{STATE_FILE}.damaged-{int(time.time())}"
+        (s.state_dir / STATE_FILE).rename(aside)
+        log.warning("event=state_damaged node=%s moved_to=%s error=%r", joined.node_id, aside, exc)
+        state = None
+    if state is None:
+        return worker, None, False
+    if state.run_id != joined.run_id or state.node_id != joined.node_id:
+        raise StateError(
+            f"{s.state_dir} holds node {state.node_id!r} of run {state.run_id!r}, not"
+            f" {joined.node_id!r} of {joined.run_id!r}; use another --state-dir"
+        )
+    worker.restore(state)
+    pending = resume(s.state_dir, state, worker.fingerprint())
+    log.info("event=resumed node=%s round=%d phase=%s", joined.node_id, state.round, state.phase)
+    return worker, pending, True

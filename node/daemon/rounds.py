@@ -6,9 +6,10 @@
 1. ``wait``: the signed manifest of r (a stop request ends the wait);
 2. ``verify``: its signature, run and round (``protocol.signing``);
 3. ``diverged``: θ's fingerprint against the manifest's base; a mismatch means resync;
-4. ``download``: the whole gather set or nothing; a failed transfer fetches the manifest again
-   for fresh URLs, a few times, then stops loudly; 404 (retention pruned the round) means the
-   node is further behind than replay reaches and skips to the newest checkpoint;
+4. ``download``: the whole gather set or nothing; while the store does not answer, the node
+   waits and fetches the manifest again for fresh URLs, however long that takes; 404
+   (retention pruned the round) means the node is further behind than replay reaches and
+   skips to the newest checkpoint;
 5. ``decode``: validate every payload (lazily: checked now, decoded once while aggregating);
 6. ``apply``: aggregate in node-id order and apply (plus the chaos suite's faults);
 7. ``settle``: the own contribution: counted as sent if aggregated, else ĉ back into e
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from node.daemon.gather import decode_gather, fetch_gather
 from node.daemon.pending import PendingRound
+from node.daemon.retry import Backoff
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
 from protocol.codec import Payload
 from protocol.messages import Manifest, ManifestView, Mass, RoundReport
@@ -33,8 +35,9 @@ from protocol.signing import verify_manifest
 if TYPE_CHECKING:
     from node.daemon.loop import NodeDaemon
 
-#: Attempts at a round's whole gather set (each with fresh URLs) before the node stops.
-DOWNLOAD_ROUNDS = 3
+#: Attempts at a gather set that answer 404 (each with fresh URLs) before the round counts as
+#: pruned by retention.
+MISSING_ATTEMPTS = 3
 
 Blobs = dict[str, bytes]
 Rejected = dict[str, str]
@@ -85,6 +88,7 @@ class RoundFinisher:
             bytes_down=sum(len(b) for n, b in blobs.items() if n != d.node_id or not pending),
             timings=pending.timings if pending else {},
             mass=mass,
+            retries=d.retries_since_last_report(),
         )
         d.pending = None
         d.log(
@@ -133,33 +137,45 @@ class RoundFinisher:
     async def download(
         self, r: int, view: ManifestView, manifest: Manifest, pending: PendingRound | None
     ) -> tuple[Blobs, Rejected] | None:
-        """The whole gather set, or None if the node skipped ahead to a checkpoint.
+        """The whole gather set; None if the node skipped ahead to a checkpoint or was stopped.
 
-        404 after every attempt means retention already deleted this round's payloads, so the
-        node is further behind than replay reaches: a newer checkpoint is the way forward.
+        404 on every attempt means retention already deleted this round's payloads, so the node
+        is further behind than replay reaches: a newer checkpoint is the way forward, and
+        without one the node cannot go on (it says so and stops).
         """
         try:
             return await self.fetch(r, view, manifest, pending)
         except TransferError as exc:
-            if exc.status != 404 or not await self.skip_to_checkpoint(r, manifest, pending):
+            if exc.status != 404:
                 raise
-            return None
+            if await self.skip_to_checkpoint(r, manifest, pending):
+                return None
+            raise TransferError(
+                f"round {r}'s payloads are gone from the store and no newer checkpoint exists;"
+                " this node cannot catch up (restart it with an empty --state-dir to start"
+                " from the run's newest checkpoint once there is one)",
+                404,
+            ) from exc
 
     async def fetch(
         self, r: int, view: ManifestView, manifest: Manifest, pending: PendingRound | None
-    ) -> tuple[Blobs, Rejected]:
-        """The whole gather set, or an error: never a part of it.
+    ) -> tuple[Blobs, Rejected] | None:
+        """The whole gather set, never a part of it; None if a stop was requested meanwhile.
 
         Leaving out a payload that only *this* node failed to fetch would make it apply another
         aggregate than its peers and drift away from them. So a failed transfer (after its own
-        retries) fetches the manifest again for fresh URLs and starts over, a few times, and
-        then gives up loudly; a restart resumes from the saved state.
+        retries) waits, fetches the manifest again for fresh URLs and starts over, for as long
+        as the store stays away (``settings.outage_budget_s``, by default forever), logging
+        once when it starts waiting and once when it is through. A 404 is tried a few times
+        only (the payload may just not be visible yet), then left to the caller.
         """
         d = self.d
-        attempt = 1
+        backoff = Backoff()
+        waiting_since: float | None = None
+        missing = 0
         while True:
             try:
-                return await fetch_gather(
+                fetched = await fetch_gather(
                     d.transfers,
                     view,
                     manifest,
@@ -168,12 +184,34 @@ class RoundFinisher:
                     own_id=d.node_id,
                     parallel=d.settings.parallel_downloads,
                 )
-            except (TransferError, RetriesExhausted) as exc:
-                d.log("download_failed", attempt=attempt, error=repr(exc))
-                fresh = await self.wait(r) if attempt < DOWNLOAD_ROUNDS else None
-                if fresh is None:
-                    raise
-                view, attempt = fresh, attempt + 1
+            except TransferError as exc:
+                if exc.status == 404:
+                    # Gone, or not visible yet: look again at once, a few times.
+                    missing += 1
+                    if missing >= MISSING_ATTEMPTS:
+                        raise
+                    failure: Exception | None = None
+                else:
+                    failure = exc
+            except RetriesExhausted as exc:
+                failure = exc
+            else:
+                if waiting_since is not None:
+                    d.log("download_resumed", waited_s=f"{d.clock.now() - waiting_since:.1f}")
+                return fetched
+            if failure is not None:
+                missing = 0
+                now = d.clock.now()
+                if waiting_since is None:
+                    waiting_since = now
+                    d.log("download_waiting", applied_round=r, error=repr(failure))
+                elif now - waiting_since > d.settings.outage_budget_s:
+                    raise failure
+                await d.sleep(backoff.next())
+            fresh = await self.wait(r)  # fresh URLs (the old ones may have expired)
+            if fresh is None:
+                return None
+            view = fresh
 
     async def skip_to_checkpoint(
         self, r: int, manifest: Manifest, pending: PendingRound | None

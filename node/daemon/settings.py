@@ -9,6 +9,7 @@ the coordinator at join and is not configured here.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,11 @@ class NodeSettings(BaseSettings):
     connect_timeout_s: float = Field(10.0, gt=0)
     request_timeout_s: float = Field(30.0, gt=0)
     transfer_timeout_s: float = Field(120.0, gt=0)
-    #: How long the coordinator may be unreachable before the node gives up.
-    coordinator_budget_s: float = Field(300.0, gt=0)
+    #: How long the coordinator or the store may be unreachable before the node gives up
+    #: (default: never; an outage of any length is waited out).
+    outage_budget_s: float = Field(math.inf, gt=0)
+    #: Seconds a stop request (SIGTERM, Ctrl-C) waits for the round in hand before it is cut.
+    stop_grace_s: float = Field(3.0, ge=0)
 
     @field_validator("coordinator")
     @classmethod

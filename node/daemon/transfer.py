@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import aiohttp
 from yarl import URL
 
-from node.daemon.retry import TRANSIENT_STATUS, RetryPolicy, retry
+from node.daemon.retry import TRANSIENT_STATUS, Link, RetryPolicy, retry
 from node.errors import DigestError, TransferError, TransientError
 
 #: Objects above this size are downloaded as parallel ranged GETs.
@@ -89,6 +89,7 @@ async def put_object(
     *,
     timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
     policy: RetryPolicy = DEFAULT_POLICY,
+    link: Link | None = None,
 ) -> bool:
     """PUT ``data`` to a presigned URL. Returns False if the object already existed (412)."""
 
@@ -102,7 +103,7 @@ async def put_object(
             _check_status(resp.status, body, "upload")
             return True
 
-    return await retry(attempt, policy=policy, what="upload")
+    return await retry(attempt, policy=policy, what="upload", link=link)
 
 
 async def _get_range(
@@ -112,6 +113,7 @@ async def _get_range(
     end: int,
     timeouts: TransferTimeouts,
     policy: RetryPolicy,
+    link: Link | None,
 ) -> bytes:
     async def attempt() -> bytes:
         headers = {"Range": f"bytes={start}-{end - 1}"}
@@ -124,7 +126,7 @@ async def _get_range(
                 raise TransientError(f"download part: got {len(body)} bytes of {end - start}")
             return body
 
-    return await retry(attempt, policy=policy, what="download part")
+    return await retry(attempt, policy=policy, what="download part", link=link)
 
 
 async def get_object(
@@ -136,6 +138,7 @@ async def get_object(
     timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
     policy: RetryPolicy = DEFAULT_POLICY,
     part_size: int = PART_SIZE,
+    link: Link | None = None,
 ) -> bytes:
     """Download an object of known ``size`` and ``sha256`` (hex) and verify it."""
     if size <= part_size:
@@ -148,14 +151,14 @@ async def get_object(
                 _check_status(resp.status, body, "download")
                 return body
 
-        data = await retry(attempt, policy=policy, what="download")
+        data = await retry(attempt, policy=policy, what="download", link=link)
     else:
         gate = asyncio.Semaphore(PARALLEL_PARTS)
 
         async def part(start: int) -> bytes:
             async with gate:
                 end = min(size, start + part_size)
-                return await _get_range(session, url, start, end, timeouts, policy)
+                return await _get_range(session, url, start, end, timeouts, policy, link)
 
         parts = await asyncio.gather(*(part(s) for s in range(0, size, part_size)))
         data = b"".join(parts)
@@ -179,13 +182,27 @@ class HttpTransfers:
         self.session = session
         self.timeouts = timeouts
         self.policy = policy
+        #: Whether the object store answers; logs once per change of state.
+        self.link = Link("store")
 
     async def put(self, url: str, headers: Mapping[str, str], data: bytes) -> bool:
         return await put_object(
-            self.session, url, headers, data, timeouts=self.timeouts, policy=self.policy
+            self.session,
+            url,
+            headers,
+            data,
+            timeouts=self.timeouts,
+            policy=self.policy,
+            link=self.link,
         )
 
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:
         return await get_object(
-            self.session, url, size=size, sha256=sha256, timeouts=self.timeouts, policy=self.policy
+            self.session,
+            url,
+            size=size,
+            sha256=sha256,
+            timeouts=self.timeouts,
+            policy=self.policy,
+            link=self.link,
         )

@@ -22,7 +22,8 @@ def round_progress(title: str, total_rounds: int) -> Iterator[Callable[[int, flo
     if not sys.stderr.isatty():
 
         def log_line(round_: int, loss: float) -> None:
-            log.info("%s round=%d/%d eval_loss=%.4f", title, round_, total_rounds, loss)
+            # ``round_`` counts rounds done (0: before the first), so it reads as a count.
+            log.info("%s done=%d/%d eval_loss=%.4f", title, round_, total_rounds, loss)
 
         yield log_line
         return

@@ -157,6 +157,10 @@ class ScenarioRunner:
         elif step.action == "restart_coordinator":
             self.cluster.start_coordinator()
             self._coordinator_killed = False
+        elif step.action == "coordinator_outage":
+            self._coordinator_killed = True
+            self.cluster.kill_coordinator()
+            self.pending = _Pending(step, time.monotonic())
         elif step.action == "store_outage":
             sizes = {n: _size(p.log_path) for n, p in self.cluster.nodes.items()}
             self.store.stop()
@@ -182,6 +186,10 @@ class ScenarioRunner:
             self.store.start()
             self.store_down = False
             self._event("store_back", held_s=round(held, 1), retry_seen=seen)
+        elif p.step.action == "coordinator_outage":
+            self.cluster.start_coordinator()
+            self._coordinator_killed = False
+            self._event("coordinator_back", held_s=round(held, 1))
         else:
             name = p.step.target
             assert name is not None
@@ -202,7 +210,7 @@ class ScenarioRunner:
         for name, proc in self.cluster.nodes.items():
             with open(proc.log_path, "rb") as f:
                 f.seek(sizes.get(name, 0))
-                if b"event=retry" in f.read():
+                if b"event=unreachable service=store" in f.read():
                     return True
         return False
 

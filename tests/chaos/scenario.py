@@ -14,9 +14,11 @@ Actions (``target`` is a node name where one is needed):
   the same state directory (``faults=`` arms it for the new process);
 - ``start_node``: first start of a node not started with the others (a late joiner);
 - ``kill_coordinator`` / ``restart_coordinator``: SIGKILL it, start it again on the same port;
-- ``store_outage``: stop the object store, start it again once a node logged ``event=retry``
-  after the stop and at least ``min_s`` passed, or after ``max_s`` as a last resort (the scenario
-  then gets its own store, never the session's shared one);
+- ``coordinator_outage``: SIGKILL the coordinator and start it again on the same port after
+  ``min_s`` (nodes keep running and must wait it out);
+- ``store_outage``: stop the object store, start it again once a node logged
+  ``event=unreachable service=store`` after the stop and at least ``min_s`` passed, or after
+  ``max_s`` as a last resort (the scenario then gets its own store, never the session's one);
 - ``pause_node``: SIGSTOP the node until the coordinator shows it timed out (or ``max_s``),
   then SIGCONT (a heartbeat timeout).
 """
@@ -32,7 +34,12 @@ from protocol.runconfig import RunConfig
 When = Literal["open", "closed"]
 
 NODE_ACTIONS = frozenset({"kill_node", "restart_node", "start_node", "pause_node"})
-ACTIONS = NODE_ACTIONS | {"kill_coordinator", "restart_coordinator", "store_outage"}
+ACTIONS = NODE_ACTIONS | {
+    "kill_coordinator",
+    "restart_coordinator",
+    "coordinator_outage",
+    "store_outage",
+}
 
 _FAULT = re.compile(r"^(crash:[a-z_]+|slow:[0-9.]+|corrupt)@(\d+)$")
 

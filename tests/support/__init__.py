@@ -11,4 +11,5 @@ Imported as ``support.<module>`` (pytest puts ``tests/`` on ``sys.path``):
 - ``fake_coordinator``, ``fake_store``: in-memory fakes behind the node's coordinator and
   transfer seams, with a clock.
 - ``daemon_harness``: real ``NodeDaemon``s wired to those fakes, for the daemon's unit tests.
+- ``browser``: headless Chromium through selenium (the ``browser`` fixture), and reading a page.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from node.compute.state import load_state
 from node.compute.worker import Worker
@@ -50,17 +51,19 @@ class Harness:
     def state_dir(self, node_id: str) -> Path:
         return self.root / "nodes" / node_id
 
-    def daemon(self, node_id: str, faults: Faults | None = None) -> NodeDaemon:
-        settings = NodeSettings(
-            coordinator="http://coordinator.invalid",
-            token="unit-test-token-" + node_id,
-            state_dir=self.state_dir(node_id),
-            threads=1,
-            eval_batches=1,
-            eval_batch_size=2,
-        )
+    def daemon(self, node_id: str, faults: Faults | None = None, **settings: Any) -> NodeDaemon:
+        """A daemon for ``node_id``; ``settings`` override its ``NodeSettings``."""
+        values: dict[str, Any] = {
+            "coordinator": "http://coordinator.invalid",
+            "token": "unit-test-token-" + node_id,
+            "state_dir": self.state_dir(node_id),
+            "threads": 1,
+            "eval_batches": 1,
+            "eval_batch_size": 2,
+            **settings,
+        }
         return NodeDaemon(
-            settings,
+            NodeSettings(**values),
             self.coord.api(node_id),
             self.store.transfers(node_id),
             clock=self.clock,

@@ -68,6 +68,22 @@ class FakeCoordinator:
         self._closed = asyncio.Event()
         #: Every call, in order: (node, endpoint, round or None).
         self.calls: list[tuple[str, str, int | None]] = []
+        #: Cleared during an outage: every call waits, as the real client retrying would.
+        self.reachable = asyncio.Event()
+        self.reachable.set()
+        #: Calls waiting for the coordinator to come back.
+        self.waiting = 0
+        #: Tokens refused for good (401 token_revoked), by node.
+        self.revoked: set[str] = set()
+        #: Joins still to refuse with 409 token_in_use, by node.
+        self.in_use: dict[str, int] = {}
+
+    def outage(self) -> None:
+        """The coordinator stops answering until ``restore``."""
+        self.reachable.clear()
+
+    def restore(self) -> None:
+        self.reachable.set()
 
     def api(self, node_id: str) -> FakeApi:
         return FakeApi(self, node_id)
@@ -113,9 +129,24 @@ class FakeApi:
     def _note(self, endpoint: str, round_: int | None = None) -> None:
         self.c.calls.append((self.node_id, endpoint, round_))
 
-    async def join(self, client: str = "") -> JoinResponse:
+    async def _reach(self) -> None:
+        """Wait out an outage; then refuse a revoked token as the real coordinator would."""
         await asyncio.sleep(0)
+        if not self.c.reachable.is_set():
+            self.c.waiting += 1
+            try:
+                await self.c.reachable.wait()
+            finally:
+                self.c.waiting -= 1
+        if self.node_id in self.c.revoked:
+            raise CoordinatorError(401, "token_revoked", "this node's token was revoked")
+
+    async def join(self, client: str = "") -> JoinResponse:
+        await self._reach()
         self._note("join")
+        if self.c.in_use.get(self.node_id, 0) > 0:
+            self.c.in_use[self.node_id] -= 1
+            raise CoordinatorError(409, "token_in_use", "another process is using this token")
         m = self.c.machine
         try:
             slot = m.join(self.node_id, client)
@@ -133,14 +164,14 @@ class FakeApi:
         )
 
     async def heartbeat(self) -> RoundView:
-        await asyncio.sleep(0)
+        await self._reach()
         try:
             return self.c.machine.heartbeat(self.node_id)
         except RoundError as exc:
             raise _refusal(exc) from exc
 
     async def leave(self) -> None:
-        await asyncio.sleep(0)
+        await self._reach()
         self._note("leave")
         try:
             self.c.after(self.c.machine.leave(self.node_id))
@@ -148,11 +179,11 @@ class FakeApi:
             raise _refusal(exc) from exc
 
     async def round(self) -> RoundView:
-        await asyncio.sleep(0)
+        await self._reach()
         return self.c.machine.round_view(self.node_id)
 
     async def upload_grant(self, round_: int, size: int, sha256: str) -> UploadGrant:
-        await asyncio.sleep(0)
+        await self._reach()
         self._note("upload", round_)
         try:
             self.c.machine.check_submittable(self.node_id, round_)
@@ -163,7 +194,7 @@ class FakeApi:
         return UploadGrant(key=key, url=url, headers={}, expires_in_s=900.0)
 
     async def submit(self, round_: int, request: SubmitRequest) -> SubmitResponse:
-        await asyncio.sleep(0)
+        await self._reach()
         self._note("submit", round_)
         m = self.c.machine
         try:
@@ -180,6 +211,7 @@ class FakeApi:
         return response
 
     async def manifest(self, round_: int) -> ManifestView | RoundView:
+        await self._reach()
         m = self.c.machine
         try:
             signed = m.manifest(round_)
@@ -195,7 +227,7 @@ class FakeApi:
         return ManifestView(signed=signed, urls=urls)
 
     async def report(self, round_: int, report: RoundReport) -> None:
-        await asyncio.sleep(0)
+        await self._reach()
         self._note("report", round_)
         try:
             self.c.machine.report(self.node_id, round_, report)
@@ -204,7 +236,7 @@ class FakeApi:
         self.reports.setdefault(round_, report)
 
     async def checkpoint_grant(self, round_: int, offer: CheckpointUpload) -> UploadGrant:
-        await asyncio.sleep(0)
+        await self._reach()
         try:
             key = self.c.book.grant(self.node_id, round_, offer)
         except RoundError as exc:
@@ -214,7 +246,7 @@ class FakeApi:
         return UploadGrant(key=key, url=url, headers={}, expires_in_s=900.0)
 
     async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo:
-        await asyncio.sleep(0)
+        await self._reach()
         book = self.c.book
         try:
             info = book.committed(self.node_id, round_, offer)
@@ -227,7 +259,7 @@ class FakeApi:
         return info
 
     async def latest_checkpoint(self) -> CheckpointView | None:
-        await asyncio.sleep(0)
+        await self._reach()
         info = self.c.book.latest()
         if info is None:
             return None

@@ -90,6 +90,16 @@ class FakeStore:
         self.plans: dict[str, GetPlan] = {}
         #: Every PUT that reached the store: (node, key, bytes).
         self.puts: list[tuple[str, str, bytes]] = []
+        #: While True the store does not answer: every transfer gives up as the real one would
+        #: after its own retries (``RetriesExhausted``).
+        self.down = False
+        #: Transfers refused while down.
+        self.refused = 0
+
+    def check_up(self) -> None:
+        if self.down:
+            self.refused += 1
+            raise RetriesExhausted("store: gave up after 6 attempts (fake outage)")
 
     def presign_put(self, key: str, size: int, sha256: str) -> str:
         url = f"mem://put/{next(self._tokens)}/{key}"
@@ -124,6 +134,7 @@ class NodeTransfers:
 
     async def put(self, url: str, headers: Mapping[str, str], data: bytes) -> bool:
         await asyncio.sleep(0)
+        self.store.check_up()
         grant = self.store._grants.get(url)
         if grant is None:
             raise TransferError(f"upload: HTTP 403: unknown or expired URL {url}", 403)
@@ -138,6 +149,7 @@ class NodeTransfers:
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:
         plan = self.plan
         plan.calls += 1
+        self.store.check_up()
         key = url.removeprefix("mem://get/")
         data = self.store.objects.get(key)
         if data is None or key in plan.missing:

@@ -1,0 +1,156 @@
+"""``sparseloco coordinator token add|list|revoke``: the operator decides who may take part.
+
+Works on the coordinator's database in its state directory, named by ``--state-dir DIR`` or by
+the config (``--config run.toml``: its ``[server] state_dir``, or the environment's, as the
+coordinator itself reads it; nothing else of the config is needed, not even store credentials).
+It runs beside a running coordinator: SQLite serialises the writes, and the coordinator notices
+every change within a request or a tick (``coordinator.tokens``):
+
+- ``add NODE_ID`` makes a new random token, stores only its digest, and prints the token once on
+  stdout (the explanation goes to stderr, so ``TOKEN=$(... token add n5)`` captures just it). A
+  node that already holds an active token is refused: revoke it first.
+- ``list`` prints every token's node, state, source, creation, last use and revocation, never
+  a token.
+- ``revoke NODE_ID`` revokes the node's active tokens: its next request is answered 401
+  ``token_revoked``, and a running coordinator takes it out of the run within a second (an open
+  round stops waiting for it). A config token revoked this way stays revoked at the next start.
+
+Exit status: 0 done; 1 refused (nothing to revoke, already has a token); 2 a usage or config
+error (no database in that state directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from coordinator.config import state_dir_of
+from coordinator.db import Database
+from coordinator.errors import TokenAdminError
+from coordinator.schema import DB_FILE
+from coordinator.tokens import TokenRow, TokenSource, TokenState, TokenTable, digest, new_token
+from protocol.errors import ConfigError
+from protocol.keys import check_id
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Add, list or revoke node tokens in a coordinator's state directory (also"
+        " while it runs).",
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="{add,list,revoke}")
+    add = actions.add_parser("add", help="issue a new token for a node and print it once")
+    add.add_argument("node_id", help="the node's id (1-64 of A-Z a-z 0-9 _ . -)")
+    listing = actions.add_parser("list", help="every token's node, state and dates (no tokens)")
+    revoke = actions.add_parser("revoke", help="revoke a node's token; the node is out at once")
+    revoke.add_argument("node_id")
+    for sub in (add, listing, revoke):
+        sub.add_argument("--state-dir", help="the coordinator's state directory")
+        sub.add_argument("--config", help="the coordinator's TOML config (for its state_dir)")
+    return parser
+
+
+def open_database(state_dir: Path) -> Database:
+    """The coordinator database in ``state_dir``; refuse to create one where there is none."""
+    path = state_dir / DB_FILE
+    if not path.is_file():
+        raise TokenAdminError(
+            f"no coordinator database at {path}: start the coordinator once with this state"
+            " directory, or fix --state-dir / --config"
+        )
+    return Database(path)
+
+
+def add(table: TokenTable, node_id: str, now: float) -> str:
+    """A new token for ``node_id`` (its digest stored); refused if it holds an active one."""
+    try:
+        check_id("node id", node_id)
+    except ValueError as exc:
+        raise TokenAdminError(str(exc)) from exc
+    with table.db.tx():
+        active = [r for r in table.of(node_id) if r.state == TokenState.ACTIVE]
+        if active:
+            raise TokenAdminError(
+                f"{node_id} already has an active token (created {_when(active[0].created_at)});"
+                f" revoke it first: token revoke {node_id}"
+            )
+        token = new_token()
+        table.add(node_id, digest(token), TokenSource.CLI, now)
+    return token
+
+
+def revoke(table: TokenTable, node_id: str, now: float) -> int:
+    """Revoke ``node_id``'s active tokens; refused if it has none."""
+    with table.db.tx():
+        n = table.revoke(node_id, now)
+    if n == 0:
+        known = sorted({r.node_id for r in table.rows()})
+        raise TokenAdminError(
+            f"{node_id} has no active token (nodes with tokens: {', '.join(known) or 'none'})"
+        )
+    return n
+
+
+def render(rows: Sequence[TokenRow]) -> str:
+    """The ``list`` table: one line per token, no token."""
+    header = ("NODE", "STATE", "SOURCE", "CREATED", "LAST USED", "REVOKED")
+    lines = [header] + [
+        (
+            r.node_id,
+            r.state.value,
+            r.source.value,
+            _when(r.created_at),
+            _when(r.last_used),
+            _when(r.revoked_at),
+        )
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+def main(argv: Sequence[str], *, prog: str = "python -m coordinator token") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        state_dir = state_dir_of(args.config, args.state_dir)
+        db = open_database(state_dir)
+    except (ConfigError, TokenAdminError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    table = TokenTable(db)
+    try:
+        if args.action == "add":
+            token = add(table, args.node_id, time.time())
+            print(token)
+            print(
+                f"new token for {args.node_id} in {state_dir}; shown only now: give it to the"
+                " node's operator (SPARSELOCO_NODE_TOKEN=...)",
+                file=sys.stderr,
+            )
+        elif args.action == "list":
+            rows = table.rows()
+            print(render(rows) if rows else f"no tokens in {state_dir}")
+        else:
+            n = revoke(table, args.node_id, time.time())
+            print(
+                f"revoked {n} token{'s' if n > 1 else ''} of {args.node_id}; a running"
+                " coordinator refuses it at once and takes the node out of the run within a"
+                " second"
+            )
+    except TokenAdminError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        db.close()
+    return 0

@@ -1,0 +1,95 @@
+"""The nodes' own metrics, as their round reports push them to the coordinator's ``/metrics``.
+
+Nodes run behind NAT and open no port; every report a node sends after applying a round carries
+its losses, per-phase timings, bytes moved and the failed attempts it made at the coordinator or
+the store since its previous report. The coordinator turns them into per-node series, labelled
+by ``node``:
+
+- gauges of the newest report: ``sparseloco_node_train_loss``, ``sparseloco_node_eval_loss``,
+  ``sparseloco_node_step_seconds`` (training time / H), ``sparseloco_node_phase_seconds``
+  (``phase`` label: train, encode, upload, wait, download, decode, aggregate_apply, save, eval),
+  ``sparseloco_node_transfer_bytes_per_second`` (``direction``: up, down), and
+  ``sparseloco_node_last_round``;
+- counters over the whole run: ``sparseloco_node_bytes`` (``direction``) and
+  ``sparseloco_node_retries``.
+
+Like the coordinator's own counters they describe the run, not the process: at start they are
+rebuilt from the reports in the database (``from_reports``), so a restart loses nothing.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from coordinator.db import Database
+from protocol.messages import RoundReport
+
+
+class NodeMetrics:
+    """Per-node series in ``registry``; ``observe`` one report at a time, in round order."""
+
+    def __init__(self, registry: CollectorRegistry, inner_steps: int) -> None:
+        self.inner_steps = max(1, inner_steps)
+        labels = ["node"]
+        self.train_loss = Gauge(
+            "sparseloco_node_train_loss", "Mean training loss of the node's newest round",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.eval_loss = Gauge(
+            "sparseloco_node_eval_loss", "Held-out loss after the node's newest round",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.step_seconds = Gauge(
+            "sparseloco_node_step_seconds", "Seconds per inner step in the node's newest round",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.phase_seconds = Gauge(
+            "sparseloco_node_phase_seconds", "Seconds per phase of the node's newest round",
+            ["node", "phase"], registry=registry,
+        )  # fmt: skip
+        self.rate = Gauge(
+            "sparseloco_node_transfer_bytes_per_second",
+            "Payload bytes per second of the node's newest upload and download",
+            ["node", "direction"], registry=registry,
+        )  # fmt: skip
+        self.last_round = Gauge(
+            "sparseloco_node_last_round", "The newest round the node reported", labels,
+            registry=registry,
+        )  # fmt: skip
+        self.bytes = Counter(
+            "sparseloco_node_bytes", "Payload bytes the node moved over the run",
+            ["node", "direction"], registry=registry,
+        )  # fmt: skip
+        self.retries = Counter(
+            "sparseloco_node_retries",
+            "Failed attempts at the coordinator or the store the node reported",
+            labels, registry=registry,
+        )  # fmt: skip
+
+    def observe(self, node: str, round_: int, report: RoundReport) -> None:
+        """Account one report (the newest of ``node``'s so far)."""
+        self.last_round.labels(node=node).set(round_)
+        self.bytes.labels(node=node, direction="up").inc(report.bytes_up)
+        self.bytes.labels(node=node, direction="down").inc(report.bytes_down)
+        self.retries.labels(node=node).inc(report.retries)
+        if report.train_loss is not None:
+            self.train_loss.labels(node=node).set(report.train_loss)
+        if report.eval_loss is not None:
+            self.eval_loss.labels(node=node).set(report.eval_loss)
+        t = report.timings
+        for phase, seconds in t.items():
+            self.phase_seconds.labels(node=node, phase=phase).set(seconds)
+        if "train" in t:
+            self.step_seconds.labels(node=node).set(t["train"] / self.inner_steps)
+        for direction, moved, phase in (
+            ("up", report.bytes_up, "upload"),
+            ("down", report.bytes_down, "download"),
+        ):
+            if moved and t.get(phase, 0.0) > 0:
+                self.rate.labels(node=node, direction=direction).set(moved / t[phase])
+
+    def from_reports(self, db: Database) -> None:
+        """Rebuild every series from the reports the database holds (at start)."""
+        rows = db.execute("SELECT round, node_id, report FROM reports ORDER BY round").fetchall()
+        for round_, node, body in rows:
+            self.observe(str(node), int(round_), RoundReport.model_validate_json(body))

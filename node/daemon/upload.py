@@ -1,0 +1,73 @@
+"""Getting a trained round's payload into the store and announced to the coordinator.
+
+``submit`` asks for a presigned PUT (bound to this node's key, the size and the sha256,
+write-once), uploads, and submits the digest with the fingerprint of the θ it trained from.
+While the store does not take the payload, it tries again with a new grant each time for as
+long as the round stays open; once the round closed without it, step 9 keeps the contribution
+(``node.daemon.rounds``). A refusal that means "this round went on without you" is not an
+error either.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from node.daemon.pending import PendingRound
+from node.daemon.retry import Backoff
+from node.errors import CoordinatorError, RetriesExhausted, TransferError
+from protocol.messages import RoundState, SubmitRequest
+
+if TYPE_CHECKING:
+    from node.daemon.loop import NodeDaemon
+
+log = logging.getLogger("sparseloco.node")
+
+#: Refusals that mean "this round went on without us"; the contribution stays in e.
+MISSED = frozenset({"round_closed", "not_expected", "already_submitted", "run_finished"})
+
+
+async def submit(d: NodeDaemon, pending: PendingRound) -> None:
+    """Upload through a presigned PUT and announce it; a missed round is not an error.
+
+    While the store does not take the payload, the upload is tried again (a new grant each
+    time) for as long as the round stays open; once it closed, step 9 keeps the
+    contribution.
+    """
+    r, payload = pending.round, pending.payload
+    t0 = time.perf_counter()
+    pending.bytes_up = 0
+    backoff = Backoff()
+    try:
+        while True:
+            grant = await d.api.upload_grant(r, len(payload), pending.sha256)
+            d.faults.crash_point(r, "mid_upload")
+            try:
+                await d.transfers.put(grant.url, grant.headers, payload)
+                break
+            except (TransferError, RetriesExhausted) as exc:
+                view = await d.api.round()
+                still_open = view.round == r and view.state == RoundState.OPEN
+                if not still_open or d.stopping.is_set():
+                    # The round goes on without this payload; step 9 keeps it.
+                    d.log("upload_failed", error=repr(exc))
+                    return
+                log.debug("event=upload_retry node=%s round=%d error=%r", d.node_id, r, exc)
+                await d.sleep(backoff.next())
+        pending.bytes_up = len(payload)
+        pending.timings["upload"] = time.perf_counter() - t0
+        d.faults.crash_point(r, "after_upload")
+        request = SubmitRequest(
+            size=len(payload), sha256=pending.sha256, base_fingerprint=pending.base
+        )
+        response = await d.api.submit(r, request)
+        if not response.accepted:
+            d.log("submission_rejected", reason=repr(response.reason))
+        d.faults.crash_point(r, "after_submit")
+    except CoordinatorError as exc:
+        if exc.error not in MISSED:
+            raise
+        d.log("missed_round", reason=exc.error)
+    finally:
+        pending.submitted_at = d.clock.now()

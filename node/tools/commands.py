@@ -1,0 +1,153 @@
+"""The ``store``, ``doctor`` and ``export`` subcommands of ``sparseloco``: flags, then the tool.
+
+``store`` runs the embedded S3-compatible store (SeaweedFS ``weed mini``) for a run on one
+machine or a private network: every port bound to one address (loopback by default), the admin
+UI, WebDAV and telemetry off, the bucket created, credentials from the environment.
+
+``doctor`` and ``export`` take the coordinator's URL and a node token the same way
+``sparseloco node`` does (``--coordinator`` or ``SPARSELOCO_NODE_COORDINATOR``, ``--token`` or,
+better, the environment variable ``SPARSELOCO_NODE_TOKEN``, where other users cannot read it
+from the process list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from protocol.errors import ConfigError
+
+
+def _coordinator_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", help="coordinator URL (or SPARSELOCO_NODE_COORDINATOR)")
+    p.add_argument("--token", help="a node token of the run (better: SPARSELOCO_NODE_TOKEN)")
+
+
+def _coordinator_of(args: argparse.Namespace) -> str:
+    url = args.coordinator or os.environ.get("SPARSELOCO_NODE_COORDINATOR")
+    if not url:
+        raise ConfigError(
+            "--coordinator is required (or SPARSELOCO_NODE_COORDINATOR); e.g."
+            " --coordinator https://coordinator.example:8700"
+        )
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--coordinator {url!r} is not an http(s) URL")
+    return str(url).rstrip("/")
+
+
+def _token_of(args: argparse.Namespace) -> str | None:
+    return args.token or os.environ.get("SPARSELOCO_NODE_TOKEN") or None
+
+
+def add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check that this machine can take part in a run, and how to fix what cannot",
+        description="Checks the coordinator, the token, the clock, a presigned upload and"
+        " download through the store (with bandwidth), disk, memory, threads and GPU."
+        " Exit status 1 if any check fails.",
+    )
+    _coordinator_flags(p)
+    p.add_argument("--state-dir", help="the node's state folder, if it has one already")
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    coordinator = _coordinator_of(args)
+    from node.tools.doctor import doctor
+
+    state_dir = Path(args.state_dir) if args.state_dir else None
+    return doctor(coordinator, _token_of(args), state_dir)
+
+
+def add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="download the run's newest checkpoint as a verified safetensors file",
+        description="Fetches the newest committed checkpoint through the coordinator, checks"
+        " its sha256, its shapes against the run's model and its fingerprint against the one"
+        " the nodes agreed on, and writes OUT/model.safetensors and OUT/run.json.",
+    )
+    _coordinator_flags(p)
+    p.add_argument("--out", required=True, help="folder for model.safetensors and run.json")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import asyncio
+
+    coordinator = _coordinator_of(args)
+    token = _token_of(args)
+    if token is None:
+        raise ConfigError("export needs a node token of the run: --token or SPARSELOCO_NODE_TOKEN")
+    from node.tools.export import export
+
+    done = asyncio.run(export(coordinator, token, Path(args.out)))
+    info = done.info
+    print(
+        f"exported θ at the start of round {info.round} (fingerprint {info.fingerprint},"
+        f" {info.size:,} bytes, verified) to {done.model}; run config in {done.manifest}"
+    )
+    return 0
+
+
+def add_store(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "store",
+        help="run an S3-compatible object store (SeaweedFS) for a run, until Ctrl-C",
+        description="Starts SeaweedFS `weed mini` with its data in --dir, every port bound to"
+        " --host only, the admin UI off, and the bucket created. Credentials come from"
+        " AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (put the same in the coordinator's"
+        " [storage]). Nodes only need to reach the S3 port (presigned URLs).",
+    )
+    p.add_argument("--dir", required=True, help="data folder (kept across restarts)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8333, help="S3 port (default 8333)")
+    p.add_argument("--bucket", default="sparseloco")
+    p.set_defaults(func=_cmd_store)
+
+
+def _cmd_store(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    access = os.environ.get("AWS_ACCESS_KEY_ID")
+    secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if not access or not secret or len(secret) < 16:
+        raise ConfigError(
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (16+ characters) in the environment:"
+            " the store's admin credentials, the same as [storage] access_key and secret_key in"
+            " the coordinator's config; e.g. export AWS_SECRET_ACCESS_KEY=$(openssl rand -hex 20)"
+        )
+    if args.host in ("0.0.0.0", "::"):
+        raise ConfigError(
+            "--host must be one address (the one nodes reach), not every interface: weed mini"
+            " also opens an unauthenticated filer port on it"
+        )
+    from node.cluster.seaweed import EmbeddedStore
+
+    store = EmbeddedStore(
+        Path(args.dir),
+        bucket=args.bucket,
+        access_key=access,
+        secret_key=secret,
+        host=args.host,
+        s3_port=args.port,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    endpoint = store.start()
+    try:
+        print(
+            f"store ready: endpoint_url = {endpoint.endpoint_url!r}, bucket = {endpoint.bucket!r}"
+            f" (data in {args.dir}; Ctrl-C stops it)",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            if store.process is None or store.process.poll() is not None:
+                raise ConfigError(f"the store exited; see {Path(args.dir) / 'weed.log'}")
+    finally:
+        store.stop()
+    return 0

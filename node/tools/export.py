@@ -1,0 +1,125 @@
+"""``sparseloco export``: the run's newest checkpoint as a local, verified safetensors file.
+
+Asks the coordinator for the newest committed checkpoint (``GET /v1/checkpoints/latest``, with
+any valid node token: nothing is joined, nothing changes on the coordinator), downloads it
+through the presigned GET, and keeps it only if every check holds:
+
+- the bytes have the size and sha256 the coordinator recorded when the checkpoint was committed;
+- the file holds exactly the run's model, by names and shapes, in fp32 (safetensors holds only
+  tensors, never code);
+- the fingerprint of those tensors is the one the nodes agreed on for that round.
+
+Writes ``model.safetensors`` and ``run.json`` (run id, round, fingerprint, sha256, and the full
+run config: the model preset and everything needed to rebuild the model) into ``--out``,
+atomically, so a failed export never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from node.daemon.client import CoordinatorClient
+from node.daemon.retry import RetryPolicy
+from node.daemon.transfer import HttpTransfers
+from node.errors import CheckpointError, CoordinatorError, Refused
+from protocol.messages import CheckpointInfo, StatusView
+from protocol.runconfig import RunConfig
+
+#: A tool answers quickly: a few tries, then it says the coordinator is not reachable.
+TOOL_POLICY = RetryPolicy(attempts=4, base_s=0.5, max_delay_s=2.0, budget_s=20.0)
+
+
+@dataclass(frozen=True)
+class Exported:
+    model: Path
+    manifest: Path
+    info: CheckpointInfo
+
+
+def verify_checkpoint(data: bytes, info: CheckpointInfo, run: RunConfig) -> None:
+    """Raise ``CheckpointError`` unless ``data`` is the run's model with ``info.fingerprint``."""
+    import torch
+    from safetensors.torch import load as load_safetensors
+
+    from node.compute.model import GPT, get_preset
+    from protocol.fingerprint import fingerprint
+
+    try:
+        tensors = load_safetensors(data)
+    except Exception as exc:  # safetensors raises several types for bad bytes
+        raise CheckpointError(f"checkpoint of round {info.round} is unreadable: {exc}") from exc
+    with torch.device("meta"):
+        model = GPT(get_preset(run.model))
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    got = {n: tuple(t.shape) for n, t in tensors.items()}
+    if got != expected or any(t.dtype != torch.float32 for t in tensors.values()):
+        raise CheckpointError(
+            f"checkpoint of round {info.round} does not hold the run's {run.model!r} model"
+        )
+    actual = fingerprint(tensors)
+    if actual != info.fingerprint:
+        raise CheckpointError(
+            f"checkpoint of round {info.round} has fingerprint {actual}, the nodes agreed on"
+            f" {info.fingerprint}"
+        )
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+async def export(coordinator: str, token: str, out: Path) -> Exported:
+    """Fetch, verify and write the newest checkpoint; ``Refused`` if there is none or the
+    token is refused, ``CheckpointError``/``DigestError`` if it does not check out."""
+    async with aiohttp.ClientSession() as http:
+        api = CoordinatorClient(http, coordinator, token, policy=TOOL_POLICY)
+        status: StatusView = await api.status(rounds=1)
+        try:
+            view = await api.latest_checkpoint()
+        except CoordinatorError as exc:
+            if exc.status == 401:
+                raise Refused(
+                    f"the coordinator refused the token ({exc.error}); export needs any valid"
+                    " node token of this run (--token or SPARSELOCO_NODE_TOKEN)"
+                ) from exc
+            raise
+        if view is None:
+            raise Refused(
+                f"run {status.run_id} has no committed checkpoint yet (one is taken every"
+                f" {status.run.checkpoint_every} rounds); try again later"
+            )
+        info = view.info
+        data = await HttpTransfers(http).get(view.url, size=info.size, sha256=info.sha256)
+    verify_checkpoint(data, info, status.run)
+    out.mkdir(parents=True, exist_ok=True)
+    model = out / "model.safetensors"
+    manifest = out / "run.json"
+    _write_atomically(model, data)
+    document = {
+        "run_id": status.run_id,
+        "round": info.round,
+        "fingerprint": info.fingerprint,
+        "sha256": info.sha256,
+        "size": info.size,
+        "uploaded_by": info.node_id,
+        "created_at": info.created_at,
+        "note": "θ at the start of this round, i.e. after applying every round before it",
+        "run": status.run.model_dump(mode="json"),
+    }
+    _write_atomically(manifest, (json.dumps(document, indent=2) + "\n").encode())
+    return Exported(model, manifest, info)

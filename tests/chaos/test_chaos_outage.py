@@ -1,0 +1,68 @@
+"""Outages the fleet must ride out by itself: 2 minutes without the store, 1 without the
+coordinator, and no node is touched.
+
+Real processes (SeaweedFS, coordinator, nodes), the tiny model, 3 nodes, 8 rounds. Deadlines are
+long (150-240 s) so a round can wait out the outage, as an operator would configure a run over
+the internet. Faults, each keyed to a round:
+
+- as round 2 opens, the object store stops for 2 minutes (until a node logged that the store is
+  unreachable and at least 120 s passed): uploads and downloads keep trying, with fresh URLs,
+  while the round stays open;
+- as round 5 opens, the coordinator is killed and started again on the same port 60 s later:
+  every node waits for it, then goes on.
+
+No node may exit or be restarted (the runner counts any unexpected exit as a failure), every
+round must close with every node in its gather set, all invariants hold after every round, and
+the final loss matches the same run without faults.
+"""
+
+from __future__ import annotations
+
+from protocol.runconfig import RunConfig, Timing
+
+from .runner import chaos_test
+from .scenario import Scenario, at
+
+TIMING = Timing(
+    first_round_s=240,
+    min_round_s=150,
+    max_round_s=240,
+    factor=2.0,
+    margin_s=10.0,
+    heartbeat_timeout_s=30,
+)
+
+RUN = RunConfig(
+    name="chaos-outage",
+    model="tiny",
+    rounds=8,
+    inner_steps=20,
+    batch_size=4,
+    min_nodes=3,
+    checkpoint_every=4,
+    retention_rounds=6,
+    timing=TIMING,
+)
+
+OUTAGE = Scenario(
+    name="outage",
+    run=RUN,
+    nodes=3,
+    steps=(
+        at(2, "store_outage", min_s=120, max_s=150),
+        at(5, "coordinator_outage", min_s=60),
+    ),
+    timeout_s=600,
+)
+
+
+def test_the_fleet_rides_out_store_and_coordinator_outages(tmp_path, store) -> None:
+    result = chaos_test(OUTAGE, tmp_path, store)
+    assert result["rounds_closed"] == RUN.rounds
+    nodes = {f"node-{i}" for i in range(3)}
+    for r in range(RUN.rounds):
+        assert set(result["gather"][r]) == nodes, (r, result["excluded"].get(r))
+    events = [e["action"] for e in result["events"]]
+    assert "store_back" in events and "coordinator_back" in events
+    store_back = next(e for e in result["events"] if e["action"] == "store_back")
+    assert store_back["held_s"] >= 120 and store_back["retry_seen"]

@@ -1,0 +1,209 @@
+"""The ``sparseloco`` console script as an operator runs it: every documented command works.
+
+Every command of README's "Commands" block runs through the real console script (the
+``sparseloco`` installed next to this interpreter) with ``--help``: it must exist and offer every
+flag the README shows for it. Besides: ``--version``; ``sparseloco node`` checks its settings
+before torch is imported; ``sparseloco coordinator --config run.toml`` starts a real coordinator
+that reaches "listening" and stops on SIGTERM; and the token commands change who may take part
+while that coordinator runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from node.cluster.seaweed import EmbeddedStore
+from protocol.runconfig import RunConfig
+from support.harness import REPO_ROOT, write_coordinator_config
+
+SPARSELOCO = Path(sys.executable).parent / "sparseloco"
+README = REPO_ROOT / "README.md"
+CONFIG_TOKEN = "cli-test-token-of-n0-0123456789"
+
+
+def sparseloco(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SPARSELOCO), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT
+    )
+
+
+def readme_commands() -> list[tuple[list[str], list[str]]]:
+    """(subcommand words, flags) of each ``sparseloco`` line in README's Commands block."""
+    section = README.read_text().split("## Commands", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    commands = []
+    for line in block.splitlines():
+        words = line.split("#", 1)[0].split()
+        if "sparseloco" not in words:
+            continue
+        rest = words[words.index("sparseloco") + 1 :]
+        sub = []
+        for word in rest:
+            if not re.fullmatch(r"[a-z]+", word):
+                break
+            sub.append(word)
+        commands.append((sub, re.findall(r"--[a-z][a-z-]*", " ".join(rest))))
+    return commands
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_documents_every_command() -> None:
+    documented = {" ".join(sub) for sub, _ in COMMANDS}
+    assert {"up", "coordinator", "node", "simulate", "bench codec", "bench quality"} <= documented
+
+
+@pytest.mark.parametrize(("sub", "flags"), COMMANDS, ids=[" ".join(s) for s, _ in COMMANDS])
+def test_each_documented_command_has_help_with_its_flags(sub: list[str], flags: list[str]) -> None:
+    proc = sparseloco(*sub, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: sparseloco {' '.join(sub)}"), proc.stdout[:200]
+    missing = [flag for flag in flags if flag not in proc.stdout]
+    assert not missing, f"README shows {missing} for `sparseloco {' '.join(sub)}`"
+
+
+@pytest.mark.parametrize("action", ["add", "list", "revoke"])
+def test_token_commands_have_help(action: str) -> None:
+    proc = sparseloco("coordinator", "token", action, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert f"usage: sparseloco coordinator token {action}" in proc.stdout
+    assert "--state-dir" in proc.stdout and "--config" in proc.stdout
+
+
+def test_version() -> None:
+    top = sparseloco("--version")
+    assert top.returncode == 0 and re.fullmatch(r"sparseloco \d+\.\d+\.\d+\S*\n", top.stdout)
+    for proc in (
+        sparseloco("coordinator", "--version"),
+        subprocess.run(
+            [sys.executable, "-m", "coordinator", "--version"],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=60,
+        ),
+    ):
+        assert (proc.returncode, proc.stdout) == (0, top.stdout)
+
+
+def test_unknown_arguments_are_still_refused() -> None:
+    proc = sparseloco("up", "--nodse", "3")
+    assert proc.returncode == 2 and "unrecognized arguments: --nodse 3" in proc.stderr
+
+
+def test_node_settings_are_checked_before_torch_loads(tmp_path: Path) -> None:
+    code = (
+        "import sys; from node.cli import main;"
+        " rc = main(['node', '--state-dir', 'x']); print(rc, 'torch' in sys.modules)"
+    )
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert proc.stdout.split() == ["2", "False"], proc.stderr
+    assert "--coordinator (or SPARSELOCO_NODE_COORDINATOR): Field required" in proc.stderr
+    assert time.monotonic() - started < 15
+
+
+def test_a_bad_coordinator_config_is_refused_through_the_console_script(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[server]\nstate_dir = "x"\nprot = 1\n')
+    proc = sparseloco("coordinator", "--config", str(bad))
+    assert proc.returncode == 2
+    assert "did you mean server.port?" in proc.stderr and "storage" in proc.stderr
+
+
+def http(url: str, method: str, path: str, token: str | None, body: Any = None) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def wait_until(what: str, check: Any, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_coordinator_starts_serves_tokens_and_stops(store: EmbeddedStore, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    config = write_coordinator_config(
+        tmp_path / "run.toml",
+        run=RunConfig(name="cli", min_nodes=2),
+        endpoint=store.endpoint,
+        tokens={"n0": CONFIG_TOKEN},
+        prefix="cli-test",
+        state_dir=state,
+    )
+    log_path = tmp_path / "coordinator.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [str(SPARSELOCO), "coordinator", "--config", str(config), "--port", "0"],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+        )
+    try:
+        wait_until("event=listening", lambda: "event=listening" in log_path.read_text())
+        url = json.loads((state / "coordinator.json").read_text())["url"]
+
+        added = sparseloco("coordinator", "token", "add", "n5", "--config", str(config))
+        assert added.returncode == 0, added.stderr
+        new_token = added.stdout.strip()
+        assert len(new_token) >= 32 and "shown only now" in added.stderr
+        again = sparseloco("coordinator", "token", "add", "n5", "--state-dir", str(state))
+        assert again.returncode == 1 and "already has an active token" in again.stderr
+        status, joined = http(url, "POST", "/v1/join", new_token, {})
+        assert status == 200 and joined["node_id"] == "n5"
+
+        listed = sparseloco("coordinator", "token", "list", "--config", str(config))
+        assert listed.returncode == 0
+        rows = {line.split()[0]: line.split()[1:3] for line in listed.stdout.splitlines()[1:]}
+        assert rows == {"n0": ["active", "config"], "n5": ["active", "cli"]}
+        assert new_token not in listed.stdout and CONFIG_TOKEN not in listed.stdout
+
+        revoked = sparseloco("coordinator", "token", "revoke", "n5", "--config", str(config))
+        assert revoked.returncode == 0 and "revoked 1 token of n5" in revoked.stdout
+        status, err = http(url, "POST", "/v1/heartbeat", new_token)
+        assert (status, err["error"]) == (401, "token_revoked")
+
+        def n5_state() -> str | None:
+            members = http(url, "GET", "/v1/status", None)[1]["members"]
+            state_of = {m["node_id"]: m["state"] for m in members}
+            return state_of["n5"] if state_of.get("n5") == "revoked" else None
+
+        assert wait_until("n5 to be taken out", n5_state, timeout=10) == "revoked"
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert "event=stopped" in text and "event=revoked node=n5" in text
+    assert CONFIG_TOKEN not in text and new_token not in text
+    assert store.endpoint.secret_key not in text

@@ -1,0 +1,119 @@
+"""The daemon rides out outages: it waits, it resumes, and it stops when told, in any state.
+
+The same in-process fakes as ``test_daemon.py``. An outage of the coordinator is modelled the
+way the real client experiences it: every call waits until the coordinator answers again (the
+client retries forever, with bounded backoff). An outage of the store makes every transfer give
+up as the real one does after its own retries. Only a refusal that cannot heal (a revoked
+token) ends the node, with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from node.compute.state import load_state
+from node.errors import Refused
+from protocol.runconfig import RunConfig, Timing
+from support.daemon_harness import Harness, reference_fingerprints, until, worker
+
+pytestmark = pytest.mark.asyncio
+
+PATIENT = Timing(first_round_s=1000, min_round_s=1000, max_round_s=1000, heartbeat_timeout_s=10_000)
+
+
+def run_config(**changes: object) -> RunConfig:
+    values: dict[str, object] = {
+        "name": "unit",
+        "model": "tiny",
+        "rounds": 3,
+        "inner_steps": 2,
+        "batch_size": 2,
+        "checkpoint_every": 0,
+        "timing": PATIENT,
+    }
+    values.update(changes)
+    return RunConfig.model_validate(values)
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Callable[[RunConfig], Harness]]:
+    made: list[Harness] = []
+
+    def make(run: RunConfig) -> Harness:
+        h = Harness(tmp_path, run)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+async def test_a_coordinator_outage_is_waited_out(harness) -> None:
+    run = run_config()
+    h = harness(run)
+    task = h.start(h.daemon("node-0"))
+    await until(lambda: bool(h.reports(0)), "round 0")
+    h.coord.outage()
+    await until(lambda: h.coord.waiting > 0, "node-0 to wait for the coordinator")
+    await asyncio.sleep(0.3)
+    assert not task.done()  # waiting, not exited
+    h.coord.restore()
+    assert await task == 0
+    assert h.reports(run.rounds - 1)["node-0"].fingerprint == reference_fingerprints(run)[-1]
+
+
+async def test_a_stop_is_honoured_within_the_grace_during_an_outage(harness) -> None:
+    run = run_config()
+    h = harness(run)
+    daemon = h.daemon("node-0", stop_grace_s=0.2)
+    task = h.start(daemon)
+    await until(lambda: bool(h.reports(0)), "round 0")
+    h.coord.outage()
+    await until(lambda: h.coord.waiting > 0, "node-0 to wait for the coordinator")
+    daemon.request_stop()
+    assert await asyncio.wait_for(task, 10) == 0  # the leave cannot get through: it does not wait
+    state = load_state(h.state_dir("node-0"), worker(run).shapes)
+    assert state is not None and state.phase in ("idle", "submitting")
+
+
+async def test_a_store_outage_during_the_upload_is_ridden_out_within_the_round(
+    harness, caplog
+) -> None:
+    caplog.set_level(logging.WARNING)
+    run = run_config(rounds=2)
+    h = harness(run)
+    h.store.down = True
+    task = h.start(h.daemon("node-0"))
+    await h.advance_until(lambda: h.store.refused >= 4, step_s=2)  # the upload keeps trying
+    assert not task.done() and h.store.puts == []
+    h.store.down = False
+    await h.advance_until(task.done, step_s=2)
+    assert task.result() == 0
+    assert [e.node_id for e in h.manifest(0).manifest.gather] == ["node-0"]  # not a missed round
+    assert h.reports(1)["node-0"].fingerprint == reference_fingerprints(run)[-1]
+
+
+async def test_a_revoked_token_ends_the_node_and_says_what_to_do(harness) -> None:
+    h = harness(run_config(rounds=5))
+    task = h.start(h.daemon("node-0"))
+    await until(lambda: bool(h.reports(0)), "round 0")
+    h.coord.revoked.add("node-0")
+    with pytest.raises(Refused, match="ask the run's operator"):
+        await task
+
+
+async def test_a_join_waits_while_another_process_holds_the_token(harness, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="sparseloco.node")
+    run = run_config(rounds=1)
+    h = harness(run)
+    h.coord.in_use["node-0"] = 2  # the previous process has not timed out yet
+    task = h.start(h.daemon("node-0"))
+    await h.advance_until(task.done, step_s=5)
+    assert task.result() == 0
+    assert sum("event=token_in_use" in m for m in caplog.messages) == 1
