@@ -15,7 +15,7 @@ from node.cluster.seaweed import EmbeddedStore
 
 #: Fixture modules of ``tests/support`` every test may use: ``make_api`` (the coordinator's API
 #: in-process on this store).
-pytest_plugins = ["support.api", "support.browser"]
+pytest_plugins = ["support.api", "support.browser", "support.daemon_harness"]
 
 
 @pytest.fixture(scope="session")

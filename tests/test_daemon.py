@@ -14,8 +14,6 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
@@ -23,48 +21,16 @@ from node.compute.state import load_state
 from node.daemon.faults import Faults
 from protocol.keys import payload_key
 from protocol.messages import Exclusion, Mass, MemberState
-from protocol.runconfig import RunConfig, Timing
 from support.daemon_harness import (
     Crash,
-    Harness,
     crash_at,
     reference_fingerprints,
+    run_config,
     until,
     worker,
 )
 
 pytestmark = pytest.mark.asyncio
-
-#: Deadlines and heartbeat windows far beyond anything a test does unless it advances the clock.
-PATIENT = Timing(first_round_s=1000, min_round_s=1000, max_round_s=1000, heartbeat_timeout_s=10_000)
-
-
-def run_config(**changes: object) -> RunConfig:
-    values: dict[str, object] = {
-        "name": "unit",
-        "model": "tiny",
-        "rounds": 3,
-        "inner_steps": 2,
-        "batch_size": 2,
-        "checkpoint_every": 0,
-        "timing": PATIENT,
-    }
-    values.update(changes)
-    return RunConfig.model_validate(values)
-
-
-@pytest.fixture
-def harness(tmp_path: Path) -> Iterator[Callable[[RunConfig], Harness]]:
-    made: list[Harness] = []
-
-    def make(run: RunConfig) -> Harness:
-        h = Harness(tmp_path, run)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
 
 
 def assert_mass_balanced(report_mass: Mass | None) -> None:

@@ -11,47 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from node.compute.state import load_state
 from node.errors import Refused
-from protocol.runconfig import RunConfig, Timing
-from support.daemon_harness import Harness, reference_fingerprints, until, worker
+from support.daemon_harness import reference_fingerprints, run_config, until, worker
 
 pytestmark = pytest.mark.asyncio
-
-PATIENT = Timing(first_round_s=1000, min_round_s=1000, max_round_s=1000, heartbeat_timeout_s=10_000)
-
-
-def run_config(**changes: object) -> RunConfig:
-    values: dict[str, object] = {
-        "name": "unit",
-        "model": "tiny",
-        "rounds": 3,
-        "inner_steps": 2,
-        "batch_size": 2,
-        "checkpoint_every": 0,
-        "timing": PATIENT,
-    }
-    values.update(changes)
-    return RunConfig.model_validate(values)
-
-
-@pytest.fixture
-def harness(tmp_path: Path) -> Iterator[Callable[[RunConfig], Harness]]:
-    made: list[Harness] = []
-
-    def make(run: RunConfig) -> Harness:
-        h = Harness(tmp_path, run)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
 
 
 async def test_a_coordinator_outage_is_waited_out(harness) -> None:

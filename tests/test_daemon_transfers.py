@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
@@ -21,47 +19,16 @@ from node.daemon.gather import fetch_gather
 from node.errors import TransferError
 from protocol.keys import payload_key, round_prefix
 from protocol.messages import Manifest, ManifestEntry, ManifestView, MemberState, SignedManifest
-from protocol.runconfig import RunConfig, Timing
-from support.daemon_harness import Crash, Harness, crash_at, worker
+from protocol.runconfig import Timing
+from support.daemon_harness import Crash, crash_at, run_config, worker
 from support.fake_store import FakeStore
 
 pytestmark = pytest.mark.asyncio
 
-PATIENT = Timing(first_round_s=1000, min_round_s=1000, max_round_s=1000, heartbeat_timeout_s=10_000)
-
-
-def run_config(**changes: object) -> RunConfig:
-    values: dict[str, object] = {
-        "name": "unit",
-        "model": "tiny",
-        "rounds": 3,
-        "inner_steps": 2,
-        "batch_size": 2,
-        "checkpoint_every": 0,
-        "min_nodes": 2,
-        "timing": PATIENT,
-    }
-    values.update(changes)
-    return RunConfig.model_validate(values)
-
-
-@pytest.fixture
-def harness(tmp_path: Path) -> Iterator[Callable[[RunConfig], Harness]]:
-    made: list[Harness] = []
-
-    def make(run: RunConfig) -> Harness:
-        h = Harness(tmp_path, run)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
-
 
 async def test_a_failed_fetch_is_fetched_again_and_the_nodes_agree(harness, caplog) -> None:
     caplog.set_level(logging.INFO, logger="sparseloco.node")
-    h = harness(run_config())
+    h = harness(run_config(min_nodes=2))
     h.store.transfers("node-0").plan.failing = 1  # node-0's first GET gives up
     tasks = [h.start(h.daemon(n)) for n in ("node-0", "node-1")]
     assert [await t for t in tasks] == [0, 0]
@@ -76,7 +43,7 @@ async def test_a_failed_fetch_is_fetched_again_and_the_nodes_agree(harness, capl
 
 async def test_a_fetch_that_keeps_failing_waits_and_never_applies_a_part(harness, caplog) -> None:
     caplog.set_level(logging.INFO, logger="sparseloco.node")
-    run = run_config()
+    run = run_config(min_nodes=2)
     h = harness(run)
     plan = h.store.transfers("node-0").plan
     plan.failing = 10**6  # node-0 cannot reach the store: the others can

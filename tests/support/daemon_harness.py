@@ -1,5 +1,9 @@
 """Running real ``NodeDaemon``s against the in-memory fakes, for the daemon's unit tests.
 
+``run_config`` is a small, fast run whose deadlines and heartbeat window lie far beyond anything
+a test does unless it advances the clock; the ``harness`` fixture (registered for every test in
+``tests/conftest.py``) makes ``Harness``es and closes them after the test.
+
 ``Harness`` owns one ``FakeCoordinator`` (the real round machine), one ``FakeStore`` and one
 ``FakeClock``, and builds daemons wired to them, each with its own state directory under the
 test's tmp dir. ``reference_fingerprints`` is what one node alone must end up with, computed
@@ -10,9 +14,11 @@ daemon's θ bit for bit without trusting the daemon.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from node.compute.state import load_state
 from node.compute.worker import Worker
@@ -20,12 +26,30 @@ from node.daemon.faults import Faults
 from node.daemon.loop import NodeDaemon
 from node.daemon.settings import NodeSettings
 from protocol.messages import RoundReport, SignedManifest
-from protocol.runconfig import RunConfig
+from protocol.runconfig import RunConfig, Timing
 from support.fake_coordinator import FakeCoordinator
 from support.fake_store import FakeClock, FakeStore
 
 #: Real seconds any wait of a test may take before it counts as a hang.
 HANG_S = 120.0
+
+#: Deadlines and heartbeat windows far beyond anything a test does unless it advances the clock.
+PATIENT = Timing(first_round_s=1000, min_round_s=1000, max_round_s=1000, heartbeat_timeout_s=10_000)
+
+
+def run_config(**changes: object) -> RunConfig:
+    """The tiny model, 3 rounds of H=2, no checkpoints, patient timing; ``changes`` on top."""
+    values: dict[str, object] = {
+        "name": "unit",
+        "model": "tiny",
+        "rounds": 3,
+        "inner_steps": 2,
+        "batch_size": 2,
+        "checkpoint_every": 0,
+        "timing": PATIENT,
+    }
+    values.update(changes)
+    return RunConfig.model_validate(values)
 
 
 class Crash(BaseException):
@@ -126,3 +150,18 @@ def reference_fingerprints(run: RunConfig, node_id: str = "node-0") -> list[str]
         w.apply({node_id: w.read(result.payload)})
         out.append(w.fingerprint())
     return out
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Callable[[RunConfig], Harness]]:
+    """Makes ``Harness``es in the test's tmp dir; closes them when the test ends."""
+    made: list[Harness] = []
+
+    def make(run: RunConfig) -> Harness:
+        h = Harness(tmp_path, run)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
