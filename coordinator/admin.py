@@ -8,7 +8,11 @@ every change within a request or a tick (``coordinator.tokens``):
 
 - ``add NODE_ID`` makes a new random token, stores only its digest, and prints the token once on
   stdout (the explanation goes to stderr, so ``TOKEN=$(... token add n5)`` captures just it). A
-  node that already holds an active token is refused: revoke it first.
+  node that already holds an active token is refused: revoke it first. With ``--invite`` stdout
+  is instead one invite string (``protocol.invite``: the coordinator's URL, the token and the
+  fingerprint of the manifest key; ``--url`` names the public address, ``coordinator.invite``).
+  stdout stays one value either way, and stderr never carries the token (it is often logged);
+  without ``--invite`` stderr shows the fingerprint for ``--manifest-key-fingerprint``.
 - ``list`` prints every token's node, state, source, creation, last use and revocation, never
   a token.
 - ``revoke NODE_ID`` revokes the node's active tokens: its next request is answered 401
@@ -30,9 +34,11 @@ from pathlib import Path
 from coordinator.config import state_dir_of
 from coordinator.db import Database
 from coordinator.errors import TokenAdminError
+from coordinator.invite import manifest_key_fingerprint, public_url
 from coordinator.schema import DB_FILE
 from coordinator.tokens import TokenRow, TokenSource, TokenState, TokenTable, digest, new_token
 from protocol.errors import ConfigError
+from protocol.invite import Invite
 from protocol.keys import check_id
 
 
@@ -45,6 +51,16 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     actions = parser.add_subparsers(dest="action", required=True, metavar="{add,list,revoke}")
     add = actions.add_parser("add", help="issue a new token for a node and print it once")
     add.add_argument("node_id", help="the node's id (1-64 of A-Z a-z 0-9 _ . -)")
+    add.add_argument(
+        "--invite",
+        action="store_true",
+        help="print one invite string (URL, token, manifest key fingerprint) instead of the"
+        " bare token: give it to the participant for `sparseloco node --invite`",
+    )
+    add.add_argument(
+        "--url",
+        help="the coordinator URL participants reach, for the invite (default: from [server])",
+    )
     listing = actions.add_parser("list", help="every token's node, state and dates (no tokens)")
     revoke = actions.add_parser("revoke", help="revoke a node's token; the node is out at once")
     revoke.add_argument("node_id")
@@ -120,6 +136,30 @@ def _when(t: float | None) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
 
 
+def _add(table: TokenTable, args: argparse.Namespace, state_dir: Path) -> None:
+    """``token add``: the token (or the invite) on stdout, what to do with it on stderr."""
+    fingerprint = manifest_key_fingerprint(state_dir)
+    # The URL is worked out before the token exists: a bad --url must not use up a token.
+    url = public_url(args.url, args.config, state_dir) if args.invite else None
+    token = add(table, args.node_id, time.time())
+    if url is not None:
+        print(Invite(coordinator=url, token=token, manifest_key=fingerprint).encode())
+        print(
+            f"invite for {args.node_id} ({url}, manifest key {fingerprint}); shown only now,"
+            " and it holds the token: give it to the node's operator privately, for"
+            " `sparseloco node --invite ...` (or SPARSELOCO_NODE_INVITE=...)",
+            file=sys.stderr,
+        )
+        return
+    print(token)
+    print(
+        f"new token for {args.node_id} in {state_dir}; shown only now: give it to the node's"
+        f" operator (SPARSELOCO_NODE_TOKEN=...) with the manifest key fingerprint {fingerprint}"
+        " (--manifest-key-fingerprint); --invite puts URL, token and fingerprint in one string",
+        file=sys.stderr,
+    )
+
+
 def main(argv: Sequence[str], *, prog: str = "python -m coordinator token") -> int:
     args = build_parser(prog).parse_args(argv)
     try:
@@ -131,13 +171,7 @@ def main(argv: Sequence[str], *, prog: str = "python -m coordinator token") -> i
     table = TokenTable(db)
     try:
         if args.action == "add":
-            token = add(table, args.node_id, time.time())
-            print(token)
-            print(
-                f"new token for {args.node_id} in {state_dir}; shown only now: give it to the"
-                " node's operator (SPARSELOCO_NODE_TOKEN=...)",
-                file=sys.stderr,
-            )
+            _add(table, args, state_dir)
         elif args.action == "list":
             rows = table.rows()
             print(render(rows) if rows else f"no tokens in {state_dir}")
@@ -151,6 +185,9 @@ def main(argv: Sequence[str], *, prog: str = "python -m coordinator token") -> i
     except TokenAdminError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # a damaged signing key, an unreadable config for the invite
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         db.close()
     return 0

@@ -4,7 +4,8 @@
 the config (``coordinator.tokens``: only for nodes the database holds no token for), builds the
 ``Coordinator`` (``coordinator.service``) with its metrics started from the database's totals,
 and registers one handler per entry of ``protocol.routes.ENDPOINTS``, by name, from
-``coordinator.handlers.HANDLERS``.
+``coordinator.handlers.HANDLERS``. The rate limits of ``[limits]`` live under ``LIMITS``; the
+connection limits are the server's (``coordinator.limits.server_settings``).
 
 Background tasks (the ticker that applies token revocations, times out members and closes
 overdue rounds, the publisher of manifests and checkpoint sidecars, and retention) are owned by
@@ -26,7 +27,8 @@ from coordinator.checkpoints import CheckpointBook
 from coordinator.config import CoordinatorConfig
 from coordinator.db import Database
 from coordinator.handlers import HANDLERS
-from coordinator.handling import TOKENS, error_middleware
+from coordinator.handling import TOKENS, error_middleware, known_query
+from coordinator.limits import LIMITS, Limits
 from coordinator.machine import RoundMachine
 from coordinator.metrics import CoordinatorMetrics, totals
 from coordinator.publisher import ManifestPublisher
@@ -36,6 +38,7 @@ from coordinator.service import COORDINATOR, Coordinator
 from coordinator.signing import ManifestSigner
 from coordinator.storage import ObjectStore, S3Store
 from coordinator.tokens import TokenBook, TokenTable
+from coordinator.verify import CheckpointVerifier
 from protocol.routes import ENDPOINTS, ROUND
 
 log = logging.getLogger("sparseloco.coordinator.app")
@@ -159,14 +162,19 @@ def create_app(
             metrics=metrics,
         ),
         tokens=tokens,
+        verifier=CheckpointVerifier(store),
     )
     app = web.Application(
         middlewares=[error_middleware], client_max_size=config.server.max_body_bytes
     )
     app[COORDINATOR] = coord
     app[TOKENS] = coord.tokens
+    app[LIMITS] = Limits(config.limits)
     for ep in ENDPOINTS:
-        app.router.add_route(ep.method, ep.path.replace(ROUND, ROUND_PATTERN), HANDLERS[ep.name])
+        handler = HANDLERS[ep.name]
+        if ep.path.startswith("/v1/"):  # the API; not the page, its files or the metrics
+            handler = known_query(ep, handler)
+        app.router.add_route(ep.method, ep.path.replace(ROUND, ROUND_PATTERN), handler)
     app.on_shutdown.append(_release_waiters)
     app.cleanup_ctx.append(_background)
     return app

@@ -8,18 +8,21 @@ and commits one transaction; the handlers do the object-store calls around it.
 Upload grant, checked in this order:
 
 1. ``unknown_round`` (404): R is after the current round;
-2. ``not_needed`` (409): checkpoints are off, R is 0 or not a multiple of the interval, R (or a
+2. ``not_member`` (409): the node is not an active member (finished, once the run is over) that
+   took part in round R-1, whose result θ_R is;
+3. ``not_needed`` (409): checkpoints are off, R is 0 or not a multiple of the interval, R (or a
    newer round) already has a committed checkpoint, or another node holds an unexpired grant;
-3. ``wrong_fingerprint`` (409): the offered fingerprint is not the majority of the fingerprints
-   the nodes reported after applying round R-1 (so at least one report is needed);
-4. ``too_large`` (413): the file is bigger than ``storage.max_checkpoint_bytes``.
+4. ``wrong_fingerprint`` (409): the offered fingerprint is not the majority of the fingerprints
+   round R-1's participants reported after applying it (so at least one report is needed);
+5. ``too_large`` (413): the file is bigger than ``storage.max_checkpoint_bytes``.
 
 The first eligible node gets the grant for one presign lifetime; asking again with the same body
-renews it. Only the holder commits, with the granted body; the fingerprint is checked again then.
-
-The coordinator never downloads a checkpoint: it checks the stored object's size and checksum
-(HEAD) against the grant and the offered fingerprint against the nodes' reports. A node that
-loads a checkpoint verifies the fingerprint of what it loaded before it trusts it.
+renews it. Only the holder commits, with the granted body, and only while it is still a member;
+the fingerprint is checked against the reports again then. Before the commit is recorded the
+handler verifies the stored file itself (``coordinator.verify``: size, sha256 and the fingerprint
+of its tensors); a file that fails is deleted and its grant dropped (``reject``), so another
+node may offer at once. So every committed checkpoint is one the coordinator verified, and
+retention may rely on it.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from coordinator import rounds
 from coordinator.db import Database
 from coordinator.errors import Conflict, TooLarge, UnknownRound
+from coordinator.votes import Votes
 from protocol.keys import checkpoint_key
-from protocol.messages import CheckpointInfo, CheckpointUpload
+from protocol.messages import CheckpointInfo, CheckpointUpload, MemberState
 from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.coordinator.checkpoints")
@@ -63,6 +66,7 @@ class CheckpointBook:
         self.grant_s = grant_s
         self.max_bytes = max_bytes
         self.clock = clock
+        self.votes = Votes(db)
 
     def key(self, round_: int) -> str:
         return checkpoint_key(self.prefix, self.run.run_id, round_)
@@ -73,7 +77,19 @@ class CheckpointBook:
 
     def expected_fingerprint(self, round_: int) -> str | None:
         """The majority fingerprint reported after applying round ``round_ - 1``, if any."""
-        return rounds.majority(self.db.reported_fingerprints(round_ - 1))
+        return self.votes.majority(round_ - 1)
+
+    def _check_member(self, node_id: str, round_: int) -> None:
+        """``not_member`` unless ``node_id`` is a live member (finished counts: the run's last
+        checkpoint is offered after its end) that took part in round ``round_ - 1``."""
+        member = self.db.member(node_id)
+        live = member is not None and member.state in (MemberState.ACTIVE, MemberState.FINISHED)
+        if not live or node_id not in self.votes.participants(round_ - 1):
+            raise Conflict(
+                "not_member",
+                f"{node_id} is not a member that took part in round {round_ - 1}; only such a"
+                f" node may upload θ_{round_}",
+            )
 
     def _check_fingerprint(self, round_: int, offer: CheckpointUpload) -> None:
         expected = self.expected_fingerprint(round_)
@@ -98,6 +114,8 @@ class CheckpointBook:
         with self.db.tx():
             if round_ > self.current_round():
                 raise UnknownRound(round_)
+            if round_ > 0:
+                self._check_member(node_id, round_)
             if not self.is_checkpoint_round(round_):
                 raise Conflict(
                     "not_needed",
@@ -137,11 +155,14 @@ class CheckpointBook:
     ) -> CheckpointInfo | None:
         """The checkpoint already committed by this very offer (a retry), else ``None``.
 
-        Raises ``not_granted`` unless ``node_id`` holds the grant for exactly ``offer``.
+        Raises ``not_member`` unless ``node_id`` may still offer it, ``not_granted`` unless it
+        holds the grant for exactly ``offer``.
         """
         info = self.db.checkpoint(round_)
         if info is not None and info.node_id == node_id and _same(info, offer):
             return info
+        if round_ > 0:
+            self._check_member(node_id, round_)
         grant = self.db.grant(round_)
         if info is not None or grant is None or grant.node_id != node_id or grant.body != offer:
             raise Conflict(
@@ -149,8 +170,19 @@ class CheckpointBook:
             )
         return None
 
+    def check_offer(self, round_: int, offer: CheckpointUpload) -> None:
+        """``wrong_fingerprint`` unless ``offer`` is still the participants' majority."""
+        self._check_fingerprint(round_, offer)
+
+    def reject(self, node_id: str, round_: int, why: str) -> None:
+        """The file uploaded under ``node_id``'s grant failed verification (the caller deleted
+        it): drop the grant, so that the next node that offers θ_``round_`` gets one at once."""
+        with self.db.tx():
+            self.db.drop_grant(round_)
+        log.warning("event=checkpoint_rejected round=%d node=%s why=%s", round_, node_id, why)
+
     def commit(self, node_id: str, round_: int, offer: CheckpointUpload) -> CheckpointInfo:
-        """Record the checkpoint (the caller checked the stored object); idempotent."""
+        """Record the checkpoint (the caller verified the stored file); idempotent."""
         with self.db.tx():
             prior = self.committed(node_id, round_, offer)
             if prior is not None:
@@ -178,6 +210,10 @@ class CheckpointBook:
 
     def latest(self) -> CheckpointInfo | None:
         return self.db.newest_checkpoint()
+
+    def listed(self) -> list[CheckpointInfo]:
+        """Every committed checkpoint still in the store (not pruned), newest first."""
+        return [row.info for row in self.db.checkpoints() if not row.pruned]
 
 
 def _same(info: CheckpointInfo, offer: CheckpointUpload) -> bool:

@@ -7,6 +7,7 @@ the TOML file (``--config run.toml``), then the defaults below. Sections::
     [run]       protocol.runconfig.RunConfig: what every node must agree on (its hash is the run id)
     [server]    where and how the HTTP service listens, and where it keeps its state
     [storage]   the S3-compatible object store (endpoint, bucket, prefix, credentials)
+    [limits]    coordinator.limits.LimitsConfig: rate limits and request timeouts per client
     [tokens]    node_id = "bearer token": seeds the token database (``coordinator.tokens``)
 
 Any invalid value raises ``protocol.errors.ConfigError`` whose message names the dotted field and
@@ -27,7 +28,15 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -35,6 +44,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from coordinator.limits import LimitsConfig
 from coordinator.redact import scrub, secrets_in, shown
 from protocol.errors import ConfigError, Problem, problems
 from protocol.keys import check_id
@@ -61,6 +71,19 @@ class ServerConfig(_Section):
     presign_expiry_s: int = Field(900, ge=1, le=7 * 24 * 3600)
     manifest_wait_max_s: float = Field(60.0, ge=0)
     status_rounds: int = Field(20, ge=1, le=100000)
+    #: PEM certificate chain and private key: with both set the coordinator serves HTTPS itself
+    #: (``coordinator.server``); else plain HTTP, for loopback or behind a TLS proxy.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                "set both tls_cert and tls_key (the certificate chain and its private key, PEM),"
+                " or neither"
+            )
+        return self
 
 
 class StorageConfig(_Section):
@@ -91,6 +114,7 @@ class CoordinatorConfig(BaseSettings):
     run: RunConfig = RunConfig()
     server: ServerConfig
     storage: StorageConfig
+    limits: LimitsConfig = LimitsConfig()
     #: node_id -> bearer token, added to the token database at start for nodes it has none of.
     tokens: dict[str, str] = Field(default_factory=dict)
 
@@ -122,6 +146,7 @@ SECTIONS: dict[str, Any] = {
     "run": RunConfig,
     "server": ServerConfig,
     "storage": StorageConfig,
+    "limits": LimitsConfig,
     "tokens": dict[str, str],
 }
 
@@ -245,6 +270,20 @@ def state_dir_of(path: str | Path | None, flag: str | Path | None = None) -> Pat
             return Path(server["state_dir"])
         raise ConfigError(f"config file {path} has no [server] state_dir; pass --state-dir")
     raise ConfigError("say which coordinator: --config run.toml or --state-dir DIR")
+
+
+def server_values(path: str | Path | None) -> dict[str, Any]:
+    """The ``[server]`` table as the file and the environment give it, unvalidated (what
+    ``coordinator.invite`` derives the public URL from; no store credentials needed)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        server = _read_toml(Path(path)).get("server")
+        values = dict(server) if isinstance(server, dict) else {}
+    prefix = ENV_PREFIX + "SERVER__"
+    for name, value in os.environ.items():
+        if name.startswith(prefix):
+            values[name[len(prefix) :].lower()] = value
+    return values
 
 
 def load_config(

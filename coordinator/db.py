@@ -8,8 +8,9 @@ loses an answer a node has already seen. Heartbeat times are not stored: after a
 active member is given a fresh heartbeat window anyway.
 
 The database is the single source of truth; the round machine queries it for every decision.
-This module is its typed reads and writes, returning frozen row types; the tables themselves
-and how the file is opened are ``coordinator.schema``. The node tokens' table is read and written
+This module is its typed reads and writes, returning the frozen row types of
+``coordinator.rows``; the tables themselves and how the file is opened are
+``coordinator.schema``. The node tokens' table is read and written
 by ``coordinator.tokens`` through ``execute``, so the secrets' handling stays in one module; the
 counters' totals at start are summed by ``coordinator.metrics`` the same way.
 """
@@ -20,61 +21,14 @@ import json
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.rows import CheckpointRow, GrantRow, MemberRow, RoundRow, SubmissionRow
 from coordinator.schema import connect
 from protocol.messages import CheckpointInfo, CheckpointUpload, Exclusion, MemberState, RoundState
 
-
-@dataclass(frozen=True)
-class MemberRow:
-    node_id: str
-    slot: int
-    state: MemberState
-    joined_round: int
-    gone_in_round: int | None
-    #: The process the member was bound to at its last join (``None``: it sent no instance id).
-    instance: str | None = None
-
-
-@dataclass(frozen=True)
-class RoundRow:
-    round: int
-    state: RoundState
-    started_at: float | None
-    deadline: float | None
-    closed_at: float | None
-    base_fingerprint: str | None
-    signed_manifest: str | None
-    published: bool
-
-
-@dataclass(frozen=True)
-class GrantRow:
-    round: int
-    node_id: str
-    body: CheckpointUpload
-    expires_at: float
-
-
-@dataclass(frozen=True)
-class CheckpointRow:
-    info: CheckpointInfo
-    published: bool
-    pruned: bool
-
-
-@dataclass(frozen=True)
-class SubmissionRow:
-    round: int
-    node_id: str
-    seq: int
-    size: int
-    sha256: str
-    base_fingerprint: str
-    rejected: Exclusion | None
+__all__ = ["CheckpointRow", "Database", "GrantRow", "MemberRow", "RoundRow", "SubmissionRow"]
 
 
 #: Meta key prefix of retention's persistent deletion counts (``deleted.payload``).
@@ -204,9 +158,12 @@ class Database:
         return [r for r in (self._round(row) for row in reversed(rows)) if r is not None]
 
     def closed_durations(self, n: int) -> list[float]:
-        """Durations of the newest ``n`` closed rounds, oldest first."""
+        """How long the newest ``n`` closed rounds took to settle (open to their last valid
+        submission, ``rounds.settled_at``; open to close for rounds closed before it was
+        kept), oldest first."""
         rows = self._conn.execute(
-            "SELECT closed_at - started_at FROM rounds WHERE state=? ORDER BY round DESC LIMIT ?",
+            "SELECT COALESCE(settled_at, closed_at) - started_at FROM rounds WHERE state=?"
+            " ORDER BY round DESC LIMIT ?",
             (RoundState.CLOSED.value, n),
         ).fetchall()
         return [float(r[0]) for r in reversed(rows)]
@@ -227,13 +184,26 @@ class Database:
         return cur.rowcount == 1
 
     def close_round(
-        self, round_: int, closed_at: float, base: str | None, signed_manifest: str
+        self,
+        round_: int,
+        closed_at: float,
+        base: str | None,
+        signed_manifest: str,
+        settled_at: float | None = None,
     ) -> bool:
         """Mark an open round closed; ``False`` (and no change) if it was not open."""
         cur = self._conn.execute(
-            "UPDATE rounds SET state=?, closed_at=?, base_fingerprint=?, signed_manifest=?"
-            " WHERE round=? AND state=?",
-            (RoundState.CLOSED.value, closed_at, base, signed_manifest, round_, "open"),
+            "UPDATE rounds SET state=?, closed_at=?, base_fingerprint=?, signed_manifest=?,"
+            " settled_at=? WHERE round=? AND state=?",
+            (
+                RoundState.CLOSED.value,
+                closed_at,
+                base,
+                signed_manifest,
+                settled_at,
+                round_,
+                RoundState.OPEN.value,
+            ),
         )
         return cur.rowcount == 1
 
@@ -251,13 +221,20 @@ class Database:
     # submissions
     def submissions(self, round_: int) -> list[SubmissionRow]:
         rows = self._conn.execute(
-            "SELECT round, node_id, seq, size, sha256, base_fingerprint, rejected"
+            "SELECT round, node_id, seq, size, sha256, base_fingerprint, rejected, at"
             " FROM submissions WHERE round=? ORDER BY seq",
             (round_,),
         )
         return [
             SubmissionRow(
-                r[0], r[1], r[2], r[3], r[4], r[5], None if r[6] is None else Exclusion(r[6])
+                round=r[0],
+                node_id=r[1],
+                seq=r[2],
+                size=r[3],
+                sha256=r[4],
+                base_fingerprint=r[5],
+                rejected=None if r[6] is None else Exclusion(r[6]),
+                at=r[7],
             )
             for r in rows
         ]
@@ -273,13 +250,14 @@ class Database:
         sha256: str,
         base: str,
         rejected: Exclusion | None,
+        at: float | None = None,
     ) -> int:
         (seq,) = self._conn.execute(
             "SELECT COUNT(*) FROM submissions WHERE round=?", (round_,)
         ).fetchone()
         self._conn.execute(
             "INSERT INTO submissions(round, node_id, seq, size, sha256, base_fingerprint,"
-            " rejected) VALUES(?,?,?,?,?,?,?)",
+            " rejected, at) VALUES(?,?,?,?,?,?,?,?)",
             (
                 round_,
                 node_id,
@@ -288,9 +266,17 @@ class Database:
                 sha256,
                 base,
                 None if rejected is None else rejected.value,
+                at,
             ),
         )
         return int(seq)
+
+    def submitters(self, first: int, last: int) -> set[str]:
+        """Node ids with a submission (any, even a rejected one) to a round in [first, last]."""
+        rows = self._conn.execute(
+            "SELECT DISTINCT node_id FROM submissions WHERE round BETWEEN ? AND ?", (first, last)
+        )
+        return {str(r[0]) for r in rows}
 
     def count_submissions(self, round_: int) -> int:
         (n,) = self._conn.execute(
@@ -313,13 +299,15 @@ class Database:
         )
         return cur.rowcount == 1
 
-    def reported_fingerprints(self, round_: int) -> list[str]:
+    def reported_fingerprints(self, round_: int) -> dict[str, str]:
+        """Node id -> the fingerprint it reported after applying ``round_``."""
         rows = self._conn.execute(
-            "SELECT fingerprint FROM reports WHERE round=? ORDER BY node_id", (round_,)
+            "SELECT node_id, fingerprint FROM reports WHERE round=? ORDER BY node_id", (round_,)
         )
-        return [str(r[0]) for r in rows]
+        return {str(r[0]): str(r[1]) for r in rows}
 
     def reports(self, round_: int) -> dict[str, dict[str, object]]:
+        """Node id -> its stored report of ``round_`` as parsed JSON (the caller validates it)."""
         rows = self._conn.execute(
             "SELECT node_id, report FROM reports WHERE round=? ORDER BY node_id", (round_,)
         )
@@ -334,6 +322,10 @@ class Database:
             return None
         return GrantRow(round_, row[0], CheckpointUpload.model_validate_json(row[1]), row[2])
 
+    def drop_grant(self, round_: int) -> None:
+        """Forget the upload grant of ``round_`` (its file failed verification)."""
+        self._conn.execute("DELETE FROM checkpoint_grants WHERE round=?", (round_,))
+
     def put_grant(
         self, round_: int, node_id: str, body: CheckpointUpload, expires_at: float
     ) -> None:
@@ -344,18 +336,21 @@ class Database:
         )
 
     def add_checkpoint(self, info: CheckpointInfo) -> None:
+        """Record a checkpoint whose file the coordinator verified."""
         self._conn.execute(
-            "INSERT INTO checkpoints(round, info) VALUES(?, ?)",
+            "INSERT INTO checkpoints(round, info, verified) VALUES(?, ?, 1)",
             (info.round, info.model_dump_json()),
         )
 
     def checkpoints(self) -> list[CheckpointRow]:
         """Every committed checkpoint, newest first."""
         rows = self._conn.execute(
-            "SELECT info, published, pruned FROM checkpoints ORDER BY round DESC"
+            "SELECT info, published, pruned, verified FROM checkpoints ORDER BY round DESC"
         )
         return [
-            CheckpointRow(CheckpointInfo.model_validate_json(r[0]), bool(r[1]), bool(r[2]))
+            CheckpointRow(
+                CheckpointInfo.model_validate_json(r[0]), bool(r[1]), bool(r[2]), bool(r[3])
+            )
             for r in rows
         ]
 

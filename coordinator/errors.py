@@ -7,13 +7,17 @@ other module knows which library talks to the store::
 
     SparseLoCoError                            (protocol.errors; also ConfigError, ManifestError...)
     ├── ApiError (RuntimeError)                any status: a request refused before the machine
-    │                                          saw it (bad token, revoked token, bad body...)
+    │   │                                      saw it (bad token, revoked token, bad body...)
+    │   └── RateLimited                  429   too many failed authentications from the address,
+    │                                          or requests from the node; ``.retry_after_s``
     ├── RoundError (RuntimeError)              the round or checkpoint state refuses the request;
     │   │                                      ``.code`` is the API error code
     │   ├── UnknownRound (LookupError)   404   the round does not exist (yet)
     │   ├── Conflict                     409   well formed, but at odds with the state
-    │   │   └── TokenInUse               409   another process holds this node's membership;
-    │   │                                      ``.retry_after_s`` until it may be taken over
+    │   │   ├── TokenInUse               409   another process holds this node's membership;
+    │   │   │                                  ``.retry_after_s`` until it may be taken over
+    │   │   └── BadCheckpoint            409   the uploaded checkpoint file failed verification
+    │   │                                      (size, sha256 or fingerprint); it was deleted
     │   └── TooLarge (ValueError)        413   a checkpoint over ``max_checkpoint_bytes``
     ├── StorageError (OSError)           503   the object store failed or refused; ``.code`` is
     │                                          the store's own error code when it sent one
@@ -44,6 +48,16 @@ class ApiError(SparseLoCoError, RuntimeError):
         self.code = code
         self.message = message
         self.field = field
+
+
+class RateLimited(ApiError):
+    """Over a rate limit (HTTP 429); ``retry_after_s`` is when the next request may succeed."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(429, "rate_limited", message)
+        self.retry_after_s = retry_after_s
+        #: Whole seconds, as the ``Retry-After`` header says.
+        self.wait_s = max(1, math.ceil(retry_after_s))
 
 
 class RoundError(SparseLoCoError, RuntimeError):
@@ -81,6 +95,13 @@ class TokenInUse(Conflict):
             " for the coordinator to count it as gone",
         )
         self.retry_after_s = retry_after_s
+
+
+class BadCheckpoint(Conflict):
+    """The stored checkpoint file is not what was offered, or not the nodes' θ (HTTP 409)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("bad_checkpoint", message)
 
 
 class TooLarge(RoundError, ValueError):

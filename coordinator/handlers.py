@@ -3,7 +3,8 @@
 Handlers are thin: they authenticate the bearer token, validate the body with the wire models of
 ``protocol.messages``, call the ``RoundMachine`` or the ``CheckpointBook`` (which commit before
 we answer), and let ``coordinator.handling`` map every failure to an ``ErrorBody``. The object
-store calls (presigning, HEAD checks) happen here, around the synchronous state changes.
+store calls (presigning, HEAD checks, reading back a checkpoint to verify it) happen here,
+around the synchronous state changes.
 ``HANDLERS`` has one entry per endpoint name; ``coordinator.app`` registers them by that name.
 
 The dashboard (``GET /`` and its script and style sheet) is three static files shipped as package
@@ -19,13 +20,13 @@ from importlib import resources
 
 from aiohttp import web
 
-from coordinator.errors import ApiError, Conflict
+from coordinator.errors import ApiError, BadCheckpoint, Conflict
 from coordinator.handling import (
     Handler,
     instance_of,
     node_of,
     ok,
-    query_number,
+    query_value,
     read_body,
     round_of,
 )
@@ -37,6 +38,7 @@ from coordinator.storage import ObjectInfo, sha256_b64
 from protocol.keys import payload_key, probe_key
 from protocol.messages import (
     Ack,
+    CheckpointList,
     CheckpointUpload,
     CheckpointView,
     JoinRequest,
@@ -49,7 +51,7 @@ from protocol.messages import (
     UploadGrant,
     UploadRequest,
 )
-from protocol.routes import ROUTES
+from protocol.routes import MAX_STATUS_ROUNDS, ROUTES
 
 log = logging.getLogger("sparseloco.coordinator.app")
 
@@ -149,7 +151,8 @@ async def manifest(request: web.Request) -> web.Response:
     node_id = node_of(request)
     round_ = round_of(request)
     server = coord.config.server
-    wait = min(query_number(request, "wait", 0.0, 1e9), server.manifest_wait_max_s)
+    wait = query_value(request, "wait", ROUTES["manifest"].query["wait"], 0.0)
+    wait = min(wait, server.manifest_wait_max_s)
     signed = coord.machine.manifest(round_)
     if signed is None:
         await coord.wait_closed(round_, wait)
@@ -172,8 +175,9 @@ async def report(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    default = coord.config.server.status_rounds
-    n = int(query_number(request, "rounds", default, 100000))
+    spec = ROUTES["status"].query["rounds"]
+    default = min(coord.config.server.status_rounds, MAX_STATUS_ROUNDS)
+    n = int(query_value(request, "rounds", spec, default))
     machine = coord.machine
     view = build_status(
         machine.db,
@@ -202,25 +206,37 @@ async def checkpoint_upload(request: web.Request) -> web.Response:
 
 
 async def checkpoint_commit(request: web.Request) -> web.Response:
-    """Commit an uploaded checkpoint, answering once its sidecar and ``latest.json`` are written.
+    """Commit an uploaded checkpoint once it is verified, answering once its sidecar and
+    ``latest.json`` are written.
 
-    The stored object is checked by HEAD (size and checksum), never downloaded; a node that loads
-    the checkpoint verifies the fingerprint of what it loaded. If the store fails after the
-    checkpoint is recorded, the answer is 503: the publisher keeps retrying in the background, and
-    a retried commit (idempotent) answers once everything is written.
+    The offer must still be the participants' majority; the stored object is checked by HEAD
+    (size and checksum), then read back and verified (``coordinator.verify``: size, sha256, the
+    fingerprint of its tensors). A file that fails is deleted, the grant dropped so another node
+    may offer, and the answer is 409 ``bad_checkpoint``. If the store fails after the checkpoint
+    is recorded, the answer is 503: the publisher keeps retrying in the background, and a retried
+    commit (idempotent) answers once everything is written.
     """
     coord = request.app[COORDINATOR]
     node_id = node_of(request)
     round_ = round_of(request)
     offer = await read_body(request, CheckpointUpload)
-    info = coord.checkpoints.committed(node_id, round_, offer)
+    book = coord.checkpoints
+    info = book.committed(node_id, round_, offer)
     if info is None:
-        stored = await coord.store.head(coord.checkpoints.key(round_))
+        book.check_offer(round_, offer)
+        key = book.key(round_)
+        stored = await coord.store.head(key)
         if not _matches(stored, offer.size, offer.sha256):
             raise Conflict(
                 "missing", f"no object with this size and sha256 at the checkpoint of {round_}"
             )
-        info = coord.checkpoints.commit(node_id, round_, offer)
+        try:
+            await coord.verifier.verify(key, offer)
+        except BadCheckpoint as exc:
+            await coord.store.delete_keys([key])
+            book.reject(node_id, round_, exc.message)
+            raise
+        info = book.commit(node_id, round_, offer)
         coord.metrics.checkpoints.inc()
         coord.retention.kick()
     try:
@@ -238,6 +254,17 @@ async def checkpoint_latest(request: web.Request) -> web.Response:
     if info is None:
         raise ApiError(404, "no_checkpoint", "no checkpoint has been committed yet")
     return ok(CheckpointView(info=info, url=coord.store.presign_get(info.key)))
+
+
+async def checkpoints(request: web.Request) -> web.Response:
+    """Every committed checkpoint still in the store, newest first, each with a presigned GET."""
+    coord = request.app[COORDINATOR]
+    node_of(request)
+    views = [
+        CheckpointView(info=info, url=coord.store.presign_get(info.key))
+        for info in coord.checkpoints.listed()
+    ]
+    return ok(CheckpointList(checkpoints=views))
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -317,6 +344,7 @@ HANDLERS: dict[str, Handler] = {
     "checkpoint_upload": checkpoint_upload,
     "checkpoint_commit": checkpoint_commit,
     "checkpoint_latest": checkpoint_latest,
+    "checkpoints": checkpoints,
     "status": status,
     "openapi": openapi,
     "metrics": metrics,

@@ -3,23 +3,31 @@
 Kept apart from ``coordinator.handlers`` so the handlers read as what they do. Every failure
 becomes an ``ErrorBody`` (the classes are ``coordinator.errors``)::
 
-    400 bad_json      body is not JSON             401 unauthorized   no or unknown token
+    400 bad_json      body is not JSON (or empty)  401 unauthorized   no or unknown token
     404 unknown_round / not_found / no_checkpoint  401 token_revoked  the operator revoked it
-    413 too_large     body, payload or checkpoint  409 round_closed, round_open, not_expected,
-                      too big                          not_member, already_submitted, not_needed,
-    422 invalid       validation failed (field =       wrong_fingerprint, not_granted, missing
-                      dotted location of the       409 token_in_use   another process holds this
-                      first error)                     node (with a Retry-After header)
-    503 storage_unavailable                        the object store did not answer
+    408 timeout       the body did not arrive in   409 round_closed, round_open, not_expected,
+                      time (limits.body_timeout_s)     not_member, already_submitted, not_needed,
+    413 too_large     body, payload or checkpoint      wrong_fingerprint, not_granted, missing,
+                      too big                          bad_checkpoint
+    422 invalid       validation failed (field =   409 token_in_use   another process holds this
+                      dotted location of the           node (with a Retry-After header)
+                      first error)                 429 rate_limited   too many failed
+    503 storage_unavailable                            authentications from the address, or
+                      the object store did not         requests from the node (Retry-After)
+                      answer
 
-Authentication (``node_of``) checks the bearer token against the ``TokenBook`` and, when the
-request names its process (the ``X-Sparseloco-Instance`` header), that no other live process
-holds the node's membership.
+Authentication (``node_of``) first refuses an address out of failed attempts, then checks the
+bearer token against the ``TokenBook`` (a failure spends the address's allowance), counts the
+request against the node's rate, and, when the request names its process (the
+``X-Sparseloco-Instance`` header), checks that no other live process holds the node's
+membership (``coordinator.limits`` has the rates).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -29,16 +37,19 @@ from pydantic import BaseModel, ValidationError
 
 from coordinator.errors import (
     ApiError,
+    RateLimited,
     RoundError,
     StorageError,
     TokenInUse,
     TooLarge,
     UnknownRound,
 )
+from coordinator.limits import LIMITS
 from coordinator.service import COORDINATOR
 from coordinator.tokens import TokenBook
 from protocol.errors import problems
 from protocol.messages import INSTANCE_HEADER, INSTANCE_PATTERN, ErrorBody
+from protocol.routes import Endpoint, Query
 
 log = logging.getLogger("sparseloco.coordinator.app")
 
@@ -67,6 +78,8 @@ def ok(model: BaseModel, status: int = 200) -> web.Response:
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except RateLimited as exc:
+        return error(429, exc.code, exc.message, headers={"Retry-After": str(exc.wait_s)})
     except ApiError as exc:
         return error(exc.status, exc.code, exc.message, exc.field)
     except UnknownRound as exc:
@@ -95,11 +108,19 @@ def node_of(request: web.Request, *, bound: bool = True) -> str:
 
     ``bound=False`` leaves the process check to the caller (a join decides it with its body).
     """
+    limits = request.app[LIMITS]
+    address = request.remote or "-"
+    limits.before_auth(address)
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme != "Bearer" or not token.strip():
-        raise ApiError(401, "unauthorized", "send Authorization: Bearer <token>")
-    node_id = request.app[TOKENS].authenticate(token.strip())
+    try:
+        if scheme != "Bearer" or not token.strip():
+            raise ApiError(401, "unauthorized", "send Authorization: Bearer <token>")
+        node_id = request.app[TOKENS].authenticate(token.strip())
+    except ApiError:
+        limits.auth_failed(address)
+        raise
+    limits.node_request(node_id)
     instance = instance_of(request)
     if bound:
         request.app[COORDINATOR].machine.check_instance(node_id, instance)
@@ -119,10 +140,18 @@ def instance_of(request: web.Request) -> str | None:
 
 
 async def read_body(request: web.Request, model: type[M]) -> M:
-    """The body validated as ``model``: 400 if it is not JSON, 422 naming the first bad field."""
-    raw = await request.read()
+    """The body validated as ``model``: 400 if it is empty or not JSON, 408 if it does not arrive
+    within ``limits.body_timeout_s``, 422 naming the first bad field."""
+    timeout = request.app[LIMITS].config.body_timeout_s
     try:
-        return model.model_validate_json(raw or b"{}")
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(408, "timeout", f"the body did not arrive within {timeout:g} s") from None
+    if not raw.strip():
+        raise ApiError(400, "bad_json", "the body is empty; send a JSON object ({} at least)")
+    try:
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         first = problems(exc)[0]
         if first.kind == "json_invalid":
@@ -131,19 +160,44 @@ async def read_body(request: web.Request, model: type[M]) -> M:
         raise ApiError(422, "invalid", f"{loc or 'body'}: {first.message}", loc) from exc
 
 
+def known_query(endpoint: Endpoint, handler: Handler) -> Handler:
+    """``handler`` behind a check that the request names only the query parameters
+    ``endpoint`` declares: 422 naming the first other one (a typo is not ignored in silence)."""
+
+    async def checked(request: web.Request) -> web.StreamResponse:
+        unknown = sorted(set(request.query) - set(endpoint.query))
+        if unknown:
+            name = unknown[0][:64]
+            known = ", ".join(endpoint.query) or "none"
+            raise ApiError(
+                422, "invalid", f"unknown query parameter {name!r} (known: {known})", name
+            )
+        return await handler(request)
+
+    return checked
+
+
 def round_of(request: web.Request) -> int:
     return int(request.match_info["round"])
 
 
-def query_number(request: web.Request, name: str, default: float, hi: float) -> float:
-    """Query parameter ``name`` as a number in [0, hi] (422 otherwise), ``default`` if absent."""
+#: What a query value of each declared type may look like (JSON's number syntax, no sign).
+_QUERY_SYNTAX = {
+    "integer": re.compile(r"(0|[1-9][0-9]{0,17})"),
+    "number": re.compile(r"(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?"),
+}
+
+
+def query_value(request: web.Request, name: str, spec: Query, default: float) -> float:
+    """Query parameter ``name`` as its route declares it (``spec``: type and range), ``default``
+    if absent; 422 naming the parameter for anything else (nothing is clamped in silence)."""
     raw = request.query.get(name)
     if raw is None:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= hi:
-        raise ApiError(422, "invalid", f"{name} must be a number in [0, {hi:g}]", name)
+    value = float(raw) if _QUERY_SYNTAX[spec.type].fullmatch(raw) else math.nan
+    if not spec.minimum <= value <= spec.maximum:
+        raise ApiError(
+            422, "invalid", f"{name} must be {spec.type} in [{spec.minimum:g}, {spec.maximum:g}]",
+            name,
+        )  # fmt: skip
     return value

@@ -14,6 +14,11 @@ it (``finished``, never ``timed out``).
 
 Rounds are numbered from 0 everywhere (API, keys, logs); ``round_closed`` logs the round's
 number and ``done=N/R``, how many of the run's R rounds are closed with it.
+
+Who may vote on θ after a round is ``coordinator.votes``: only the round's participants. Who a
+round waits for: its expected members less those silent for ``timing.silent_rounds``
+rounds in a row (``rounds.waited_set``); how long the next round may take is learnt from when
+each round's last valid submission arrived (``rounds.settled_at``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from coordinator.db import Database, RoundRow, SubmissionRow
 from coordinator.errors import Conflict, UnknownRound
 from coordinator.membership import Membership
 from coordinator.signing import ManifestSigner
+from coordinator.votes import Votes
 from protocol.errors import ConfigError
 from protocol.keys import payload_key
 from protocol.messages import (
@@ -63,6 +69,7 @@ class RoundMachine:
         self.signer = signer
         self.prefix = prefix
         self.clock = clock
+        self.votes = Votes(db)
         self._open_run()
         #: The members; every active one counts as heard from just now (a fresh window).
         self.members = Membership(
@@ -232,7 +239,7 @@ class RoundMachine:
         """The base fingerprint round ``round_`` must use, if the reports already settle it."""
         if round_ == 0:
             return None
-        return rounds.majority(self.db.reported_fingerprints(round_ - 1))
+        return self.votes.majority(round_ - 1)
 
     def submit(
         self, node_id: str, round_: int, req: SubmitRequest, digest_ok: bool
@@ -250,7 +257,7 @@ class RoundMachine:
             elif base is not None and req.base_fingerprint != base:
                 rejected = Exclusion.WRONG_BASE
             seq = self.db.add_submission(
-                round_, node_id, req.size, req.sha256, req.base_fingerprint, rejected
+                round_, node_id, req.size, req.sha256, req.base_fingerprint, rejected, self.clock()
             )
         log.info(
             "event=submitted round=%d node=%s seq=%d rejected=%s",
@@ -283,12 +290,17 @@ class RoundMachine:
             cur = self._current()
             if cur.state != RoundState.OPEN or cur.deadline is None:
                 break
-            expected = rounds.expected_set(self.members.members(), cur.round)
             submitted = [s.node_id for s in self.db.submissions(cur.round)]
-            if not rounds.should_close(expected, submitted, now, cur.deadline):
+            if not rounds.should_close(self.waited(cur.round), submitted, now, cur.deadline):
                 break
             closed.append(self.close(cur.round, now))
         return closed
+
+    def waited(self, round_: int) -> set[str]:
+        """The members open round ``round_`` waits for before it may close early."""
+        n = self.run.timing.silent_rounds
+        recent = self.db.submitters(round_ - n, round_ - 1)
+        return rounds.waited_set(self.members.members(), round_, recent, n)
 
     def close(self, round_: int, now: float) -> SignedManifest:
         """Close open round ``round_`` in one transaction: decide, sign, store, start the next."""
@@ -296,8 +308,9 @@ class RoundMachine:
             row = self.db.get_round(round_)
             if row is None or row.state != RoundState.OPEN or row.started_at is None:
                 raise Conflict("round_closed", f"round {round_} is not open; it cannot close")
-            subs = [_submission(s) for s in self.db.submissions(round_)]
-            reported = self.db.reported_fingerprints(round_ - 1) if round_ > 0 else []
+            rows = self.db.submissions(round_)
+            subs = [_submission(s) for s in rows]
+            reported = self.votes.reported(round_ - 1) if round_ > 0 else []
             decision = rounds.decide_close(
                 subs, self.members.members(), round_, reported, self.run.gather_size
             )
@@ -319,8 +332,9 @@ class RoundMachine:
                 closed_at=now,
             )
             signed = self.signer.sign(manifest)
+            settled = rounds.settled_at(decision, {s.node_id: s.at for s in rows}, now)
             if not self.db.close_round(
-                round_, now, decision.base_fingerprint, signed.model_dump_json()
+                round_, now, decision.base_fingerprint, signed.model_dump_json(), settled
             ):
                 raise Conflict("round_closed", f"round {round_} closed concurrently")
             nxt = round_ + 1
@@ -335,13 +349,14 @@ class RoundMachine:
                 finished = self.members.finish(round_)
         log.info(
             "event=round_closed round=%d done=%d/%d gather=%d excluded=%d duration_s=%.2f"
-            " finished=%s",
+            " settled_s=%.2f finished=%s",
             round_,
             nxt,
             self.run.rounds,
             len(decision.gather),
             len(decision.excluded),
             now - row.started_at,
+            settled - row.started_at,
             nxt >= self.run.rounds,
         )
         if nxt >= self.run.rounds:
@@ -359,20 +374,9 @@ class RoundMachine:
         return SignedManifest.model_validate_json(row.signed_manifest)
 
     def report(self, node_id: str, round_: int, report: RoundReport) -> bool:
-        """Record ``node_id``'s report of closed ``round_``; True if it is its first for it."""
-        row = self.db.get_round(round_)
-        if row is None:
-            raise UnknownRound(round_)
-        if row.state != RoundState.CLOSED:
-            raise Conflict("round_open", f"round {round_} is not closed yet; report after it")
-        with self.db.tx():
-            first = self.db.record_report(
-                round_, node_id, report.fingerprint, report.model_dump_json()
-            )
-        log.info(
-            "event=reported round=%d node=%s fingerprint=%s", round_, node_id, report.fingerprint
-        )
-        return first
+        """Record a participant's report of closed ``round_`` (``Votes.record``); True if it is
+        its first for it."""
+        return self.votes.record(node_id, round_, report)
 
 
 def _submission(row: SubmissionRow) -> rounds.Submission:

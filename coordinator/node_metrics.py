@@ -14,12 +14,14 @@ by ``node``:
   ``sparseloco_node_retries``.
 
 Like the coordinator's own counters they describe the run, not the process: at start they are
-rebuilt from the reports in the database (``from_reports``), so a restart loses nothing.
+rebuilt from the reports in the database (``from_reports``), so a restart loses nothing; a stored
+report that no longer validates is skipped rather than stopping the start.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import ValidationError
 
 from coordinator.db import Database
 from protocol.messages import RoundReport
@@ -92,4 +94,8 @@ class NodeMetrics:
         """Rebuild every series from the reports the database holds (at start)."""
         rows = db.execute("SELECT round, node_id, report FROM reports ORDER BY round").fetchall()
         for round_, node, body in rows:
-            self.observe(str(node), int(round_), RoundReport.model_validate_json(body))
+            try:
+                report = RoundReport.model_validate_json(body)
+            except ValidationError:
+                continue  # stored before a tighter wire model; the status view logs it
+            self.observe(str(node), int(round_), report)

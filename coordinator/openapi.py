@@ -2,7 +2,10 @@
 
 Each entry of the route table is described with the pydantic models' JSON schemas, so the
 served document cannot drift from the routes the coordinator registers, the paths the node's
-client calls, or the wire models.
+client calls, or the wire models. Query parameters carry their declared type and range, the
+round in a path its range, authenticated operations the optional ``X-Sparseloco-Instance``
+header; every error status an operation may answer is listed with ``ErrorBody``. The API fuzz
+test (``tests/test_api_fuzz.py``) holds the coordinator to this document.
 """
 
 from __future__ import annotations
@@ -12,18 +15,23 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from protocol.messages import ErrorBody
-from protocol.routes import ENDPOINTS, ROUND
+from protocol.messages import INSTANCE_HEADER, INSTANCE_PATTERN, ErrorBody
+from protocol.routes import ENDPOINTS, MAX_ROUND, ROUND
 
 _ERROR_TEXT = {
-    400: "the body is not JSON",
-    401: "missing or unknown bearer token",
-    404: "unknown round, or no checkpoint yet",
+    400: "the body is empty or not JSON",
+    401: "missing, unknown or revoked bearer token",
+    404: "unknown round (or not a round number), or no checkpoint yet",
+    408: "the body did not arrive in time",
     409: "conflicts with the round, membership or checkpoint state",
     413: "body, payload or checkpoint too large",
-    422: "the body failed validation",
+    422: "the body, a query parameter or the instance header failed validation",
+    429: "rate limited: too many failed authentications from this address, or requests from"
+    " this node",
     503: "the object store did not answer",
 }
+#: Error statuses that come with a ``Retry-After`` header (seconds).
+_RETRY_AFTER = {409, 429}
 
 
 def _models() -> list[type[BaseModel]]:
@@ -51,12 +59,19 @@ def openapi_document(version: str = "1") -> dict[str, Any]:
         if ROUND in ep.path:
             params.append(
                 {"name": "round", "in": "path", "required": True,
-                 "schema": {"type": "integer", "minimum": 0}}
+                 "schema": {"type": "integer", "minimum": 0, "maximum": MAX_ROUND}}
             )  # fmt: skip
-        for name, text in ep.query.items():
+        for name, spec in ep.query.items():
             params.append(
-                {"name": name, "in": "query", "required": False, "description": text,
-                 "schema": {"type": "number", "minimum": 0}}
+                {"name": name, "in": "query", "required": False,
+                 "description": spec.description, "schema": spec.schema()}
+            )  # fmt: skip
+        if ep.auth:
+            params.append(
+                {"name": INSTANCE_HEADER, "in": "header", "required": False,
+                 "description": "random id of the calling process: a member is bound to the"
+                 " process that joined it",
+                 "schema": {"type": "string", "pattern": INSTANCE_PATTERN}}
             )  # fmt: skip
         if params:
             op["parameters"] = params
@@ -80,6 +95,13 @@ def openapi_document(version: str = "1") -> dict[str, Any]:
                 "description": _ERROR_TEXT[status],
                 "content": {"application/json": {"schema": _ref(ErrorBody)}},
             }
+            if status in _RETRY_AFTER:
+                op["responses"][str(status)]["headers"] = {
+                    "Retry-After": {
+                        "description": "seconds to wait (token_in_use, rate_limited)",
+                        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+                    }
+                }
         paths.setdefault(ep.path, {})[ep.method.lower()] = op
     return {
         "openapi": "3.1.0",

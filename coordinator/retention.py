@@ -4,12 +4,19 @@ Two rules, as pure functions (``payload_rounds``, ``stale_checkpoints``) and one
 (``Retention``) owned by the app that applies them after every round close and checkpoint commit,
 once at start, and every ``RETRY_S`` seconds besides:
 
-- the payloads of closed round r go once r is older than the newest committed checkpoint *and*
-  more than ``retention_rounds`` rounds old. A joiner starts from that checkpoint and replays
-  only the manifests after it. Without a checkpoint nothing goes: joiners replay from θ_0.
-  Manifests stay: they are small and are the run's audit trail.
+- the payloads of closed round r go once r is older than every verified checkpoint retention
+  keeps (``replay_anchor``: the oldest of them) *and* more than ``retention_rounds`` rounds old.
+  A joiner starts from the newest checkpoint and replays only the manifests after it; one that
+  cannot use the newest (its download fails, its fingerprint does not check out) falls back to
+  an older one of ``GET /v1/checkpoints`` and still finds every payload since. Without a
+  verified checkpoint nothing goes: joiners replay from θ_0. Every checkpoint committed since
+  the coordinator verifies them (``coordinator.verify``) is verified; one committed before (a
+  database of schema version 2) is not relied on. Manifests stay: they are small and are the
+  run's audit trail.
 - checkpoints beyond the newest ``keep_checkpoints`` go (the model file and its sidecar), once
-  their sidecar is published, so the publisher never writes a sidecar after its deletion.
+  their sidecar is published, so the publisher never writes a sidecar after its deletion; the
+  newest verified one never goes, whatever ``keep_checkpoints`` says, since the payloads kept
+  are exactly those needed to replay from it.
 
 What was deleted is recorded (``meta.pruned_through``: every payload round up to it is gone;
 ``checkpoints.pruned``), so no round is listed twice, and counted in the same transaction
@@ -49,10 +56,27 @@ def payload_rounds(
     return range(pruned_through + 1, max(pruned_through + 1, end))
 
 
+def newest_verified(rows: Sequence[CheckpointRow]) -> int | None:
+    """The round of the newest verified checkpoint still in the store (``rows`` newest first)."""
+    return next((r.info.round for r in rows if r.verified and not r.pruned), None)
+
+
+def replay_anchor(rows: Sequence[CheckpointRow], keep: int) -> int | None:
+    """The oldest verified checkpoint retention keeps (``rows`` newest first): payloads since it
+    stay, so a node can start from any checkpoint it lists."""
+    going = set(stale_checkpoints(rows, keep))
+    kept = [r.info.round for r in rows if r.verified and not r.pruned and r.info.round not in going]
+    return min(kept, default=None)
+
+
 def stale_checkpoints(rows: Sequence[CheckpointRow], keep: int) -> list[int]:
-    """Rounds of committed checkpoints to delete: not among the newest ``keep``, published,
-    not yet deleted (``rows`` newest first, as ``Database.checkpoints`` lists them)."""
-    return [r.info.round for r in rows[keep:] if r.published and not r.pruned]
+    """Rounds of committed checkpoints to delete: not among the newest ``keep``, not the newest
+    verified one, published, not yet deleted (``rows`` newest first, as
+    ``Database.checkpoints`` lists them)."""
+    anchor = newest_verified(rows)
+    return [
+        r.info.round for r in rows[keep:] if r.published and not r.pruned and r.info.round != anchor
+    ]
 
 
 class Retention:
@@ -89,11 +113,10 @@ class Retention:
         """Apply both rules once; the number of objects deleted. Raises on a store failure
         (what was deleted before it stays recorded)."""
         deleted = 0
-        newest = self.db.newest_checkpoint()
         done = int(self.db.get_meta(PRUNED_THROUGH) or -1)
         todo = payload_rounds(
             done,
-            None if newest is None else newest.round,
+            replay_anchor(self.db.checkpoints(), self.run.keep_checkpoints),
             self.current_round(),
             self.run.retention_rounds,
         )

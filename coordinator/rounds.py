@@ -4,12 +4,15 @@ Everything the coordinator decides about a round is computed here from plain val
 be tested exhaustively (``tests/test_coordinator_rounds.py``) and read in one place:
 
 - the round in progress, as nodes and dashboards see it (the run's length once it finished);
-- who is expected to submit to round r (active members that joined at or before r);
+- who is expected to submit to round r (active members that joined at or before r), and who of
+  them the round waits for (not those silent for the run's ``silent_rounds`` rounds in a row);
 - the round a (re)joining member first takes part in;
 - when an open round closes (all expected submitted, or the deadline passed);
 - the base fingerprint a round's payloads must have been trained from (a majority vote);
 - the gather set (at most G valid submissions, first come first served) and every exclusion;
-- the adaptive deadline (a multiple of recent round durations plus a margin, clamped).
+- the adaptive deadline (a multiple of recent round durations plus a margin, clamped), learnt
+  from when each round's last valid submission arrived, not from when a silent member let it
+  run into its deadline.
 """
 
 from __future__ import annotations
@@ -74,6 +77,31 @@ def is_expected(member: Member, round_: int) -> bool:
 
 def expected_set(members: Iterable[Member], round_: int) -> set[str]:
     return {m.node_id for m in members if is_expected(m, round_)}
+
+
+def is_silent(member: Member, round_: int, recent_submitters: set[str], silent_rounds: int) -> bool:
+    """Whether ``member`` submitted nothing in each of the ``silent_rounds`` rounds before
+    ``round_``, all of them rounds it was expected in (``recent_submitters``: who submitted
+    anything, even a rejected payload, to one of those rounds)."""
+    return member.joined_round <= round_ - silent_rounds and member.node_id not in recent_submitters
+
+
+def waited_set(
+    members: Iterable[Member], round_: int, recent_submitters: set[str], silent_rounds: int
+) -> set[str]:
+    """The expected members ``round_`` waits for before it may close early.
+
+    A silent member (``is_silent``) stays a member and may still submit, but the round no longer
+    waits for it: one member that heartbeats and never submits costs at most ``silent_rounds``
+    deadline waits, not one per round. Its next submission puts it back from the round after.
+    If every expected member is silent, the round waits for all of them (until the deadline), so
+    a round never closes at once with nobody in it.
+    """
+    expected = [m for m in members if is_expected(m, round_)]
+    waited = {
+        m.node_id for m in expected if not is_silent(m, round_, recent_submitters, silent_rounds)
+    }
+    return waited or {m.node_id for m in expected}
 
 
 def joined_round_for(state: RoundState, round_: int, has_submissions: bool) -> int:
@@ -158,6 +186,20 @@ def absent_reason(state: MemberState) -> Exclusion:
     if state == MemberState.REVOKED:
         return Exclusion.REVOKED
     return Exclusion.MISSED_DEADLINE
+
+
+def settled_at(
+    decision: CloseDecision, submitted_at: Mapping[str, float | None], closed_at: float
+) -> float:
+    """When a closing round's work was in: the arrival of its last valid submission (gathered,
+    or over the gather limit), else its close. This, not the close, is what its duration adds
+    to the deadline history, so a round that ran into its deadline waiting for a silent member
+    does not lengthen the next deadlines; a round with no valid submission counts in full (the
+    deadline may be too short for everyone)."""
+    valid = [s.node_id for s in decision.gather]
+    valid += [n for n, why in decision.excluded.items() if why == Exclusion.OVER_LIMIT]
+    times = [t for t in (submitted_at.get(n) for n in valid) if t is not None]
+    return min(closed_at, max(times)) if times else closed_at
 
 
 def deadline_length(durations: Sequence[float], timing: Timing) -> float:

@@ -10,10 +10,11 @@ survives a crash of the process or the machine. The tables::
     tokens               every node token ever issued, as its sha256: node, state, source,
                          created, revoked, last used (``coordinator.tokens``)
     rounds               every round: state, times, deadline, base fingerprint, signed manifest
-    submissions          each node's submission to a round, in arrival order (``seq``)
+    submissions          each node's submission to a round, in arrival order (``seq``), and when
     reports              each node's report after applying a closed round (first one kept)
     checkpoint_grants    who may upload the checkpoint of a round, until when
-    checkpoints          committed checkpoints, and whether published and pruned
+    checkpoints          committed checkpoints, whether published and pruned, and whether the
+                         coordinator verified the file's fingerprint (every commit since v3)
 
 Kept apart from ``coordinator.db`` (the typed reads and writes) so the layout reads in one place.
 The version lives in SQLite's ``user_version``. A new file gets every table at the current
@@ -25,13 +26,14 @@ newer than this code is refused rather than misread.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from pathlib import Path
 
 from protocol.errors import ConfigError
 
 DB_FILE = "coordinator.sqlite"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -52,7 +54,8 @@ CREATE TABLE IF NOT EXISTS rounds (
     closed_at REAL,
     base_fingerprint TEXT,
     signed_manifest TEXT,
-    published INTEGER NOT NULL DEFAULT 0
+    published INTEGER NOT NULL DEFAULT 0,
+    settled_at REAL
 );
 CREATE TABLE IF NOT EXISTS submissions (
     round INTEGER NOT NULL,
@@ -62,6 +65,7 @@ CREATE TABLE IF NOT EXISTS submissions (
     sha256 TEXT NOT NULL,
     base_fingerprint TEXT NOT NULL,
     rejected TEXT,
+    at REAL,
     PRIMARY KEY (round, node_id),
     UNIQUE (round, seq)
 );
@@ -82,7 +86,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     round INTEGER PRIMARY KEY,
     info TEXT NOT NULL,
     published INTEGER NOT NULL DEFAULT 0,
-    pruned INTEGER NOT NULL DEFAULT 0
+    pruned INTEGER NOT NULL DEFAULT 0,
+    verified INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS tokens (
     hash TEXT PRIMARY KEY,
@@ -100,6 +105,13 @@ CREATE INDEX IF NOT EXISTS tokens_by_node ON tokens(node_id);
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 1 -> 2: node tokens in the database (the table comes from SCHEMA), instance binding.
     1: ("ALTER TABLE members ADD COLUMN instance TEXT",),
+    # 2 -> 3: when each submission arrived and when each round's work was in (deadlines learn
+    # from honest arrivals); whether a checkpoint was verified (older ones were not).
+    2: (
+        "ALTER TABLE submissions ADD COLUMN at REAL",
+        "ALTER TABLE rounds ADD COLUMN settled_at REAL",
+        "ALTER TABLE checkpoints ADD COLUMN verified INTEGER NOT NULL DEFAULT 0",
+    ),
 }
 
 
@@ -148,7 +160,8 @@ def _upgrade(conn: sqlite3.Connection, path: Path) -> None:
         if version:  # an existing file: one step at a time (a new one has nothing to migrate)
             for step in range(version, SCHEMA_VERSION):
                 for statement in MIGRATIONS[step]:
-                    conn.execute(statement)
+                    if _applies(conn, statement):
+                        conn.execute(statement)
         if version < SCHEMA_VERSION:
             for statement in _statements(SCHEMA):
                 conn.execute(statement)
@@ -157,6 +170,18 @@ def _upgrade(conn: sqlite3.Connection, path: Path) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def _applies(conn: sqlite3.Connection, statement: str) -> bool:
+    """Whether a migration statement applies: an ``ALTER TABLE t ADD COLUMN`` only to a table
+    the file has (``SCHEMA`` then creates a missing table whole, new columns included)."""
+    found = re.match(r"ALTER TABLE (\w+) ADD COLUMN", statement)
+    if found is None:
+        return True
+    (n,) = conn.execute(
+        "SELECT COUNT(*) FROM sqlite_master WHERE type='table' AND name=?", (found[1],)
+    ).fetchone()
+    return bool(n)
 
 
 def _statements(script: str) -> list[str]:

@@ -6,7 +6,13 @@ does it open the state directory. Once the socket listens it writes
 ``{state_dir}/coordinator.json`` (``url``, ``pid``, ``run_id``) atomically, so tests and
 ``sparseloco up`` can find a port chosen with ``--port 0``. SIGTERM or SIGINT stops it in a fixed
 order: stop accepting, release long-polls, let in-flight requests finish, cancel the ticker, then
-the publisher, close the database, remove ``coordinator.json``.
+the publisher, close the database, remove ``coordinator.json``. Every connection is held to the
+``[limits]`` of ``coordinator.limits`` (request head and idle timeout, header sizes).
+
+With ``[server] tls_cert`` and ``tls_key`` set it serves HTTPS itself (``tls_context``; the
+certificate is loaded before the port is bound, so a bad file stops it with exit 2), and the
+announced URL is ``https://``. Without them it speaks plain HTTP, for loopback or behind a TLS
+proxy (deploy/README.md).
 """
 
 from __future__ import annotations
@@ -16,14 +22,17 @@ import json
 import logging
 import os
 import signal
+import ssl
 from pathlib import Path
 
 from aiohttp import web
 
 from coordinator.app import create_app, s3_store
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, ServerConfig
+from coordinator.limits import server_settings
 from coordinator.preflight import check_store, listen_socket
 from coordinator.service import COORDINATOR
+from protocol.errors import ConfigError
 
 log = logging.getLogger("sparseloco.coordinator.server")
 
@@ -41,8 +50,27 @@ def write_announce(state_dir: Path, url: str, run_id: str) -> Path:
     return path
 
 
+def tls_context(server: ServerConfig) -> ssl.SSLContext | None:
+    """The server side of TLS from ``tls_cert`` and ``tls_key``; None when they are not set."""
+    if server.tls_cert is None or server.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(server.tls_cert, server.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        # No key material in the message: only the paths and the library's reason.
+        raise ConfigError(
+            f"config field server.tls_cert/tls_key: cannot load {server.tls_cert} with"
+            f" {server.tls_key} ({getattr(exc, 'strerror', None) or exc}); give a PEM"
+            " certificate chain and its matching private key"
+        ) from None
+    return context
+
+
 async def serve(config: CoordinatorConfig) -> None:
     """Check the port and the store, then run the service until SIGTERM or SIGINT."""
+    tls = tls_context(config.server)
     sock = listen_socket(config.server.host, config.server.port)
     try:
         store = s3_store(config)
@@ -57,7 +85,12 @@ async def serve(config: CoordinatorConfig) -> None:
         sock.close()
         raise
     run_id = app[COORDINATOR].machine.run_id
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+        **server_settings(config.limits),
+    )
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -65,10 +98,10 @@ async def serve(config: CoordinatorConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     announce: Path | None = None
     try:
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, ssl_context=tls)
         await site.start()
         host, port = runner.addresses[0][:2]
-        url = f"http://{host}:{port}"
+        url = f"{'https' if tls else 'http'}://{host}:{port}"
         announce = write_announce(config.server.state_dir, url, run_id)
         log.info("event=listening url=%s run=%s pid=%d", url, run_id, os.getpid())
         await stop.wait()

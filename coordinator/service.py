@@ -23,6 +23,7 @@ from coordinator.retention import Retention
 from coordinator.signing import ManifestSigner
 from coordinator.storage import ObjectStore
 from coordinator.tokens import TokenBook
+from coordinator.verify import CheckpointVerifier
 from protocol.messages import SignedManifest
 
 
@@ -39,6 +40,7 @@ class Coordinator:
     publisher: ManifestPublisher
     retention: Retention
     tokens: TokenBook
+    verifier: CheckpointVerifier
     waiters: dict[int, asyncio.Event] = field(default_factory=dict)
     stopping: bool = False
 

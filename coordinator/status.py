@@ -5,11 +5,18 @@ newest rounds, each closed one with its gather set, exclusions, base fingerprint
 reports and how long it took, and the newest committed checkpoint. It only reads, so it takes
 the database, the run config, the members' last heartbeats and the time as plain values and
 knows nothing of the round machine that writes them.
+
+Reports are validated on the way in, but a stored one may predate a tighter wire model (or the
+rule that refuses non-finite numbers); such a report is left out of the view and logged once,
+never allowed to fail the status for everyone.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+
+from pydantic import ValidationError
 
 from coordinator import rounds
 from coordinator.db import Database, RoundRow
@@ -22,6 +29,11 @@ from protocol.messages import (
     StatusView,
 )
 from protocol.runconfig import RunConfig
+
+log = logging.getLogger("sparseloco.coordinator.status")
+
+#: (round, node) of stored reports that no longer validate, each logged once.
+_unreadable: set[tuple[int, str]] = set()
 
 
 def build_status(
@@ -65,9 +77,7 @@ def build_status(
 
 def round_summary(db: Database, row: RoundRow) -> RoundSummary:
     """One round as the status shows it; only closed rounds have a gather set."""
-    reports = {
-        node: RoundReport.model_validate(body) for node, body in db.reports(row.round).items()
-    }
+    reports = readable_reports(db, row.round)
     if row.state != RoundState.CLOSED or row.signed_manifest is None:
         return RoundSummary(round=row.round, state=row.state)
     manifest = SignedManifest.model_validate_json(row.signed_manifest).manifest
@@ -84,3 +94,21 @@ def round_summary(db: Database, row: RoundRow) -> RoundSummary:
         reports=reports,
         duration_s=duration,
     )
+
+
+def readable_reports(db: Database, round_: int) -> dict[str, RoundReport]:
+    """The stored reports of ``round_`` that validate as ``RoundReport``, by node."""
+    out: dict[str, RoundReport] = {}
+    for node, body in db.reports(round_).items():
+        try:
+            out[node] = RoundReport.model_validate(body)
+        except ValidationError as exc:
+            if (round_, node) not in _unreadable:
+                _unreadable.add((round_, node))
+                log.warning(
+                    "event=report_unreadable round=%d node=%s error=%s",
+                    round_,
+                    node,
+                    str(exc).splitlines()[0],
+                )
+    return out

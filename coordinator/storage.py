@@ -1,10 +1,11 @@
 """The coordinator's seam to the object store: a small Protocol and its boto3 backend.
 
-The coordinator never moves payload or checkpoint bytes itself. It presigns a PUT that only
-accepts the announced size and sha256 and only once (``If-None-Match: *``), presigns GETs, checks
-uploads with HEAD, writes the signed manifests and checkpoint sidecars, and deletes what the
-retention policy no longer needs. boto3 is blocking, so every call that talks to the network runs
-in a thread executor; presigning is local computation.
+The coordinator never moves payloads itself. It presigns a PUT that only accepts the announced
+size and sha256 and only once (``If-None-Match: *``), presigns GETs, checks uploads with HEAD,
+writes the signed manifests and checkpoint sidecars, and deletes what the retention policy no
+longer needs. The one object it reads back is an uploaded checkpoint, to verify it before it is
+committed (``get_bytes``, bounded by the caller's size limit). boto3 is blocking, so every call
+that talks to the network runs in a thread executor; presigning is local computation.
 
 This is the only module that imports boto3 or botocore: every error of theirs leaves ``S3Store``
 as ``coordinator.errors.StorageError`` (with the store's error code in ``.code``).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,7 +24,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from coordinator.errors import StorageError
+from coordinator.errors import StorageError, TooLarge
 
 #: Seconds for one store request (connect and read) before it counts as failed.
 STORE_TIMEOUT_S = 20.0
@@ -55,6 +57,11 @@ class ObjectStore(Protocol):
         ...
 
     async def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    async def get_bytes(self, key: str, max_size: int) -> bytes | None:
+        """The whole object at ``key``, ``None`` if it does not exist; ``TooLarge`` (and no more
+        than ``max_size + 1`` bytes read) if it holds more than ``max_size`` bytes."""
+        ...
 
     async def delete_keys(self, keys: list[str]) -> int:
         """Delete ``keys`` (absent ones are no error); how many were asked to go."""
@@ -125,8 +132,12 @@ class S3Store:
 
         ``what`` says what failed in the error's message (``"head {key}"``).
         """
-        loop = asyncio.get_running_loop()
         call = functools.partial(getattr(self._client, method), Bucket=self.bucket, **kwargs)
+        return await self._run(what, call)
+
+    async def _run(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()`` in a thread, its botocore errors as ``StorageError``."""
+        loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(None, call)
         except ClientError as exc:
@@ -147,6 +158,28 @@ class S3Store:
                 return None
             raise
         return ObjectInfo(size=int(resp["ContentLength"]), sha256_b64=resp.get("ChecksumSHA256"))
+
+    async def get_bytes(self, key: str, max_size: int) -> bytes | None:
+        def read() -> bytes:
+            resp = self._client.get_object(Bucket=self.bucket, Key=key)
+            body = resp["Body"]
+            try:
+                if int(resp.get("ContentLength", 0)) > max_size:
+                    raise TooLarge(f"{key} holds more than {max_size} bytes", "size")
+                data: bytes = body.read(max_size + 1)
+            finally:
+                body.close()
+            if len(data) > max_size:
+                raise TooLarge(f"{key} holds more than {max_size} bytes", "size")
+            return data
+
+        try:
+            result: bytes = await self._run(f"get {key}", read)
+        except StorageError as exc:
+            if exc.code in NOT_FOUND:
+                return None
+            raise
+        return result
 
     async def put_bytes(self, key: str, data: bytes) -> None:
         await self._call(

@@ -15,6 +15,7 @@ generated from the same source. Endpoints (all under ``/v1``, bearer-token auth)
     POST /v1/checkpoints/{R}/upload     CheckpointUpload   -> UploadGrant (409 not_needed)
     POST /v1/checkpoints/{R}/commit     CheckpointUpload   -> CheckpointInfo
     GET  /v1/checkpoints/latest                            -> CheckpointView (404 no_checkpoint)
+    GET  /v1/checkpoints                                   -> CheckpointList (newest first)
     GET  /v1/status                                        -> StatusView
 
 Every node request also names its process in the ``X-Sparseloco-Instance`` header (a random id
@@ -44,6 +45,33 @@ MANIFEST_VERSION = 1
 NodeId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 FingerprintHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+
+# Numbers in request bodies: the JSON type is kept (``true`` is not a number, ``1.0`` not an
+# integer, ``"1"`` neither), no NaN or infinity gets in, and every value has a range, so a stored
+# report always validates again and serialises to plain JSON.
+#: Largest object (payload, checkpoint) size a body may name: 1 TiB; the coordinator's
+#: configured limits are far lower and answer 413 above them.
+MAX_OBJECT_BYTES = 1 << 40
+#: Largest count (bytes moved, retries) a report may carry: exact in a float64 and in JSON.
+MAX_COUNT = (1 << 53) - 1
+#: A loss in nats per token; 1e6 is far above any real one (a byte-level model starts at ~5.5).
+MAX_LOSS = 1e6
+#: A phase time in seconds: about 116 days.
+MAX_SECONDS = 1e7
+#: A mass account's sums (Σ over every entry of a model of billions of parameters).
+MAX_MASS = 1e18
+#: Most phases one report may time, and most peers it may say it rejected.
+MAX_PHASES = 32
+MAX_REJECTED = 4096
+
+ObjectSize = Annotated[int, Field(strict=True, gt=0, le=MAX_OBJECT_BYTES)]
+Count = Annotated[int, Field(strict=True, ge=0, le=MAX_COUNT)]
+Loss = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=MAX_LOSS)]
+Seconds = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=MAX_SECONDS)]
+MassSum = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-MAX_MASS, le=MAX_MASS)]
+MassScale = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=MAX_MASS)]
+PhaseName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+Reason = Annotated[str, StringConstraints(max_length=256)]
 
 
 class Message(BaseModel):
@@ -121,7 +149,7 @@ class JoinResponse(Message):
 
 
 class UploadRequest(Message):
-    size: int = Field(gt=0, description="payload bytes")
+    size: ObjectSize = Field(description="payload bytes")
     sha256: Sha256Hex
 
 
@@ -141,7 +169,7 @@ MAX_PROBE_BYTES = 16 << 20
 class ProbeRequest(Message):
     """A node asking to test its path to the store with a throwaway object."""
 
-    size: int = Field(gt=0, le=MAX_PROBE_BYTES, description="probe bytes")
+    size: int = Field(strict=True, gt=0, le=MAX_PROBE_BYTES, description="probe bytes")
     sha256: Sha256Hex
 
 
@@ -156,7 +184,7 @@ class ProbeGrant(Message):
 
 
 class SubmitRequest(Message):
-    size: int = Field(gt=0)
+    size: ObjectSize
     sha256: Sha256Hex
     base_fingerprint: FingerprintHex = Field(description="fingerprint of the θ it trained from")
 
@@ -210,31 +238,35 @@ class Mass(Message):
     computed == sent + held, up to rounding (``scale`` = Σ|β·e + Δ| sets the tolerance).
     """
 
-    computed: float
-    sent: float
-    held: float
-    scale: float = Field(ge=0)
+    computed: MassSum
+    sent: MassSum
+    held: MassSum
+    scale: MassScale
 
 
 class RoundReport(Message):
     """What a node reports after applying a round."""
 
     fingerprint: FingerprintHex = Field(description="fingerprint of θ after applying the round")
-    rejected: dict[str, str] = Field(
-        default_factory=dict, description="gathered payloads this node could not use, and why"
+    rejected: dict[NodeId, Reason] = Field(
+        default_factory=dict,
+        max_length=MAX_REJECTED,
+        description="gathered payloads this node could not use, and why",
     )
-    train_loss: float | None = None
-    eval_loss: float | None = None
-    bytes_up: int = Field(0, ge=0)
-    bytes_down: int = Field(0, ge=0)
-    timings: dict[str, float] = Field(
-        default_factory=dict, description="seconds per phase of the round on this node"
+    train_loss: Loss | None = None
+    eval_loss: Loss | None = None
+    bytes_up: Count = 0
+    bytes_down: Count = 0
+    timings: dict[PhaseName, Seconds] = Field(
+        default_factory=dict,
+        max_length=MAX_PHASES,
+        description="seconds per phase of the round on this node",
     )
     mass: Mass | None = Field(
         None, description="error-feedback accounting of this node's own contribution"
     )
-    retries: int = Field(
-        0, ge=0, description="failed attempts at the coordinator or the store since the last report"
+    retries: Count = Field(
+        0, description="failed attempts at the coordinator or the store since the last report"
     )
 
 
@@ -264,7 +296,7 @@ class RoundSummary(Message):
 class CheckpointUpload(Message):
     """A node offering θ_R (the parameters at the start of round R) as a checkpoint."""
 
-    size: int = Field(gt=0, description="bytes of the safetensors file")
+    size: ObjectSize = Field(description="bytes of the safetensors file")
     sha256: Sha256Hex
     fingerprint: FingerprintHex = Field(description="fingerprint of the parameters in the file")
 
@@ -285,6 +317,14 @@ class CheckpointInfo(Message):
 class CheckpointView(Message):
     info: CheckpointInfo
     url: str = Field(description="presigned GET of the safetensors file")
+
+
+class CheckpointList(Message):
+    """Every committed checkpoint still in the store, newest first: a node that cannot use the
+    newest one (its download fails, or its fingerprint does not check out) falls back to the
+    next. Every one was verified by the coordinator before it was committed."""
+
+    checkpoints: list[CheckpointView]
 
 
 class StatusView(Message):

@@ -10,8 +10,13 @@ answer. Three users read it and none re-types a path:
 - the node's client builds every request from it (``node/daemon/client.py``).
 
 Every authenticated endpoint may also answer 401 ``token_revoked`` (the operator revoked the
-token), 409 ``token_in_use`` (another process holds this node's membership) and 422 for a
-malformed ``X-Sparseloco-Instance`` header; their ``errors`` say so.
+token), 409 ``token_in_use`` (another process holds this node's membership), 422 for a
+malformed ``X-Sparseloco-Instance`` header and 429 ``rate_limited`` (too many failed
+authentications from the address, or requests from the node; with ``Retry-After``); every
+endpoint with a body may answer 400 (not JSON, or empty), 408 (the body did not arrive in time),
+413 and 422; every endpoint with a round in its path 404 (no such round, or not a round number).
+Their ``errors`` say so. Query parameters are declared with their type and range (``Query``):
+a value outside it is refused with 422, never clamped in silence.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pydantic import BaseModel
 from protocol.messages import (
     Ack,
     CheckpointInfo,
+    CheckpointList,
     CheckpointUpload,
     CheckpointView,
     JoinRequest,
@@ -41,6 +47,26 @@ from protocol.messages import (
 
 #: The placeholder for a round number in a path.
 ROUND = "{round}"
+#: Largest round number a path may carry (18 digits: what the coordinator's router matches).
+MAX_ROUND = 10**18 - 1
+#: Most rounds one ``GET /v1/status`` may ask for (the status is built on request, unauthenticated).
+MAX_STATUS_ROUNDS = 1000
+
+
+@dataclass(frozen=True)
+class Query:
+    """One query parameter: what it means, its JSON type (``integer`` or ``number``) and range."""
+
+    description: str
+    type: str = "number"
+    minimum: float = 0
+    maximum: float = 0
+
+    def schema(self) -> dict[str, object]:
+        """The parameter's JSON schema, as the OpenAPI document declares it."""
+        lo: float = int(self.minimum) if self.type == "integer" else self.minimum
+        hi: float = int(self.maximum) if self.type == "integer" else self.maximum
+        return {"type": self.type, "minimum": lo, "maximum": hi}
 
 
 @dataclass(frozen=True)
@@ -52,7 +78,7 @@ class Endpoint:
     request: type[BaseModel] | None = None
     responses: dict[int, type[BaseModel]] = field(default_factory=dict)
     auth: bool = True
-    query: dict[str, str] = field(default_factory=dict)  # name -> description
+    query: dict[str, Query] = field(default_factory=dict)
     errors: tuple[int, ...] = ()
     json: bool = True  # False: the response is not JSON (metrics, the dashboard)
     media_type: str = "text/plain"  # what a non-JSON response is
@@ -66,42 +92,50 @@ class Endpoint:
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("join", "POST", "/v1/join", "Join the run (or rejoin)", JoinRequest,
-             {200: JoinResponse}, errors=(400, 401, 409, 413, 422)),
+             {200: JoinResponse}, errors=(400, 401, 408, 409, 413, 422, 429)),
     Endpoint("heartbeat", "POST", "/v1/heartbeat", "Stay an active member", None,
-             {200: RoundView}, errors=(401, 409, 422)),
+             {200: RoundView}, errors=(401, 409, 422, 429)),
     Endpoint("leave", "POST", "/v1/leave", "Leave the run", None, {200: Ack},
-             errors=(401, 409, 422)),
+             errors=(401, 409, 422, 429)),
     Endpoint("round", "GET", "/v1/round", "The current round as the caller sees it", None,
-             {200: RoundView}, errors=(401, 409, 422)),
+             {200: RoundView}, errors=(401, 409, 422, 429)),
     Endpoint("upload", "POST", "/v1/rounds/{round}/upload",
              "A presigned PUT for the caller's payload of this round", UploadRequest,
-             {200: UploadGrant}, errors=(400, 401, 404, 409, 413, 422)),
+             {200: UploadGrant}, errors=(400, 401, 404, 408, 409, 413, 422, 429)),
     Endpoint("submit", "POST", "/v1/rounds/{round}/submit",
              "Announce an uploaded payload; idempotent for an identical body", SubmitRequest,
-             {200: SubmitResponse}, errors=(400, 401, 404, 409, 413, 422)),
+             {200: SubmitResponse}, errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
     Endpoint("manifest", "GET", "/v1/rounds/{round}/manifest",
              "The signed manifest of a closed round, long-polling while it is open", None,
              {200: ManifestView, 202: RoundView},
-             query={"wait": "seconds to wait for the round to close (capped by the server)"},
-             errors=(401, 404, 409, 422)),
+             query={"wait": Query("seconds to wait for the round to close (the server waits at"
+                                  " most its manifest_wait_max_s)", "number", 0, 3600)},
+             errors=(401, 404, 409, 422, 429)),
     Endpoint("report", "POST", "/v1/rounds/{round}/report",
-             "Report the fingerprint after applying a closed round", RoundReport, {200: Ack},
-             errors=(400, 401, 404, 409, 413, 422)),
+             "Report the fingerprint after applying a closed round (its participants only)",
+             RoundReport, {200: Ack}, errors=(400, 401, 404, 408, 409, 413, 422, 429)),
     Endpoint("checkpoint_upload", "POST", "/v1/checkpoints/{round}/upload",
-             "A presigned PUT for θ at the start of this round, for the first eligible node",
-             CheckpointUpload, {200: UploadGrant}, errors=(400, 401, 404, 409, 413, 422)),
+             "A presigned PUT for θ at the start of this round, for the first eligible member",
+             CheckpointUpload, {200: UploadGrant},
+             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
     Endpoint("checkpoint_commit", "POST", "/v1/checkpoints/{round}/commit",
-             "Announce the uploaded checkpoint (grant holder only); idempotent", CheckpointUpload,
-             {200: CheckpointInfo}, errors=(400, 401, 409, 413, 422, 503)),
+             "Announce the uploaded checkpoint (grant holder only); the coordinator verifies the"
+             " file before it commits it; idempotent", CheckpointUpload, {200: CheckpointInfo},
+             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
     Endpoint("checkpoint_latest", "GET", "/v1/checkpoints/latest",
              "The newest committed checkpoint with a presigned GET", None,
-             {200: CheckpointView}, errors=(401, 404, 409, 422)),
+             {200: CheckpointView}, errors=(401, 404, 409, 422, 429)),
+    Endpoint("checkpoints", "GET", "/v1/checkpoints",
+             "Every committed checkpoint still in the store, newest first, with presigned GETs",
+             None, {200: CheckpointList}, errors=(401, 409, 422, 429)),
     Endpoint("probe", "POST", "/v1/probe",
              "A presigned PUT and GET of a throwaway object, to test the path to the store",
-             ProbeRequest, {200: ProbeGrant}, errors=(400, 401, 409, 413, 422, 503)),
+             ProbeRequest, {200: ProbeGrant}, errors=(400, 401, 408, 409, 413, 422, 429, 503)),
     Endpoint("status", "GET", "/v1/status", "The run, its members and recent rounds", None,
              {200: StatusView}, auth=False,
-             query={"rounds": "how many recent rounds to include"}, errors=(422,)),
+             query={"rounds": Query("how many recent rounds to include", "integer", 0,
+                                    MAX_STATUS_ROUNDS)},
+             errors=(422,)),
     Endpoint("openapi", "GET", "/openapi.json", "This document", None, auth=False),
     Endpoint("metrics", "GET", "/metrics", "Prometheus metrics", None, auth=False, json=False),
     Endpoint("dashboard", "GET", "/", "The live dashboard: one page that polls /v1/status", None,

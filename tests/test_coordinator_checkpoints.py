@@ -3,7 +3,8 @@
 Nodes run small rounds (presigned uploads, submits, reports) in-process through ``make_api``
 (``tests/support/api.py``), as in ``test_coordinator_api.py``; checkpoint files go to SeaweedFS
 through the grants exactly as a node sends them, and what the coordinator writes or deletes is
-checked by listing the bucket.
+checked by listing the bucket. Checkpoint files are real safetensors files of one θ
+(``support.theta_files``): the coordinator verifies what it commits.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from coordinator.schema import DB_FILE
 from protocol.keys import checkpoint_key, latest_checkpoint_key, run_prefix
 from protocol.messages import CheckpointInfo, RoundReport
 from protocol.runconfig import RunConfig, Timing
-from support.api import FP_A, FP_B, Api, ApiFactory
+from support.api import FP_B, Api, ApiFactory
+from support.theta_files import THETA_FP, offer, theta_file
 
-F = FP_A
+F = THETA_FP
 NODES = ("n0", "n1")
 #: Long deadlines and heartbeats: tests that move the clock must not time anything else out.
 CALM = Timing(first_round_s=3600, min_round_s=3600, max_round_s=7200, heartbeat_timeout_s=100000)
@@ -46,14 +48,6 @@ class Clock:
 
 def run_config(**kw: Any) -> RunConfig:
     return RunConfig(name="ckpt", min_nodes=2, rounds=20, checkpoint_every=2, timing=CALM, **kw)
-
-
-def offer(body: bytes, fingerprint: str = F) -> dict[str, Any]:
-    return {
-        "size": len(body),
-        "sha256": hashlib.sha256(body).hexdigest(),
-        "fingerprint": fingerprint,
-    }
 
 
 async def play_round(api: Api, round_: int, report: dict[str, Any] | None = None) -> None:
@@ -104,7 +98,7 @@ async def test_grant_commit_and_latest(make_api: ApiFactory, s3: Any) -> None:
     await play_round(api, 0, {"fingerprint": F, "mass": mass, "train_loss": 2.5})
     await play_round(api, 1)
     run_id, bucket = api.config.run.run_id, api.config.storage.bucket
-    body = b"safetensors bytes of theta_2 " * 20
+    body = theta_file("theta_2")
 
     status, err = await api.call("GET", "/v1/checkpoints/latest", "n1")
     assert (status, err["error"]) == (404, "no_checkpoint")
@@ -161,7 +155,7 @@ async def test_expired_grant_passes_to_another_node(make_api: ApiFactory) -> Non
     await join_all(api)
     await play_round(api, 0)
     await play_round(api, 1)
-    mine, theirs = b"n0's file" * 30, b"n1's file" * 30
+    mine, theirs = theta_file("n0's file"), theta_file("n1's file")
     status, grant = await api.call("POST", "/v1/checkpoints/2/upload", "n0", offer(mine))
     assert await put(grant["url"], grant["headers"], mine) == 200
     clock.offset += api.config.server.presign_expiry_s + 1  # n0 vanished before committing
@@ -177,7 +171,7 @@ async def test_expired_grant_passes_to_another_node(make_api: ApiFactory) -> Non
     # Identical bytes left behind (θ is bit-identical on every node): kept, and committable.
     await play_round(api, 2)
     await play_round(api, 3)
-    same = b"theta_4" * 40
+    same = theta_file("theta_4")
     status, grant = await api.call("POST", "/v1/checkpoints/4/upload", "n0", offer(same))
     assert await put(grant["url"], grant["headers"], same) == 200
     clock.offset += api.config.server.presign_expiry_s + 1
@@ -217,11 +211,12 @@ async def test_retention_and_restart(make_api: ApiFactory, s3: Any, tmp_path: Pa
     infos: dict[int, dict[str, Any]] = {}
     for r in range(10):
         if r and r % 2 == 0:
-            infos[r] = await checkpoint(api, "n0", r, f"theta {r}".encode() * 10)
+            infos[r] = await checkpoint(api, "n0", r, theta_file(f"theta {r}"))
         await play_round(api, r)
-    # Round 10 is current; the newest checkpoint is 8: payloads of rounds < min(8, 10 - 3) go.
+    # Round 10 is current; the checkpoints kept are 8 and 6: payloads of rounds < min(6, 10 - 3)
+    # go (a node that cannot use 8 falls back to 6 and replays from there).
     db = api.coord.machine.db
-    await wait_until(lambda: db.get_meta("pruned_through") == "6")
+    await wait_until(lambda: db.get_meta("pruned_through") == "5")
     await wait_until(lambda: sum(not c.pruned for c in db.checkpoints()) == 2)
     bucket, root = api.config.storage.bucket, run_prefix(prefix, run.run_id)
     stored = keys(s3, bucket, root)
@@ -229,14 +224,14 @@ async def test_retention_and_restart(make_api: ApiFactory, s3: Any, tmp_path: Pa
         manifest = f"rounds/{r:08d}/manifest.json"
         payloads = {f"rounds/{r:08d}/payloads/{n}.slc" for n in NODES}
         assert manifest in stored
-        assert (payloads <= stored) == (r >= 7), r
-        assert not (payloads & stored) or r >= 7, r
+        assert (payloads <= stored) == (r >= 6), r
+        assert not (payloads & stored) or r >= 6, r
     for r in (2, 4, 6, 8):
         ckpt = {f"checkpoints/{r:08d}/model.safetensors", f"checkpoints/{r:08d}/model.json"}
         assert (ckpt <= stored) == (r >= 6) and (not (ckpt & stored) or r >= 6), r
     assert get_json(s3, bucket, root + "checkpoints/latest.json") == infos[8]
     status, text = await api.call("GET", "/metrics", None)
-    assert 'sparseloco_objects_deleted_total{kind="payload"} 14.0' in text
+    assert 'sparseloco_objects_deleted_total{kind="payload"} 12.0' in text
     assert 'sparseloco_objects_deleted_total{kind="checkpoint"} 4.0' in text
     await api.client.close()
 
@@ -257,6 +252,6 @@ async def test_retention_and_restart(make_api: ApiFactory, s3: Any, tmp_path: Pa
     assert status == 200 and view["info"] == infos[8]
     status, st = await api.call("GET", "/v1/status", None)
     assert st["checkpoint"] == infos[8] and st["round"] == 10
-    assert api.coord.machine.db.get_meta("pruned_through") == "6"
+    assert api.coord.machine.db.get_meta("pruned_through") == "5"
     status, err = await api.call("POST", "/v1/checkpoints/6/upload", "n0", offer(b"late"))
     assert (status, err["error"]) == (409, "not_needed")

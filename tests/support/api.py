@@ -24,6 +24,7 @@ from yarl import URL
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, ServerConfig, StorageConfig, load_config
+from coordinator.limits import LimitsConfig, server_settings
 from coordinator.service import COORDINATOR, Coordinator
 from node.cluster.seaweed import EmbeddedStore
 from protocol.runconfig import RunConfig
@@ -46,8 +47,9 @@ def make_config(
 ) -> CoordinatorConfig:
     """A config for ``run`` on ``store`` under key ``prefix``, with tokens for ``NODES``.
 
-    ``fields`` are keys of the ``[server]`` or ``[storage]`` section (``max_body_bytes=2048``,
-    ``max_checkpoint_bytes=4096``), each put in the section that has it.
+    ``fields`` are keys of the ``[server]``, ``[storage]`` or ``[limits]`` section
+    (``max_body_bytes=2048``, ``max_checkpoint_bytes=4096``, ``body_timeout_s=0.5``), each put
+    in the section that has it.
     """
     e = store.endpoint
     server: dict[str, Any] = {"state_dir": str(state_dir)}
@@ -58,17 +60,21 @@ def make_config(
         "secret_key": e.secret_key,
         "prefix": prefix,
     }
+    limits: dict[str, Any] = {}
     for name, value in fields.items():
         if name in ServerConfig.model_fields:
             server[name] = value
         elif name in StorageConfig.model_fields:
             storage[name] = value
+        elif name in LimitsConfig.model_fields:
+            limits[name] = value
         else:
-            raise TypeError(f"{name} is neither a [server] nor a [storage] field")
+            raise TypeError(f"{name} is not a [server], [storage] or [limits] field")
     overrides = {
         "run": run.model_dump(mode="json"),
         "server": server,
         "storage": storage,
+        "limits": limits,
         "tokens": {n: token(n) for n in NODES},
     }
     return load_config(None, overrides)
@@ -154,7 +160,10 @@ async def make_api(store: EmbeddedStore, tmp_path: Path) -> AsyncIterator[ApiFac
     ) -> Api:
         prefix = prefix or f"t-{uuid.uuid4().hex[:8]}"
         config = make_config(store, tmp_path / state, run, prefix=prefix, **fields)
-        client = TestClient(TestServer(create_app(config, clock=clock)))
+        server = TestServer(create_app(config, clock=clock))
+        # The connection limits the real server runs with (``TestServer`` takes them here).
+        await server.start_server(**server_settings(config.limits))
+        client = TestClient(server)
         await client.start_server()
         clients.append(client)
         return Api(client, config)
