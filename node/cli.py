@@ -24,7 +24,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from node.tools.commands import add_doctor, add_export, add_store
+from node.tools.commands import (
+    add_doctor,
+    add_export,
+    add_store,
+    connection_flags,
+    connection_values,
+)
 from protocol.errors import Problem, SparseLoCoError, config_error
 from protocol.version import version_line
 
@@ -105,7 +111,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (reported numbers, never pass/fail)")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="{codec,quality,round}")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="{codec,quality,robust,round}")
     c = bench.add_parser("codec", help="payload size, encode and decode+aggregate speed, memory")
     c.add_argument("--preset", default="base", help="model whose shapes are encoded")
     c.add_argument("--peers", type=int, default=16)
@@ -120,6 +126,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--algos", default="sparseloco,diloco,ddp")
     q.add_argument("--out", default="bench-out/quality", help="folder for JSON and the plot")
     q.set_defaults(func=_cmd_bench_quality)
+    b = bench.add_parser("robust", help="hostile workers against robust aggregation (simulated)")
+    b.add_argument("--preset", default="tiny")
+    b.add_argument("--workers", type=int, default=4)
+    b.add_argument("--attackers", type=int, default=1)
+    b.add_argument("--rounds", type=int, default=8)
+    b.add_argument("--json", dest="json_out", metavar="OUT")
+    b.set_defaults(func=_cmd_bench_robust)
     r = bench.add_parser("round", help="time of a networked round, phase by phase (runs up)")
     r.add_argument("--nodes", type=int, default=4)
     r.add_argument("--rounds", type=int, default=8)
@@ -199,10 +212,12 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "node",
         help="run a node: join a coordinator and train until the run ends",
-        description="The node daemon. The token may also come from SPARSELOCO_NODE_TOKEN.",
+        description="The node daemon. The invite (or the token) may also come from the"
+        " environment: SPARSELOCO_NODE_INVITE, SPARSELOCO_NODE_TOKEN. At its first join it pins"
+        " the run's manifest key in --state-dir (checked against the invite's fingerprint when"
+        " there is one) and refuses any other key from then on.",
     )
-    p.add_argument("--coordinator", help="coordinator URL (or SPARSELOCO_NODE_COORDINATOR)")
-    p.add_argument("--token", help="join token (better: SPARSELOCO_NODE_TOKEN)")
+    connection_flags(p)
     p.add_argument("--state-dir", help="local state folder (or SPARSELOCO_NODE_STATE_DIR)")
     p.add_argument("--data", help="text file, directory or glob (default: bundled corpus)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -214,8 +229,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
 
     # Settings first: a missing flag is an error in a moment, not after torch has loaded.
     settings = load_settings(
-        coordinator=args.coordinator,
-        token=args.token,
+        **connection_values(args),
         state_dir=args.state_dir,
         data=args.data,
         threads=args.threads,
@@ -243,6 +257,13 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     env = dict(os.environ, SPARSELOCO_PROG="sparseloco coordinator")
     os.execve(sys.executable, [sys.executable, "-m", "coordinator", *args.forward], env)
     return 0  # not reached
+
+
+def _cmd_bench_robust(args: argparse.Namespace) -> int:
+    from node.research.bench.robust_bench import run_bench
+
+    run_bench(args.preset, args.workers, args.attackers, args.rounds, args.json_out)
+    return 0
 
 
 def _cmd_bench_round(args: argparse.Namespace) -> int:

@@ -14,7 +14,10 @@ Library errors (aiohttp, safetensors, the file system) are translated where they
     ├── RetriesExhausted (ConnectionError)   transient failures used up their attempts or budget;
     │                                        never retried again by an outer retry
     ├── Refused (RuntimeError)               a refusal that cannot heal by waiting (revoked
-    │                                        token, another run); the message says what to do
+    │                                        token, another run, a manifest key or TLS
+    │                                        certificate it must not trust); says what to do
+    ├── ResyncError (RuntimeError)           resynchronising did not help, repeatedly: the node
+    │                                        stops instead of looping resync, replay, diverge
     ├── StoreStartError (RuntimeError)       the embedded object store did not start
     └── UpError (RuntimeError)               a part of ``sparseloco up`` failed
 
@@ -74,6 +77,11 @@ class RetriesExhausted(SparseLoCoError, ConnectionError):
 class Refused(SparseLoCoError, RuntimeError):
     """The coordinator refused this node for good (a revoked or unknown token, another process
     holding the token too long); waiting will not help, the message says what will."""
+
+
+class ResyncError(SparseLoCoError, RuntimeError):
+    """θ diverged at the same round (or earlier) right after each of several resyncs in a row:
+    the node cannot follow its peers, and says so instead of resynchronising forever."""
 
 
 class StoreStartError(SparseLoCoError, RuntimeError):

@@ -36,6 +36,9 @@ class Timing(BaseModel):
     max_round_s: float = Field(3600.0, gt=0)
     #: A member with no heartbeat for this long is timed out and no longer expected.
     heartbeat_timeout_s: float = Field(30.0, gt=0)
+    #: A member that submitted nothing in this many rounds in a row is no longer waited for: it
+    #: stays a member and may submit, and is waited for again from the round after it does.
+    silent_rounds: int = Field(2, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> Timing:
@@ -66,6 +69,8 @@ class RunConfig(BaseModel):
     beta: float = Field(0.95, ge=0.0, le=1.0)
     alpha: float = Field(1.0, gt=0.0)
     clip: bool = True
+    #: Screen peers by sign agreement and bound every value's influence (node.compute.robust).
+    robust: bool = True
     # Inner optimiser
     inner_lr: float = Field(1e-3, gt=0.0)
     warmup_frac: float = Field(0.05, ge=0.0, le=1.0)

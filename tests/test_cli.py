@@ -207,3 +207,80 @@ def test_coordinator_starts_serves_tokens_and_stops(store: EmbeddedStore, tmp_pa
     assert "event=stopped" in text and "event=revoked node=n5" in text
     assert CONFIG_TOKEN not in text and new_token not in text
     assert store.endpoint.secret_key not in text
+
+
+def _coordinator_state(state: Path) -> str:
+    """A coordinator state directory as a first start leaves it (database, signing key); the
+    manifest public key (hex)."""
+    from coordinator.db import Database
+    from coordinator.schema import DB_FILE
+    from coordinator.signing import ManifestSigner
+
+    state.mkdir(parents=True)
+    Database(state / DB_FILE).close()
+    return ManifestSigner.load_or_create(state).public_key_hex
+
+
+def test_token_add_invite_carries_url_token_and_key_and_the_tools_read_it(tmp_path: Path) -> None:
+    from protocol.invite import Invite, decode_invite, key_fingerprint
+
+    state = tmp_path / "state"
+    public_key = _coordinator_state(state)
+    config = tmp_path / "run.toml"
+    config.write_text(f'[server]\nstate_dir = "{state}"\nhost = "0.0.0.0"\nport = 8700\n')
+
+    # [server] listens everywhere: no URL to hand out, and no token spent on the way
+    wildcard = sparseloco("coordinator", "token", "add", "n1", "--config", str(config), "--invite")
+    assert wildcard.returncode == 1 and "pass --url" in wildcard.stderr and not wildcard.stdout
+
+    url = "https://coord.example.org:8443"
+    add = ("coordinator", "token", "add", "n1", "--config", str(config))
+    made = sparseloco(*add, "--invite", "--url", url + "/")
+    assert made.returncode == 0, made.stderr
+    invite = decode_invite(made.stdout)
+    assert invite.coordinator == url and invite.manifest_key == key_fingerprint(public_key)
+    assert made.stdout.count("\n") == 1 and invite.token not in made.stderr
+    assert key_fingerprint(public_key) in made.stderr
+
+    plain = sparseloco("coordinator", "token", "add", "n2", "--state-dir", str(state))
+    assert plain.returncode == 0 and len(plain.stdout.split()) == 1  # stdout: just the token
+    assert key_fingerprint(public_key) in plain.stderr and plain.stdout.strip() not in plain.stderr
+
+    # the tools take an invite: doctor dials its URL (nothing listens on port 9 here)
+    local = Invite(
+        coordinator="https://127.0.0.1:9", token="t" * 20, manifest_key=invite.manifest_key
+    )
+    doctor = sparseloco("doctor", "--invite", local.encode(), timeout=120)
+    assert doctor.returncode == 1 and "https://127.0.0.1:9 did not answer" in doctor.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--invite", "not-an-invite"], "--invite: not a sparseloco invite"),
+        (["--coordinator", "http://coord.example:8700", "--token", "t"], "plain HTTP"),
+        (
+            [
+                "--coordinator",
+                "https://c.example",
+                "--token",
+                "t",
+                "--manifest-key-fingerprint",
+                "ab",
+            ],
+            "is not a manifest key fingerprint",
+        ),
+    ],
+)
+def test_node_refuses_a_bad_invite_or_plain_http_before_torch_loads(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    code = (
+        "import sys; from node.cli import main;"
+        f" rc = main(['node', *{args!r}, '--state-dir', 'x']); print(rc, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert proc.stdout.split() == ["2", "False"], proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr

@@ -115,8 +115,53 @@ async def test_one_failed_download_cancels_the_others_at_once() -> None:
     )
     with pytest.raises(TransferError) as failed:
         async with asyncio.timeout(10):
-            await fetch_gather(
-                transfers, view, manifest, own=None, own_sha256=None, own_id="me", parallel=8
-            )
+            await fetch_gather(transfers, view, manifest, parallel=8)
     assert failed.value.status == 404
     assert transfers.plan.cancelled == 2
+
+
+async def test_a_payload_swapped_in_the_store_is_rejected_by_its_owner_too(harness) -> None:
+    # Someone with the store's credentials replaces node-0's payload right after the coordinator
+    # checked it at the submit: every peer rejects it as a bad digest, and node-0 must not
+    # aggregate its own bytes from memory.
+    run = run_config(min_nodes=2, rounds=2)
+    h = harness(run)
+    key = payload_key("", run.run_id, 0, "node-0")
+    check = h.store.matches
+
+    def check_then_swap(k: str, size: int, sha256: str) -> bool:
+        ok = check(k, size, sha256)
+        if k == key:
+            h.store.objects[key] = bytes(size)  # same size, other bytes
+        return ok
+
+    h.store.matches = check_then_swap
+    tasks = [h.start(h.daemon("node-0")), h.start(h.daemon("node-1"))]
+    await h.advance_until(lambda: all(t.done() for t in tasks), step_s=5)
+    assert [t.result() for t in tasks] == [0, 0]
+    reports = h.reports(0)
+    for node in ("node-0", "node-1"):
+        assert reports[node].rejected.get("node-0", "").startswith("bad digest"), reports[node]
+    assert reports["node-0"].fingerprint == reports["node-1"].fingerprint
+    mass = reports["node-0"].mass
+    assert mass is not None and mass.sent == 0.0  # its contribution stayed in its error buffer
+
+
+async def test_a_swapped_checkpoint_falls_back_to_the_one_before(harness, caplog) -> None:
+    """The newest checkpoint's object changed in the store after the coordinator verified it:
+    a joiner refuses it, loads the one before, and replays the rounds since from payloads."""
+    caplog.set_level(logging.INFO, logger="sparseloco")
+    run = run_config(rounds=6, min_nodes=1, checkpoint_every=2)
+    h = harness(run)
+    assert await h.daemon("node-0").run(handle_signals=False) == 0
+    newest = h.coord.book.latest()
+    assert newest is not None and newest.round == run.rounds
+    h.store.objects[newest.key] = b"\0" * newest.size  # same size, other bytes
+
+    assert await h.daemon("node-1").run(handle_signals=False) == 0
+    rejected = [m for m in caplog.messages if "event=checkpoint_rejected node=node-1" in m]
+    loaded = [m for m in caplog.messages if "event=checkpoint_loaded node=node-1" in m]
+    assert len(rejected) == 1 and f"round={run.rounds} " in rejected[0]
+    assert len(loaded) == 1 and f"round={run.rounds - 2} " in loaded[0]
+    theta = worker(run).shapes
+    assert h.saved_fingerprint("node-1", theta) == h.saved_fingerprint("node-0", theta)

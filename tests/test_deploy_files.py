@@ -210,9 +210,9 @@ def test_systemd_coordinator_env_example_is_a_valid_config(monkeypatch: pytest.M
 
 
 def test_systemd_node_env_example_names_node_settings() -> None:
-    from node.daemon.settings import NodeSettings
+    from node.daemon.settings import INVITE_ENV, NodeSettings
 
-    fields = {"SPARSELOCO_NODE_" + f.upper() for f in NodeSettings.model_fields}
+    fields = {"SPARSELOCO_NODE_" + f.upper() for f in NodeSettings.model_fields} | {INVITE_ENV}
     text = (DEPLOY / "systemd" / "node.env.example").read_text()
     for key in re.findall(r"^#?(SPARSELOCO_NODE_[A-Z_]+)=", text, re.M):
         assert key in fields, f"node.env.example sets {key}, which the node does not read"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -63,6 +64,14 @@ def _assert_fingerprints_agree(status: StatusView, nodes: set[str], from_round: 
         assert set(summary.fingerprints) >= nodes, (summary.round, summary.fingerprints)
         values = {summary.fingerprints[n] for n in nodes}
         assert len(values) == 1, f"round {summary.round}: {summary.fingerprints}"
+
+
+def _applied_fingerprints(cluster: Cluster, node: str) -> dict[int, str]:
+    """round -> fingerprint of θ after it, as ``node`` logged applying it (replays included:
+    a node reports only the rounds it took part in, but logs every round it applies)."""
+    text = (cluster.root / "logs" / f"{node}.log").read_text()
+    found = re.findall(r"event=applied node=\S+ .*?applied_round=(\d+) .*?fingerprint=(\w+)", text)
+    return {int(r): fp for r, fp in found}
 
 
 def test_three_nodes_train_one_model(cluster_factory, store, s3) -> None:
@@ -126,8 +135,16 @@ def test_late_joiner_and_a_restarted_node_end_bit_identical(cluster_factory) -> 
     cluster.start_node("node-1")
     status = cluster.wait_finished()
     closed = _closed(status)
-    # Both replayed closed rounds and reported a fingerprint for each: all equal the others'.
-    _assert_fingerprints_agree(status, {"node-0", "node-1", "node-2"})
+    # node-0 took part in every round and reported each; both others replayed closed rounds they
+    # took no part in (their reports of those are refused: not votes) and logged what they
+    # applied: every fingerprint equals node-0's.
+    _assert_fingerprints_agree(status, {"node-0"})
+    reported = {r.round: r.fingerprints["node-0"] for r in closed}
+    for node in ("node-1", "node-2"):
+        applied = _applied_fingerprints(cluster, node)
+        assert set(applied) >= set(range(paused.round, run.rounds)), (node, sorted(applied))
+        assert {r: reported[r] for r in applied} == applied, node
+    assert set(_applied_fingerprints(cluster, "node-2")) == set(range(run.rounds))  # from θ_0
     contributed = [r.round for r in closed if "node-2" in r.gather]
     assert min(contributed) >= paused.round
     assert [r.round for r in closed] == list(range(run.rounds))

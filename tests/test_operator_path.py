@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 from node.cluster.process import Process
 from node.cluster.seaweed import free_ports
 from protocol.fingerprint import fingerprint
+from protocol.invite import decode_invite
 from protocol.messages import MemberState, RoundState, StatusView
 
 REPO = Path(__file__).resolve().parent.parent
@@ -153,18 +154,24 @@ def test_an_operator_runs_a_multi_party_run_from_the_readme(operator: Operator) 
 
     url = str(_wait("the coordinator", announced, [coordinator]))
 
-    # 4. Invite two participants.
-    tokens = {}
-    for node in ("node-a", "node-b"):
-        added = op.run("coordinator", "token", "add", node, "--config", "run.toml")
-        assert added.returncode == 0, added.stderr
-        tokens[node] = added.stdout.strip()
-        assert re.fullmatch(r"\S{20,}", tokens[node]), added.stdout
+    # 4. Invite two participants: one with a bare token, one with an invite (URL, token and the
+    # manifest key's fingerprint in one string).
+    added = op.run("coordinator", "token", "add", "node-a", "--config", "run.toml")
+    assert added.returncode == 0, added.stderr
+    tokens = {"node-a": added.stdout.strip()}
+    assert re.fullmatch(r"\S{20,}", tokens["node-a"]), added.stdout
+    invited = op.run(
+        "coordinator", "token", "add", "node-b", "--config", "run.toml", "--invite", "--url", url
+    )
+    assert invited.returncode == 0, invited.stderr
+    invite = invited.stdout.strip()
+    assert invite.startswith("sparseloco-invite:v1:"), invited.stdout
+    tokens["node-b"] = decode_invite(invite).token
     listed = op.run("coordinator", "token", "list", "--config", "run.toml")
-    assert listed.returncode == 0 and "node-a" in listed.stdout
+    assert listed.returncode == 0 and "node-a" in listed.stdout and "node-b" in listed.stdout
     assert not any(t in listed.stdout + listed.stderr for t in tokens.values())
 
-    # 5. A participant checks the machine, then runs a node.
+    # 5. Participants check their machine, then run a node.
     participant = {"SPARSELOCO_NODE_COORDINATOR": url}
 
     def as_node(token: str) -> dict[str, str]:
@@ -173,15 +180,25 @@ def test_an_operator_runs_a_multi_party_run_from_the_readme(operator: Operator) 
     doctor = op.run("doctor", env=as_node(tokens["node-a"]))
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert re.search(r"ok\s+store\s+presigned PUT and GET", doctor.stdout), doctor.stdout
+    with_invite = {"SPARSELOCO_NODE_INVITE": invite}
+    doctor = op.run("doctor", env=with_invite)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert tokens["node-b"] not in doctor.stdout + doctor.stderr
     nodes = {
-        n: op.start(n, "node", "--state-dir", f"nodes/{n}", "--threads", "1", env=as_node(t))
-        for n, t in tokens.items()
-    }
+        "node-a": op.start(
+            "node-a", "node", "--state-dir", "nodes/node-a", "--threads", "1",
+            env=as_node(tokens["node-a"]),
+        ),
+        "node-b": op.start(
+            "node-b", "node", "--state-dir", "nodes/node-b", "--threads", "1", env=with_invite
+        ),
+    }  # fmt: skip
 
     def round_closed() -> bool:
         return any(r.state == RoundState.CLOSED for r in _status(url).rounds)
 
     _wait("round 0 to close", round_closed, [*nodes.values(), coordinator])
+    assert "event=manifest_key_pinned node=node-b source=invite" in nodes["node-b"].output()
 
     # 6. While it runs: a third participant joins, and one is revoked.
     added = op.run("coordinator", "token", "add", "node-c", "--config", "run.toml")

@@ -31,6 +31,7 @@ from node.cluster.seaweed import EmbeddedStore, StoreEndpoint
 from node.compute.presets import get_run_preset
 from node.errors import UpError
 from protocol.messages import RoundState, StatusView
+from protocol.routes import MAX_STATUS_ROUNDS
 from protocol.runconfig import RunConfig, Timing
 
 log = logging.getLogger("sparseloco.up")
@@ -159,12 +160,13 @@ def start_node(
         args += ["--data", data]
     env = _quiet_env()
     env.pop("SPARSELOCO_FAULTS", None)
+    env.pop("SPARSELOCO_ATTACK", None)
     env.update(extra_env or {})
     env["SPARSELOCO_NODE_TOKEN"] = token
     return Process(name, args, log_path, env=env)
 
 
-def fetch_status(url: str, rounds: int = 100_000, timeout: float = 10.0) -> StatusView:
+def fetch_status(url: str, rounds: int = MAX_STATUS_ROUNDS, timeout: float = 10.0) -> StatusView:
     with urllib.request.urlopen(f"{url}/v1/status?rounds={rounds}", timeout=timeout) as resp:
         return StatusView.model_validate_json(resp.read())
 

@@ -29,6 +29,7 @@ import numba
 import numpy as np
 import torch
 
+from node.compute.robust import Screening, value_bound
 from protocol.codec import Payload, SparseTensor, encode
 
 
@@ -71,7 +72,10 @@ def add_back(error: Mapping[str, torch.Tensor], recon: Mapping[str, torch.Tensor
 
 def clip_scales(parts: Sequence[SparseTensor]) -> list[float]:
     """Per-peer factors ``min(1, median_norm / norm)`` for one tensor (1 for a zero norm)."""
-    norms = [math.sqrt(p.sq_norm()) for p in parts]
+    return _clip_scales([math.sqrt(p.sq_norm()) for p in parts])
+
+
+def _clip_scales(norms: Sequence[float]) -> list[float]:
     median = statistics.median(norms)
     return [1.0 if n == 0.0 or n <= median else median / n for n in norms]
 
@@ -119,23 +123,32 @@ class _Scratch:
         self.sums = np.zeros(0, dtype=np.float32)
         self.counts = np.zeros(0, dtype=np.int32)
         self.touched = np.zeros(0, dtype=np.int64)
+        self.pos = np.zeros(0, dtype=np.uint64)
+        self.neg = np.zeros(0, dtype=np.uint64)
 
     def reserve(self, size: int) -> None:
         if self.sums.size < size:
             self.sums = np.zeros(size, dtype=np.float32)
             self.counts = np.zeros(size, dtype=np.int32)
             self.touched = np.zeros(size, dtype=np.int64)
+            self.pos = np.zeros(size, dtype=np.uint64)
+            self.neg = np.zeros(size, dtype=np.uint64)
 
 
 def sparse_mean(
-    parts: Sequence[SparseTensor], *, clip: bool = True, scratch: _Scratch | None = None
+    parts: Sequence[SparseTensor],
+    *,
+    clip: bool = True,
+    bound: bool = False,
+    scratch: _Scratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean over contributors of one tensor, as ``(index, mean)`` over the touched entries.
 
     ``parts`` must already be in the canonical (sorted node id) order. ``index`` (int64,
     row-major into the flattened tensor, each entry once, in order of first selection) lists
     every entry some peer selected; every other entry of the aggregate is 0. With ``clip``,
-    each peer's tensor is first scaled by ``min(1, median_norm / its_norm)``.
+    each peer's tensor is first scaled by ``min(1, median_norm / its_norm)``; with ``bound``,
+    every value is then clipped to ``node.compute.robust.value_bound`` (bounded influence).
     """
     if not parts:
         raise ValueError("aggregation needs at least one payload")
@@ -145,12 +158,17 @@ def sparse_mean(
             raise ValueError(f"tensor {p.name!r}: peers disagree on the tile geometry")
     scratch = scratch or _Scratch()
     scratch.reserve(geometry.numel)
-    scales = clip_scales(parts) if clip else [1.0] * len(parts)
+    norms = [math.sqrt(p.sq_norm()) for p in parts] if clip or bound else []
+    scales = _clip_scales(norms) if clip else [1.0] * len(parts)
+    limit = value_bound(norms, geometry.n_kept) if bound else math.inf
     n = 0
     for part, scale in zip(parts, scales, strict=True):
         table = part.table
         if scale != 1.0:
             table = table * torch.tensor(scale, dtype=torch.float32)
+        if limit != math.inf:
+            edge = torch.tensor(limit, dtype=torch.float32)
+            table = torch.minimum(torch.maximum(table, -edge), edge)
         # Peers are added one after another in canonical order, each entry at most once per
         # peer, so every sum is formed in the same order on every node.
         n = _accumulate(
@@ -190,22 +208,36 @@ def apply_aggregate(
     *,
     alpha: float = 1.0,
     clip: bool = True,
-) -> None:
+    robust: bool = False,
+) -> Screening:
     """Steps 7-8 in place: ``theta -= alpha * aggregate`` for every tensor.
 
     ``payloads`` maps node id to its validated payload; the mapping's own order is ignored.
     With no payloads the parameters stay unchanged (an empty round). Only the entries some
-    peer selected change; elsewhere the aggregate is 0 and ``theta - 0`` is ``theta``.
+    peer selected change; elsewhere the aggregate is 0 and ``theta - 0`` is ``theta``. With
+    ``robust``, the peers are first screened by their sign agreement over the whole payload and
+    every value is bounded (``node.compute.robust``); the returned ``Screening`` says who was
+    left out, and why.
     """
-    peers = ordered(payloads)
+    names = sorted(payloads)
+    peers = [payloads[node] for node in names]
+    screening = Screening(names)
     if not peers:
-        return
+        return screening
     scratch = _Scratch()
+    if robust and screening.active:
+        # First pass: every tensor's pairwise sign agreement (each decoded once more when the
+        # payloads are lazy), then one verdict per peer for the whole payload.
+        for name in params:
+            parts = [p.tensors[name] for p in peers]
+            scratch.reserve(parts[0].geometry.numel)
+            screening.add(parts, scratch.pos, scratch.neg)
+        keep = screening.decide()
+        peers = [p for p, kept in zip(peers, keep, strict=True) if kept]
     with torch.no_grad():
         for name, theta in params.items():
-            index, update = sparse_mean(
-                [p.tensors[name] for p in peers], clip=clip, scratch=scratch
-            )
+            parts = [p.tensors[name] for p in peers]
+            index, update = sparse_mean(parts, clip=clip, bound=robust, scratch=scratch)
             if alpha != 1.0:
                 update.mul_(alpha)
             if (
@@ -217,3 +249,4 @@ def apply_aggregate(
             else:
                 flat = theta.view(-1)
                 flat[index] = flat[index] - update.to(device=theta.device, dtype=theta.dtype)
+    return screening

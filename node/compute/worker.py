@@ -214,6 +214,11 @@ class Worker:
             scale=scale,
         )
 
+    def reset_theta(self, theta: Mapping[str, torch.Tensor], fp: str | None = None) -> None:
+        """Set θ to ``theta`` (``fp``: its fingerprint, if known). For the tests' hostile nodes
+        (``node.daemon.attacks``); the round loop never sets θ but through its steps."""
+        self._reset_to(theta, fp)
+
     def _reset_to(self, theta: Mapping[str, torch.Tensor], fp: str | None = None) -> None:
         """Set θ; ``fp`` is its fingerprint when the caller knows it (else computed on demand)."""
         with torch.no_grad():
@@ -227,11 +232,17 @@ class Worker:
         # a round (or a long catch-up) holds one decoded tensor per peer, not G models' worth.
         return read_payload(data, self.shapes, topk=self.run.topk, tile=self.run.tile, lazy=True)
 
-    def apply(self, payloads: Mapping[str, Payload]) -> None:
-        """Steps 7-8: θ -= α · aggregate, in canonical order; then the next round."""
-        apply_aggregate(self.params, payloads, alpha=self.run.alpha, clip=self.run.clip)
+    def apply(self, payloads: Mapping[str, Payload]) -> dict[str, str]:
+        """Steps 7-8: θ -= α · aggregate, in canonical order; then the next round.
+
+        Returns the peers screened out (``node.compute.robust``), with the reason.
+        """
+        screening = apply_aggregate(
+            self.params, payloads, alpha=self.run.alpha, clip=self.run.clip, robust=self.run.robust
+        )
         self._fingerprint = None
         self.round += 1
+        return screening.rejected
 
     def own_recon(self, payload: bytes) -> dict[str, torch.Tensor]:
         """ĉ of this node's own payload, decoded (only needed when a restart lost it)."""

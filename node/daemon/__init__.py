@@ -7,4 +7,7 @@ is the HTTP implementation) and to the object store through the ``api.Transfers`
 wait, verify, download, decode, apply, account, save, report. ``gather`` fetches and validates a
 closed round's gather set, ``checkpoints`` offers and restores checkpoints, ``retry`` bounds every
 retry, ``settings`` is the node's config and ``faults`` the chaos suite's fault injection.
+``join`` joins the run and settles the manifest key to trust (``pinning``: the invite's
+fingerprint, the key pinned in the state dir); ``tls`` is how the coordinator is reached safely
+(CA bundle, plain HTTP only to loopback unless allowed, untrusted certificates refused).
 """

@@ -62,8 +62,8 @@ class CoordinatorApi(Protocol):
 
     async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo: ...
 
-    async def latest_checkpoint(self) -> CheckpointView | None:
-        """The newest committed checkpoint with a presigned GET, or None if there is none."""
+    async def checkpoints(self) -> list[CheckpointView]:
+        """Every committed checkpoint still in the store with a presigned GET, newest first."""
         ...
 
 

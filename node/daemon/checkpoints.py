@@ -7,13 +7,15 @@
 - ``restore_latest``: a node with no usable local state (a new joiner, a wiped disk, a torn
   state file) or a node that diverged downloads the newest checkpoint, checks its sha256 and
   the fingerprint of the parameters it holds, and continues from that round; replaying the
-  manifests since then is the round loop's ordinary catch-up.
+  manifests since then is the round loop's ordinary catch-up. One that fails its checks falls
+  back to the next older one (``GET /v1/checkpoints``), then to θ_0.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from node.compute.worker import Worker
@@ -27,6 +29,10 @@ T = TypeVar("T")
 Compute = Callable[..., Awaitable[Any]]
 
 
+#: Checkpoints tried, newest first, before a node falls back to θ_0 and the full replay.
+MAX_TRIED = 3
+
+
 class CheckpointSync:
     """Checkpoint traffic for one node; ``compute`` runs CPU work on the node's compute thread."""
 
@@ -34,6 +40,9 @@ class CheckpointSync:
         self.api = api
         self.transfers = transfers
         self.compute = compute
+        #: Why the newest checkpoint was rejected at the last ``restore_latest``; None if it was
+        #: not (the daemon names it when it gives up resynchronising).
+        self.rejected: str | None = None
 
     async def offer(self, worker: Worker) -> CheckpointInfo | None:
         """Offer θ_{worker.round} if this round is a checkpoint round; the accepted info."""
@@ -66,29 +75,36 @@ class CheckpointSync:
         return info
 
     async def restore_latest(self, worker: Worker) -> CheckpointInfo | None:
-        """Load the newest checkpoint into ``worker``; None (θ untouched) if there is none
-        or it fails verification."""
-        view = await self.api.latest_checkpoint()
-        if view is None:
-            return None
-        info = view.info
-        try:
-            data = await self.transfers.get(view.url, size=info.size, sha256=info.sha256)
-            await self.compute(
-                lambda: worker.load_checkpoint(data, round_=info.round, expected=info.fingerprint)
-            )
-        except (TransferError, RetriesExhausted, CheckpointError) as exc:
-            log.warning(
-                "event=checkpoint_rejected node=%s round=%d error=%r",
+        """Load the newest usable checkpoint into ``worker``; None (θ untouched) if there is
+        none or every one fails verification.
+
+        The coordinator verified each before committing it, so a bad one means the store's
+        object changed since (someone with store credentials, or a broken store). The node then
+        falls back to the next older one: retention keeps every payload since the oldest
+        checkpoint it keeps, so the replay from there still finds what it needs.
+        """
+        self.rejected = None
+        views = await self.api.checkpoints()
+        for view in views[:MAX_TRIED]:
+            info = view.info
+            try:
+                data = await self.transfers.get(view.url, size=info.size, sha256=info.sha256)
+                load = partial(worker.load_checkpoint, round_=info.round, expected=info.fingerprint)
+                await self.compute(load, data)
+            except (TransferError, RetriesExhausted, CheckpointError) as exc:
+                self.rejected = self.rejected or f"round {info.round}: {exc}"
+                log.warning(
+                    "event=checkpoint_rejected node=%s round=%d error=%r",
+                    worker.node_id,
+                    info.round,
+                    exc,
+                )
+                continue
+            log.info(
+                "event=checkpoint_loaded node=%s round=%d bytes=%d",
                 worker.node_id,
                 info.round,
-                exc,
+                info.size,
             )
-            return None
-        log.info(
-            "event=checkpoint_loaded node=%s round=%d bytes=%d",
-            worker.node_id,
-            info.round,
-            info.size,
-        )
-        return info
+            return info
+        return None

@@ -9,6 +9,8 @@ the round loop can act on it (``round_closed`` means the node missed the round a
 contribution). Every request names this process (``X-Sparseloco-Instance``, a random id per
 client), so a second process using the same token is refused instead of taking over; a join
 also names the process that ran on the same state directory before (``node.daemon.instance``).
+A TLS certificate that does not verify raises ``Refused`` at once (``node.daemon.tls``): it is
+not an outage to wait out.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import aiohttp
 from pydantic import BaseModel, ValidationError
 
 from node.daemon.retry import FOREVER, TRANSIENT_STATUS, Link, RetryPolicy, retry
+from node.daemon.tls import certificate_refused
 from node.errors import CoordinatorError, TransientError
 from protocol.messages import (
     INSTANCE_HEADER,
     CheckpointInfo,
+    CheckpointList,
     CheckpointUpload,
     CheckpointView,
     ErrorBody,
@@ -106,6 +110,13 @@ class CoordinatorClient:
             headers["Content-Type"] = "application/json"
 
         async def attempt() -> BaseModel:
+            try:
+                return await exchange()
+            except aiohttp.ClientConnectorCertificateError as exc:
+                # Not an outage: retrying cannot make an untrusted certificate trusted.
+                raise certificate_refused(self.base_url, exc) from exc
+
+        async def exchange() -> BaseModel:
             async with self.session.request(
                 ep.method,
                 self.base_url + path,
@@ -191,6 +202,11 @@ class CoordinatorClient:
                 return None
             raise
         return _as(CheckpointView, out)
+
+    async def checkpoints(self) -> list[CheckpointView]:
+        """Every committed checkpoint still in the store, newest first (empty if none)."""
+        out = _as(CheckpointList, await self._call("checkpoints"))
+        return out.checkpoints
 
     async def probe(self, size: int, sha256: str) -> ProbeGrant:
         """A presigned PUT and GET of a throwaway object (``sparseloco doctor``)."""

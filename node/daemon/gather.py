@@ -1,8 +1,7 @@
 """A closed round's gather set, from the node's side: fetch and validate.
 
 - ``fetch_gather``: every gathered payload through its presigned GET, in parallel, sizes and
-  sha256 checked; the node's own payload is taken from memory when its digest (computed once,
-  when it was made) matches the manifest's.
+  sha256 checked, the node's own included: it must aggregate exactly the bytes its peers read.
 - ``decode_gather``: each payload validated against the run's model and codec, and its header
   against the manifest (run, round, node).
 
@@ -32,9 +31,6 @@ async def fetch_gather(
     view: ManifestView,
     manifest: Manifest,
     *,
-    own: bytes | None,
-    own_sha256: str | None,
-    own_id: str,
     parallel: int,
 ) -> tuple[dict[str, bytes], dict[str, str]]:
     """Payload bytes by node id, and the nodes left out with the reason (bad digest only).
@@ -47,9 +43,9 @@ async def fetch_gather(
     rejected: dict[str, str] = {}
 
     async def fetch(node: str, size: int, sha: str) -> None:
-        if node == own_id and own is not None and own_sha256 == sha:
-            blobs[node] = own
-            return
+        # The node's own payload is fetched from the store like every other: if someone with
+        # store credentials swapped it after the submit, the peers reject it as a bad digest,
+        # and so must its owner, or it would aggregate other bytes than they do.
         if node not in view.urls:
             raise ManifestError(f"round {manifest.round}: no download URL for {node}")
         async with gate:

@@ -8,6 +8,9 @@ twice at once. The coordinator, the store and the clock come in as the small Pro
 
 A round, for round r with θ_r in the model:
 
+0. join (``node.daemon.join``): the manifest key of the join response must be the one the
+   operator's invite names and the one pinned in the state dir (``node.daemon.pinning``);
+   manifests are verified with that pinned key only;
 1. ask the coordinator for the current round; if r is already closed, only *apply* it (catch-up:
    a late joiner replays every closed round from θ_0 or a checkpoint, bit for bit);
 2. if expected in r: train H steps, compress (``node.compute.worker``), save the pending payload
@@ -38,20 +41,24 @@ import torch
 
 from node.compute.worker import Worker
 from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
+from node.daemon.attacks import Attack
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.client import ClientTimeouts, CoordinatorClient
 from node.daemon.faults import Faults
 from node.daemon.instance import claim
+from node.daemon.join import join, rejoin
 from node.daemon.pending import PendingRound, restore, save_idle, save_submitting
-from node.daemon.retry import FOREVER, Backoff, Link
+from node.daemon.retry import FOREVER, Link
 from node.daemon.rounds import RoundFinisher
 from node.daemon.settings import NodeSettings
+from node.daemon.tls import connector
 from node.daemon.transfer import HttpTransfers, TransferTimeouts
 from node.daemon.upload import submit
 from node.errors import (
     Abandoned,
     CoordinatorError,
     Refused,
+    ResyncError,
     StateError,
 )
 from protocol.errors import SparseLoCoError
@@ -61,11 +68,11 @@ log = logging.getLogger("sparseloco.node")
 
 T = TypeVar("T")
 
-CLIENT = "sparseloco-node/0.1"
 #: Seconds between polls of a round that waits for enough members.
 WAITING_POLL_S = 0.25
-#: Seconds a join waits for another process holding this node's token to go away.
-TOKEN_IN_USE_WAIT_S = 120.0
+#: Resynchronisations in a row that may end where the previous one began (the node diverges
+#: again at the same round or before it) before the node stops instead of looping.
+MAX_RESYNCS = 3
 
 
 class NodeDaemon:
@@ -86,6 +93,8 @@ class NodeDaemon:
         self.transfers = transfers
         self.clock: Clock = clock or RealClock()
         self.faults = faults if faults is not None else Faults.from_env()
+        #: A hostile node for the tests (``SPARSELOCO_ATTACK``); None, always, in real runs.
+        self.attack = Attack.from_env()
         self.stopping = asyncio.Event()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.joined: JoinResponse | None = None
@@ -97,6 +106,9 @@ class NodeDaemon:
         self.links = tuple(links)
         self._retries_reported = 0
         self.finisher = RoundFinisher(self)
+        #: The furthest round a resync started from, and how many in a row did not get past it.
+        self._resync_from = -1
+        self._resyncs = 0
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -160,7 +172,7 @@ class NodeDaemon:
         for sig in signals:
             loop.add_signal_handler(sig, self.request_stop)
         try:
-            joined = await self.until_stopped(self._join())
+            joined = await self.until_stopped(join(self.api, self.clock, self.settings))
             if joined is None:
                 self.log("stopped", before="joining")
                 return 0
@@ -202,31 +214,6 @@ class NodeDaemon:
             self.executor.shutdown(wait=True)
         return 0
 
-    async def _join(self) -> JoinResponse:
-        """Join the run; wait (bounded) while another process still holds this token."""
-        waited_since: float | None = None
-        backoff = Backoff(first_s=2.0, cap_s=10.0)
-        while True:
-            try:
-                return await self.api.join(client=CLIENT)
-            except CoordinatorError as exc:
-                if exc.error != "token_in_use":
-                    raise
-                now = self.clock.now()
-                if waited_since is None:
-                    waited_since = now
-                    log.warning(
-                        "event=token_in_use node=? waiting_up_to_s=%.0f message=%r",
-                        TOKEN_IN_USE_WAIT_S,
-                        str(exc),
-                    )
-                elif now - waited_since > TOKEN_IN_USE_WAIT_S:
-                    raise Refused(
-                        f"another process is using this node's token (still after"
-                        f" {TOKEN_IN_USE_WAIT_S:.0f} s): stop it, or give this node its own token"
-                    ) from exc
-                await self.clock.sleep(backoff.next())
-
     async def _rounds_until_stopped(self) -> bool:
         """The round loop: True when the run finished, False after a stop request.
 
@@ -257,7 +244,9 @@ class NodeDaemon:
         return save_idle(self.settings.state_dir, self.worker)
 
     async def _heartbeat(self) -> None:
-        interval = self.joined.heartbeat_interval_s if self.joined else 5.0
+        if self.joined is None:
+            raise RuntimeError("the node has not joined yet")
+        interval = self.joined.heartbeat_interval_s
         while True:
             await self.clock.sleep(interval)
             try:
@@ -266,7 +255,7 @@ class NodeDaemon:
                 if exc.error == "not_member" and not self.stopping.is_set():
                     self.log("rejoin")
                     with contextlib.suppress(SparseLoCoError):
-                        await self.api.join(client=CLIENT)
+                        await rejoin(self.api, self.joined.manifest_public_key)
             except SparseLoCoError as exc:
                 self.log("heartbeat_failed", error=repr(exc))
 
@@ -299,8 +288,9 @@ class NodeDaemon:
 
     async def _participate(self, r: int) -> None:
         """Steps 1-5 and the upload, then the rest of the round."""
+        train = self.attack.train if self.attack else lambda w: w.train_and_compress()
         try:
-            result = await self.compute(self.worker.train_and_compress)
+            result = await self.compute(train, self.worker)
         except Abandoned:
             self.log("training_abandoned")
             return
@@ -331,7 +321,26 @@ class NodeDaemon:
 
         A pending payload trained from the wrong θ goes back into the error buffer first, so
         nothing this node computed is lost; the loop then replays the manifests since.
+
+        A resync that is needed again at the round the previous one started from, or before it,
+        did not help (the node computes differently from its peers, the checkpoint it loads is
+        rejected, what it downloads is not what they applied): after ``MAX_RESYNCS`` of those
+        in a row the node stops with ``ResyncError`` rather than loop resync, replay, diverge.
         """
+        r = self.worker.round
+        self._resyncs = self._resyncs + 1 if r <= self._resync_from else 1
+        self._resync_from = max(self._resync_from, r)
+        if self._resyncs > MAX_RESYNCS:
+            rejected = self.sync.rejected
+            raise ResyncError(
+                f"θ diverged from its peers at round {r} again right after resynchronising"
+                f" ({MAX_RESYNCS} times in a row"
+                + (f"; the newest checkpoint was rejected: {rejected}" if rejected else "")
+                + "). This node cannot follow the run (its arithmetic differs from its peers',"
+                " e.g. another torch build or device, or what it downloads is not what they"
+                " applied), so it stopped instead of looping; its state is kept. Show the"
+                " operator the log (event=diverged, event=resynced)"
+            )
         if self.pending is not None:
             await self.return_own(self.pending)
         self.pending = None
@@ -368,7 +377,7 @@ async def serve(settings: NodeSettings) -> int:
     )
     policy = replace(FOREVER, budget_s=settings.outage_budget_s)
     instance, previous = claim(settings.state_dir)  # who we are, and who ran here before
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(connector=connector(settings.ca_cert)) as http:
         api = CoordinatorClient(
             http,
             settings.coordinator,

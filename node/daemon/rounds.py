@@ -11,7 +11,8 @@
    (retention pruned the round) means the node is further behind than replay reaches and
    skips to the newest checkpoint;
 5. ``decode``: validate every payload (lazily: checked now, decoded once while aggregating);
-6. ``apply``: aggregate in node-id order and apply (plus the chaos suite's faults);
+6. ``apply``: screen the peers (``node.compute.robust``), aggregate the rest in node-id order
+   and apply (plus the chaos suite's faults); who was screened out goes into the report;
 7. ``settle``: the own contribution: counted as sent if aggregated, else ĉ back into e
    (step 9), and the error-feedback account computed = sent + held;
 8. ``save``: held-out loss, the new state on disk, the fingerprint of θ_{r+1};
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
 
 from node.daemon.gather import decode_gather, fetch_gather
 from node.daemon.pending import PendingRound
@@ -67,29 +70,42 @@ class RoundFinisher:
         if fetched is None:
             return
         blobs, rejected = fetched
+        if d.attack is not None:
+            d.attack.remember(blobs)
         t1 = time.perf_counter()
         payloads, invalid = await d.compute(decode_gather, d.worker, blobs, r)
         rejected.update(invalid)
         t2 = time.perf_counter()
-        await self.apply(r, payloads)
+        screened = await self.apply(r, payloads)
+        rejected.update(screened)
+        applied = {node: p for node, p in payloads.items() if node not in screened}
         t3 = time.perf_counter()
-        mass = await self.settle(pending, manifest, payloads)
+        mass = await self.settle(pending, manifest, applied)
         fingerprint, eval_loss, eval_s = await d.compute(self.save)
         t4 = time.perf_counter()
         if pending is not None:
             pending.timings.update(download=t1 - t0, decode=t2 - t1, aggregate_apply=t3 - t2)
             pending.timings.update(eval=eval_s, save=t4 - t3 - eval_s)
-        report = RoundReport(
-            fingerprint=fingerprint,
-            rejected=rejected,
-            train_loss=pending.train_loss if pending else None,
-            eval_loss=eval_loss,
-            bytes_up=pending.bytes_up if pending else 0,
-            bytes_down=sum(len(b) for n, b in blobs.items() if n != d.node_id or not pending),
-            timings=pending.timings if pending else {},
-            mass=mass,
-            retries=d.retries_since_last_report(),
-        )
+        facts = {
+            "fingerprint": fingerprint,
+            "rejected": rejected,
+            "bytes_up": pending.bytes_up if pending else 0,
+            "bytes_down": sum(len(b) for b in blobs.values()),
+            "retries": d.retries_since_last_report(),
+        }
+        measured = {
+            "train_loss": pending.train_loss if pending else None,
+            "eval_loss": eval_loss,
+            "timings": pending.timings if pending else {},
+            "mass": mass,
+        }
+        try:
+            report = RoundReport.model_validate({**facts, **measured})
+        except ValidationError as exc:
+            # A diverged model's losses (inf, NaN) are not worth stopping for: the fingerprint
+            # and the rest still go out.
+            d.log("report_trimmed", error=repr(exc.errors()[0]["msg"]))
+            report = RoundReport.model_validate(facts)
         d.pending = None
         d.log(
             "applied",
@@ -179,9 +195,6 @@ class RoundFinisher:
                     d.transfers,
                     view,
                     manifest,
-                    own=pending.payload if pending else None,
-                    own_sha256=pending.sha256 if pending else None,
-                    own_id=d.node_id,
                     parallel=d.settings.parallel_downloads,
                 )
             except TransferError as exc:
@@ -234,13 +247,15 @@ class RoundFinisher:
         d.log("skipped_to_checkpoint", checkpoint=info.round)
         return True
 
-    async def apply(self, r: int, payloads: dict[str, Payload]) -> None:
-        """Aggregate and apply (θ becomes θ_{r+1}); the chaos suite's faults of this point."""
+    async def apply(self, r: int, payloads: dict[str, Payload]) -> dict[str, str]:
+        """Aggregate and apply (θ becomes θ_{r+1}); the peers screened out, with the reason.
+        Also the chaos suite's faults of this point."""
         d = self.d
-        await d.compute(d.worker.apply, payloads)
+        screened = await d.compute(d.worker.apply, payloads)
         d.faults.crash_point(r, "mid_apply")
         if d.faults.corrupt_now(r):
             await d.compute(d.worker.corrupt)
+        return screened
 
     async def settle(
         self, pending: PendingRound | None, manifest: Manifest, payloads: dict[str, Payload]
@@ -259,7 +274,11 @@ class RoundFinisher:
         if pending.computed is None or pending.scale is None:
             return None
         held = await d.compute(d.worker.held_mass)
-        return Mass(computed=pending.computed, sent=sent, held=held, scale=pending.scale)
+        try:
+            return Mass(computed=pending.computed, sent=sent, held=held, scale=pending.scale)
+        except ValidationError:  # a diverged buffer's sums leave the wire's bounds
+            d.log("mass_unreportable", computed=pending.computed, held=held)
+            return None
 
     def save(self) -> tuple[str, float | None, float]:
         """(compute thread) Held-out loss (and its seconds), then the new state on disk; the

@@ -1,28 +1,83 @@
-"""The node daemon's configuration: where the coordinator is, who we are, where state lives.
+"""The node's configuration: where the coordinator is, who we are, whom we trust, where state
+lives.
 
-One frozen pydantic-settings tree, filled with this precedence: command-line flags, then
-environment variables (``SPARSELOCO_NODE_TOKEN``, ``SPARSELOCO_NODE_STATE_DIR``...), then the
-defaults here. The token is best passed in the environment, where other users of the machine
-cannot read it from the process list. Everything about the *run* (model, codec, H) comes from
-the coordinator at join and is not configured here.
+One frozen pydantic-settings tree, filled with this precedence: command-line flags, then an
+invite given as a flag (``--invite``), then environment variables (``SPARSELOCO_NODE_TOKEN``,
+``SPARSELOCO_NODE_STATE_DIR``...), then an invite in the environment
+(``SPARSELOCO_NODE_INVITE``), then the defaults here. An invite (``protocol.invite``) stands for
+``--coordinator``, ``--token`` and ``--manifest-key-fingerprint`` at its own level, so an
+explicit flag still wins over it. The token is best passed in the environment (or in an
+invite there), where other users of the machine cannot read it from the process list.
+Everything about the *run* (model, codec, H) comes from the coordinator at join and is not
+configured here.
+
+``ConnectionSettings`` is the part ``sparseloco doctor`` and ``export`` share with the node:
+the coordinator, the token, the pinned manifest key and how TLS is checked
+(``node.daemon.tls``); ``NodeSettings`` adds the rest.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from protocol.errors import Problem, config_error
+from node.daemon.tls import check_coordinator_url
+from protocol.errors import ConfigError, Problem, config_error
+from protocol.invite import decode_invite, normalize_fingerprint
+
+ENV_PREFIX = "SPARSELOCO_NODE_"
+#: The environment variable holding an invite (not a field: it expands into three).
+INVITE_ENV = ENV_PREFIX + "INVITE"
+
+S = TypeVar("S", bound="ConnectionSettings")
 
 
-class NodeSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPARSELOCO_NODE_", extra="forbid", frozen=True)
+class ConnectionSettings(BaseSettings):
+    """How to reach the coordinator, as whom, and what to trust."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
 
     coordinator: str = Field(description="coordinator base URL, e.g. https://coord.example:8700")
+    token: str | None = Field(None, min_length=1, description="join token from the operator")
+    #: ``sha256:<hex>`` of the manifest public key, from the operator; checked at the first join
+    #: (``node.daemon.pinning``). None: the key of the first join is trusted from then on.
+    manifest_key_fingerprint: str | None = None
+    #: PEM file of the CA (or self-signed certificate) to trust besides the system store.
+    ca_cert: Path | None = None
+    #: Plain http:// to a host other than this machine (otherwise refused).
+    allow_insecure_http: bool = False
+
+    @field_validator("manifest_key_fingerprint")
+    @classmethod
+    def _fingerprint(cls, value: str | None) -> str | None:
+        return None if value is None else normalize_fingerprint(value)
+
+    @field_validator("ca_cert")
+    @classmethod
+    def _ca_file(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"{value} is not a file; give the PEM file of the run's CA")
+        return value
+
+    @field_validator("coordinator")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return check_coordinator_url(value, allow_insecure_http=True)  # the shape only
+
+    @model_validator(mode="after")
+    def _transport(self: S) -> S:
+        # After the fields, so the check sees --allow-insecure-http whatever the order.
+        check_coordinator_url(self.coordinator, allow_insecure_http=self.allow_insecure_http)
+        return self
+
+
+class NodeSettings(ConnectionSettings):
     token: str = Field(min_length=1, description="join token issued by the coordinator operator")
     state_dir: Path = Field(description="local state (θ, error buffer, AdamW, round)")
     data: str | None = Field(None, description="text file, directory or glob; default: bundled")
@@ -42,25 +97,60 @@ class NodeSettings(BaseSettings):
     #: Seconds a stop request (SIGTERM, Ctrl-C) waits for the round in hand before it is cut.
     stop_grace_s: float = Field(3.0, ge=0)
 
-    @field_validator("coordinator")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError(f"{value!r} is not an http(s) URL; e.g. http://127.0.0.1:8700")
-        return value.rstrip("/")
+
+#: The settings an invite fills, by field.
+INVITE_FIELDS = ("coordinator", "token", "manifest_key_fingerprint")
+
+
+def with_invites(
+    flags: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``flags`` (``None``: not given) with the invites expanded by the module's precedence:
+    the ``invite`` flag's fields under the explicit flags, ``SPARSELOCO_NODE_INVITE``'s under
+    the explicit environment variables. ``ConfigError`` for an invite that cannot be read."""
+    env = os.environ if environ is None else environ
+    given = {k: v for k, v in flags.items() if v is not None and k != "invite"}
+    sources = [(flags.get("invite"), False), (env.get(INVITE_ENV) or None, True)]
+    for text, from_env in sources:
+        if text is None:
+            continue
+        try:
+            invite = decode_invite(str(text))
+        except ConfigError as exc:
+            raise ConfigError(f"{INVITE_ENV if from_env else '--invite'}: {exc}") from None
+        values = dict(
+            zip(INVITE_FIELDS, (invite.coordinator, invite.token, invite.manifest_key), strict=True)
+        )
+        for name, value in values.items():
+            if name in given or (from_env and (ENV_PREFIX + name.upper()) in env):
+                continue
+            given[name] = value
+    return given
 
 
 def load_settings(**flags: Any) -> NodeSettings:
-    """Settings from flags (``None`` means not given) over the environment; ``ConfigError``."""
-    given = {k: v for k, v in flags.items() if v is not None}
+    """Settings from flags (``None`` means not given; ``invite`` expands) over the environment;
+    ``ConfigError`` naming the flag and its variable."""
+    return _load(NodeSettings, flags)
+
+
+def load_connection(**flags: Any) -> ConnectionSettings:
+    """What ``doctor`` and ``export`` need, by the same rules as ``load_settings``."""
+    return _load(ConnectionSettings, flags)
+
+
+def _load(cls: type[S], flags: Mapping[str, Any]) -> S:
+    given = with_invites(flags)
     try:
-        return NodeSettings(**given)
+        return cls(**given)
     except ValidationError as exc:
         raise config_error(exc, _flag_or_env) from exc
 
 
 def _flag_or_env(problem: Problem) -> str:
     """``--state-dir (or SPARSELOCO_NODE_STATE_DIR): <message>``."""
+    if not problem.loc:  # a check across fields names its flags itself
+        return problem.message
     name = "-".join(str(p) for p in problem.loc).replace("_", "-")
-    env = "SPARSELOCO_NODE_" + name.replace("-", "_").upper()
+    env = ENV_PREFIX + name.replace("-", "_").upper()
     return f"--{name} (or {env}): {problem.message}"

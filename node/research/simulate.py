@@ -189,7 +189,7 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
             )
             sent += len(data)
             payloads[f"w{w:03d}"] = read_payload(data, shapes, topk=cfg.topk, tile=cfg.tile)
-        apply_aggregate(theta, payloads, alpha=cfg.alpha, clip=cfg.clip)
+        apply_aggregate(theta, payloads, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
         sim.record(r + 1, train_loss)
     return {"bytes_sent_per_worker": sent / cfg.workers}
 

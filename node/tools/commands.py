@@ -5,9 +5,11 @@ machine or a private network: every port bound to one address (loopback by defau
 UI, WebDAV and telemetry off, the bucket created, credentials from the environment.
 
 ``doctor`` and ``export`` take the coordinator's URL and a node token the same way
-``sparseloco node`` does (``--coordinator`` or ``SPARSELOCO_NODE_COORDINATOR``, ``--token`` or,
-better, the environment variable ``SPARSELOCO_NODE_TOKEN``, where other users cannot read it
-from the process list).
+``sparseloco node`` does (``connection_flags``, read by ``node.daemon.settings.load_connection``):
+``--invite`` (or ``SPARSELOCO_NODE_INVITE``), or ``--coordinator`` and ``--token`` (better: the
+environment variable ``SPARSELOCO_NODE_TOKEN``, where other users cannot read it from the
+process list); ``--ca-cert`` for a coordinator whose certificate the system does not know, and
+``--allow-insecure-http`` for plain HTTP to another machine on a trusted network.
 """
 
 from __future__ import annotations
@@ -15,29 +17,58 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protocol.errors import ConfigError
 
+if TYPE_CHECKING:  # imported when a command runs: the parser stays light
+    from node.daemon.settings import ConnectionSettings
 
-def _coordinator_flags(p: argparse.ArgumentParser) -> None:
+
+def connection_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that say how to reach the coordinator and what to trust (node, doctor, export)."""
+    p.add_argument(
+        "--invite",
+        help="the invite from the run's operator: coordinator URL, token and manifest key"
+        " fingerprint in one string (better: SPARSELOCO_NODE_INVITE)",
+    )
     p.add_argument("--coordinator", help="coordinator URL (or SPARSELOCO_NODE_COORDINATOR)")
     p.add_argument("--token", help="a node token of the run (better: SPARSELOCO_NODE_TOKEN)")
+    p.add_argument(
+        "--manifest-key-fingerprint",
+        help="sha256:... of the run's manifest key, from the operator, when not using an invite"
+        " (or SPARSELOCO_NODE_MANIFEST_KEY_FINGERPRINT)",
+    )
+    p.add_argument(
+        "--ca-cert",
+        help="PEM file of the CA (or self-signed certificate) of the coordinator's TLS, added to"
+        " the system store (or SPARSELOCO_NODE_CA_CERT)",
+    )
+    p.add_argument(
+        "--allow-insecure-http",
+        action="store_true",
+        default=None,
+        help="allow plain http:// to another machine, on a network you trust"
+        " (or SPARSELOCO_NODE_ALLOW_INSECURE_HTTP=1); loopback never needs it",
+    )
 
 
-def _coordinator_of(args: argparse.Namespace) -> str:
-    url = args.coordinator or os.environ.get("SPARSELOCO_NODE_COORDINATOR")
-    if not url:
-        raise ConfigError(
-            "--coordinator is required (or SPARSELOCO_NODE_COORDINATOR); e.g."
-            " --coordinator https://coordinator.example:8700"
-        )
-    if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"--coordinator {url!r} is not an http(s) URL")
-    return str(url).rstrip("/")
+def connection_values(args: argparse.Namespace) -> dict[str, object]:
+    """The connection flags as ``load_settings``/``load_connection`` keywords (None: not given)."""
+    return {
+        "invite": args.invite,
+        "coordinator": args.coordinator,
+        "token": args.token,
+        "manifest_key_fingerprint": args.manifest_key_fingerprint,
+        "ca_cert": args.ca_cert,
+        "allow_insecure_http": args.allow_insecure_http,
+    }
 
 
-def _token_of(args: argparse.Namespace) -> str | None:
-    return args.token or os.environ.get("SPARSELOCO_NODE_TOKEN") or None
+def _connection(args: argparse.Namespace) -> ConnectionSettings:
+    from node.daemon.settings import load_connection
+
+    return load_connection(**connection_values(args))
 
 
 def add_doctor(sub: argparse._SubParsersAction) -> None:
@@ -48,17 +79,17 @@ def add_doctor(sub: argparse._SubParsersAction) -> None:
         " download through the store (with bandwidth), disk, memory, threads and GPU."
         " Exit status 1 if any check fails.",
     )
-    _coordinator_flags(p)
+    connection_flags(p)
     p.add_argument("--state-dir", help="the node's state folder, if it has one already")
     p.set_defaults(func=_cmd_doctor)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    coordinator = _coordinator_of(args)
+    connection = _connection(args)
     from node.tools.doctor import doctor
 
     state_dir = Path(args.state_dir) if args.state_dir else None
-    return doctor(coordinator, _token_of(args), state_dir)
+    return doctor(connection.coordinator, connection.token, state_dir, ca_cert=connection.ca_cert)
 
 
 def add_export(sub: argparse._SubParsersAction) -> None:
@@ -69,7 +100,7 @@ def add_export(sub: argparse._SubParsersAction) -> None:
         " its sha256, its shapes against the run's model and its fingerprint against the one"
         " the nodes agreed on, and writes OUT/model.safetensors and OUT/run.json.",
     )
-    _coordinator_flags(p)
+    connection_flags(p)
     p.add_argument("--out", required=True, help="folder for model.safetensors and run.json")
     p.set_defaults(func=_cmd_export)
 
@@ -77,13 +108,17 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     import asyncio
 
-    coordinator = _coordinator_of(args)
-    token = _token_of(args)
+    connection = _connection(args)
+    token = connection.token
     if token is None:
-        raise ConfigError("export needs a node token of the run: --token or SPARSELOCO_NODE_TOKEN")
+        raise ConfigError(
+            "export needs a node token of the run: --invite, --token or SPARSELOCO_NODE_TOKEN"
+        )
     from node.tools.export import export
 
-    done = asyncio.run(export(coordinator, token, Path(args.out)))
+    done = asyncio.run(
+        export(connection.coordinator, token, Path(args.out), ca_cert=connection.ca_cert)
+    )
     info = done.info
     print(
         f"exported θ at the start of round {info.round} (fingerprint {info.fingerprint},"

@@ -32,6 +32,7 @@ import aiohttp
 
 from node.daemon.client import CoordinatorClient
 from node.daemon.retry import RetryPolicy
+from node.daemon.tls import CERTIFICATE_FIX, certificate_reason, connector
 from node.daemon.transfer import HttpTransfers, TransferTimeouts
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
 from protocol.errors import SparseLoCoError
@@ -68,10 +69,18 @@ def _bytes(n: float) -> str:
 class Doctor:
     """Runs the checks against one coordinator, as one token holder."""
 
-    def __init__(self, coordinator: str, token: str | None, state_dir: Path | None) -> None:
+    def __init__(
+        self,
+        coordinator: str,
+        token: str | None,
+        state_dir: Path | None,
+        *,
+        ca_cert: Path | None = None,
+    ) -> None:
         self.coordinator = coordinator
         self.token = token
         self.state_dir = state_dir
+        self.ca_cert = ca_cert
         self.checks: list[Check] = []
         self.status: StatusView | None = None
 
@@ -83,7 +92,7 @@ class Doctor:
         return any(c.level == "FAIL" for c in self.checks)
 
     async def run(self) -> list[Check]:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(connector=connector(self.ca_cert)) as http:
             api = CoordinatorClient(http, self.coordinator, self.token or "-", policy=DOCTOR_POLICY)
             await self._coordinator(http, api)
             if self.status is not None:
@@ -102,6 +111,12 @@ class Doctor:
                 if resp.status != 200:
                     raise TransferError(f"HTTP {resp.status}", resp.status)
             self.status = StatusView.model_validate_json(raw)
+        except aiohttp.ClientConnectorCertificateError as exc:
+            reason = certificate_reason(exc)
+            self.add(
+                "coordinator", "FAIL", f"TLS certificate not trusted ({reason})", CERTIFICATE_FIX
+            )
+            return
         except (aiohttp.ClientError, TimeoutError, TransferError, ValueError) as exc:
             self.add(
                 "coordinator",
@@ -288,9 +303,11 @@ def report(checks: list[Check], write: Callable[[str], None] = print) -> None:
             write(f"      {'':<{width}}  fix: {c.fix}")
 
 
-def doctor(coordinator: str, token: str | None, state_dir: Path | None) -> int:
-    """Run every check, print them; 1 if any failed, else 0."""
-    d = Doctor(coordinator.rstrip("/"), token, state_dir)
+def doctor(
+    coordinator: str, token: str | None, state_dir: Path | None, *, ca_cert: Path | None = None
+) -> int:
+    """Run every check, print them; 1 if any failed, else 0 (``ca_cert``: an extra CA file)."""
+    d = Doctor(coordinator.rstrip("/"), token, state_dir, ca_cert=ca_cert)
     checks = asyncio.run(d.run())
     report(checks)
     failed = [c.name for c in checks if c.level == "FAIL"]

@@ -26,6 +26,7 @@ import aiohttp
 
 from node.daemon.client import CoordinatorClient
 from node.daemon.retry import RetryPolicy
+from node.daemon.tls import connector
 from node.daemon.transfer import HttpTransfers
 from node.errors import CheckpointError, CoordinatorError, Refused
 from protocol.messages import CheckpointInfo, StatusView
@@ -83,10 +84,13 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
-async def export(coordinator: str, token: str, out: Path) -> Exported:
-    """Fetch, verify and write the newest checkpoint; ``Refused`` if there is none or the
-    token is refused, ``CheckpointError``/``DigestError`` if it does not check out."""
-    async with aiohttp.ClientSession() as http:
+async def export(
+    coordinator: str, token: str, out: Path, *, ca_cert: Path | None = None
+) -> Exported:
+    """Fetch, verify and write the newest checkpoint; ``Refused`` if there is none, the token
+    is refused or the TLS certificate is not trusted (``ca_cert`` adds a CA,
+    ``node.daemon.tls``), ``CheckpointError``/``DigestError`` if it does not check out."""
+    async with aiohttp.ClientSession(connector=connector(ca_cert)) as http:
         api = CoordinatorClient(http, coordinator, token, policy=TOOL_POLICY)
         status: StatusView = await api.status(rounds=1)
         try:

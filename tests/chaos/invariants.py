@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
 
 from protocol.errors import ManifestError
 from protocol.keys import checkpoint_key, latest_checkpoint_key, run_prefix
@@ -56,6 +59,10 @@ class Failure:
         return f"[{self.invariant}] {where}: {self.detail}"
 
 
+#: How long a read waits for a store that answers 500 or drops connections.
+STORE_SETTLE_S = 60.0
+
+
 class Bucket:
     """Read access to the run's objects (boto3 client; ``None`` for a missing key)."""
 
@@ -64,10 +71,23 @@ class Bucket:
         self.bucket = bucket
 
     def get(self, key: str) -> bytes | None:
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-        except self.client.exceptions.NoSuchKey:
-            return None
+        """The object, or None if there is none. A store that has just restarted answers 500
+        or drops connections for a moment: the checker waits that out (``STORE_SETTLE_S``)
+        rather than report the store's restart as the run's failure."""
+        deadline = time.monotonic() + STORE_SETTLE_S
+        while True:
+            try:
+                return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            except self.client.exceptions.NoSuchKey:
+                return None
+            except (ClientError, BotoCoreError) as exc:
+                status = getattr(exc, "response", {}).get("ResponseMetadata", {})
+                transient = (
+                    not isinstance(exc, ClientError) or status.get("HTTPStatusCode", 0) >= 500
+                )
+                if not transient or time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
 
     def keys(self, prefix: str) -> list[str]:
         out: list[str] = []

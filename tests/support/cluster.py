@@ -70,8 +70,16 @@ class Cluster:
         if self.coordinator is not None:
             self.coordinator.kill()
 
-    def start_node(self, name: str, faults: str | None = None) -> Process:
-        """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS``."""
+    def start_node(
+        self, name: str, faults: str | None = None, attack: str | None = None
+    ) -> Process:
+        """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS``, ``attack`` its
+        ``SPARSELOCO_ATTACK`` (``node.daemon.attacks``: a hostile node)."""
+        env = {}
+        if faults:
+            env["SPARSELOCO_FAULTS"] = faults
+        if attack:
+            env["SPARSELOCO_ATTACK"] = attack
         proc = start_node(
             name,
             self.url,
@@ -79,7 +87,7 @@ class Cluster:
             self.root / "nodes" / name,
             self.root / "logs" / f"{name}.log",
             None,
-            {"SPARSELOCO_FAULTS": faults} if faults else None,
+            env or None,
         )
         self.nodes[name] = proc
         return proc

@@ -79,6 +79,7 @@ class Harness:
         """A daemon for ``node_id``; ``settings`` override its ``NodeSettings``."""
         values: dict[str, Any] = {
             "coordinator": "http://coordinator.invalid",
+            "allow_insecure_http": True,  # a placeholder: the fakes never dial it
             "token": "unit-test-token-" + node_id,
             "state_dir": self.state_dir(node_id),
             "threads": 1,

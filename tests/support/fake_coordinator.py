@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 from coordinator.checkpoints import CheckpointBook
@@ -77,6 +78,12 @@ class FakeCoordinator:
         self.revoked: set[str] = set()
         #: Joins still to refuse with 409 token_in_use, by node.
         self.in_use: dict[str, int] = {}
+        #: A manifest key (hex) joins hand out instead of the signer's: a man in the middle
+        #: swapping the trust anchor. None: the real one.
+        self.join_key: str | None = None
+        #: Rewrites every closed round's signed manifest on its way to the nodes (a man in the
+        #: middle forging gather sets). None: manifests pass as signed.
+        self.forge: Callable[[SignedManifest], SignedManifest] | None = None
 
     def outage(self) -> None:
         """The coordinator stops answering until ``restore``."""
@@ -158,7 +165,7 @@ class FakeApi:
             run_id=m.run_id,
             run=self.c.run,
             slot=slot,
-            manifest_public_key=self.c.public_key,
+            manifest_public_key=self.c.join_key or self.c.public_key,
             heartbeat_interval_s=self.c.run.timing.heartbeat_timeout_s / 4,
             round=m.round_view(self.node_id),
         )
@@ -223,6 +230,8 @@ class FakeApi:
             raise _refusal(exc) from exc
         if signed is None:
             return m.round_view(self.node_id)
+        if self.c.forge is not None:
+            signed = self.c.forge(signed)
         urls = {e.node_id: self.c.store.presign_get(e.key) for e in signed.manifest.gather}
         return ManifestView(signed=signed, urls=urls)
 
@@ -258,9 +267,9 @@ class FakeApi:
             raise _refusal(exc) from exc
         return info
 
-    async def latest_checkpoint(self) -> CheckpointView | None:
+    async def checkpoints(self) -> list[CheckpointView]:
         await self._reach()
-        info = self.c.book.latest()
-        if info is None:
-            return None
-        return CheckpointView(info=info, url=self.c.store.presign_get(info.key))
+        return [
+            CheckpointView(info=info, url=self.c.store.presign_get(info.key))
+            for info in self.c.book.listed()
+        ]

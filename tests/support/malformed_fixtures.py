@@ -35,7 +35,7 @@ def small_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
 ENCODED, _ = encode(small_inputs(), topk=TOPK, tile=TILE, run_id="run", round=1, node_id="n")
 BODY: dict[str, Any] = ref.split_payload(ENCODED)[2]
 # A compressible payload (constant input: zero gaps, equal codes) to exercise the zstd path.
-ZMODEL = {"z": (64, 64)}
+ZMODEL: dict[str, tuple[int, ...]] = {"z": (64, 64)}
 ZSTD_SMALL, _ = encode({"z": torch.ones(64, 64)}, topk=8, tile=16)
 BIG_MODEL = {"w": (256, 512), "v": (512,)}
 BIG, _ = encode(
