@@ -9,11 +9,15 @@ Modules, one concept each (it never imports ``node``: the project's layering rul
     schema.py       the SQLite tables and how the database file is opened (WAL)
     rows.py         the database's rows as frozen values
     db.py           typed reads and writes of the database, the single source of truth
+    checkpoint_rows.py  the checkpoint tables' part of it (grants, committed checkpoints)
+    durability.py   group commit: answers wait for their commits to be on disk, one fsync for
+                    many, off the event loop
     membership.py   members: join, heartbeat, leave, timeouts, revocation, the end of the run,
                     last heartbeat times, the process each active member is bound to
     tokens.py       node tokens: sha256 digests in the database, seeding rule, checked on every
                     request, reloaded when the operator changes them
     machine.py      the round state machine over the database (synchronous, injected clock)
+    progress.py     the open round's submitters and missing members in memory (the close check)
     votes.py        the nodes' reports of closed rounds: only a round's participants vote
     status.py       the run's status view for dashboards (reads only)
     checkpoints.py  who uploads θ_R as a checkpoint (members only), and when it is committed

@@ -26,8 +26,9 @@ from aiohttp import web
 from coordinator.checkpoints import CheckpointBook
 from coordinator.config import CoordinatorConfig
 from coordinator.db import Database
+from coordinator.durability import GroupSync
 from coordinator.handlers import HANDLERS
-from coordinator.handling import TOKENS, error_middleware, known_query
+from coordinator.handling import TOKENS, durable_answers, error_middleware, known_query
 from coordinator.limits import LIMITS, Limits
 from coordinator.machine import RoundMachine
 from coordinator.metrics import CoordinatorMetrics, totals
@@ -45,6 +46,10 @@ log = logging.getLogger("sparseloco.coordinator.app")
 
 #: Seconds between ticks (member timeouts, waiting rounds opening, deadlines).
 TICK_S = 0.25
+#: The loop watch: a timer every LAG_PROBE_S; a window's worst delay is logged past LAG_LOG_S.
+LAG_PROBE_S = 0.05
+LAG_WINDOW_S = 10.0
+LAG_LOG_S = 0.05
 #: How a round number in a path is matched: digits only, so a bad one is a plain 404.
 ROUND_PATTERN = r"{round:\d{1,18}}"
 
@@ -55,23 +60,45 @@ async def _ticker(coord: Coordinator) -> None:
         try:
             coord.apply_token_changes()
             coord.after_close(coord.machine.tick())
+            coord.wake_opened()
         except Exception:  # one bad tick must not stop timeouts and deadlines for good
             log.exception("event=tick_failed")
 
 
+async def _loop_watch() -> None:
+    """Log how late the event loop ran a timer when it was late by more than ``LAG_LOG_S``
+    (at most once per ``LAG_WINDOW_S``): work that holds the loop delays every answer."""
+    worst, since = 0.0, time.monotonic()
+    while True:
+        start = time.monotonic()
+        await asyncio.sleep(LAG_PROBE_S)
+        now = time.monotonic()
+        worst = max(worst, now - start - LAG_PROBE_S)
+        if now - since >= LAG_WINDOW_S:
+            if worst >= LAG_LOG_S:
+                log.warning("event=loop_lag max_ms=%.0f window_s=%.0f", 1000 * worst, now - since)
+            worst, since = 0.0, now
+
+
 async def _background(app: web.Application) -> AsyncIterator[None]:
     coord = app[COORDINATOR]
+    watch = asyncio.create_task(_loop_watch(), name="loop_watch")
     ticker = asyncio.create_task(_ticker(coord), name="ticker")
     publisher = asyncio.create_task(coord.publisher.run(), name="publisher")
     retention = asyncio.create_task(coord.retention.run_forever(), name="retention")
     yield
-    for task in (ticker, publisher, retention):
+    for task in (ticker, publisher, retention, watch):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    close = getattr(coord.store, "close", None)  # an S3Store's HTTP session
+    if close is not None:
+        await close()
     try:
         coord.tokens.flush_used(force=True)
     finally:
+        if coord.sync is not None:
+            coord.sync.close()
         coord.machine.db.close()
     log.info("event=background_stopped")
 
@@ -114,18 +141,21 @@ def create_app(
     *,
     store: ObjectStore | None = None,
     clock: Callable[[], float] = time.time,
+    group_commit: bool = True,
 ) -> web.Application:
     """Open (or create) the state in ``config.server.state_dir`` and build the app.
 
     ``store`` defaults to the S3 store of ``config.storage``. Raises ``ConfigError`` if the state
-    directory belongs to another run.
+    directory belongs to another run. With ``group_commit`` (the default) commits are synced
+    in groups off the event loop and every answer waits for its state to be on disk
+    (``coordinator.durability``); without it every commit syncs itself.
     """
     state_dir = config.server.state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
     storage = config.storage
     if store is None:
         store = s3_store(config)
-    db = Database(state_dir / DB_FILE)
+    db = Database(state_dir / DB_FILE, durable=not group_commit)
     signer = ManifestSigner.load_or_create(state_dir)
     try:
         machine = RoundMachine(db, config.run, signer, prefix=storage.prefix, clock=clock)
@@ -146,6 +176,7 @@ def create_app(
             grant_s=config.server.presign_expiry_s,
             max_bytes=storage.max_checkpoint_bytes,
             clock=clock,
+            votes=machine.votes,
         ),
         store=store,
         signer=signer,
@@ -163,9 +194,11 @@ def create_app(
         ),
         tokens=tokens,
         verifier=CheckpointVerifier(store),
+        sync=GroupSync(db) if group_commit else None,
     )
     app = web.Application(
-        middlewares=[error_middleware], client_max_size=config.server.max_body_bytes
+        middlewares=[durable_answers, error_middleware],
+        client_max_size=config.server.max_body_bytes,
     )
     app[COORDINATOR] = coord
     app[TOKENS] = coord.tokens
@@ -174,7 +207,9 @@ def create_app(
         handler = HANDLERS[ep.name]
         if ep.path.startswith("/v1/"):  # the API; not the page, its files or the metrics
             handler = known_query(ep, handler)
-        app.router.add_route(ep.method, ep.path.replace(ROUND, ROUND_PATTERN), handler)
+        app.router.add_route(
+            ep.method, ep.path.replace(ROUND, ROUND_PATTERN), handler, name=ep.name
+        )
     app.on_shutdown.append(_release_waiters)
     app.cleanup_ctx.append(_background)
     return app

@@ -58,6 +58,7 @@ class CheckpointBook:
         grant_s: float,
         max_bytes: int,
         clock: Callable[[], float] = time.time,
+        votes: Votes | None = None,
     ) -> None:
         self.db = db
         self.run = run
@@ -66,7 +67,8 @@ class CheckpointBook:
         self.grant_s = grant_s
         self.max_bytes = max_bytes
         self.clock = clock
-        self.votes = Votes(db)
+        #: The round machine's votes (shared, so reports recorded there count here at once).
+        self.votes = votes if votes is not None else Votes(db)
 
     def key(self, round_: int) -> str:
         return checkpoint_key(self.prefix, self.run.run_id, round_)

@@ -7,26 +7,30 @@ is one transaction committed before the HTTP response goes out, so a restart (or
 loses an answer a node has already seen. Heartbeat times are not stored: after a restart every
 active member is given a fresh heartbeat window anyway.
 
-The database is the single source of truth; the round machine queries it for every decision.
-This module is its typed reads and writes, returning the frozen row types of
-``coordinator.rows``; the tables themselves and how the file is opened are
-``coordinator.schema``. The node tokens' table is read and written
-by ``coordinator.tokens`` through ``execute``, so the secrets' handling stays in one module; the
-counters' totals at start are summed by ``coordinator.metrics`` the same way.
+The database is the single source of truth. The round machine and its helpers keep small
+in-memory views of it (members, the open round's submitters, vote tallies) so that one request
+costs O(1) reads, not a scan of the round; they register ``on_rollback`` to drop those views
+when a transaction fails. This module is its typed reads and writes, returning the frozen row
+types of ``coordinator.rows``; the tables themselves and how the file is opened are
+``coordinator.schema``; the checkpoint tables' part is ``coordinator.checkpoint_rows``. The
+node tokens' table is read and written by ``coordinator.tokens`` through ``execute``, so the
+secrets' handling stays in one module; the counters' totals at start are summed by
+``coordinator.metrics`` the same way.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from coordinator.checkpoint_rows import CheckpointTables
 from coordinator.rows import CheckpointRow, GrantRow, MemberRow, RoundRow, SubmissionRow
 from coordinator.schema import connect
-from protocol.messages import CheckpointInfo, CheckpointUpload, Exclusion, MemberState, RoundState
+from protocol.messages import Exclusion, MemberState, RoundState
 
 __all__ = ["CheckpointRow", "Database", "GrantRow", "MemberRow", "RoundRow", "SubmissionRow"]
 
@@ -35,13 +39,26 @@ __all__ = ["CheckpointRow", "Database", "GrantRow", "MemberRow", "RoundRow", "Su
 DELETED = "deleted."
 
 
-class Database:
-    """Typed queries over the coordinator's SQLite file. Not shared across threads."""
+class Database(CheckpointTables):
+    """Typed queries over the coordinator's SQLite file. Not shared across threads.
 
-    def __init__(self, path: Path) -> None:
+    ``durable=False`` commits without waiting for the disk (SQLite's ``synchronous=NORMAL``): the
+    running server then makes every commit durable itself before it answers, many commits with
+    one fsync off the event loop (``coordinator.durability``). Every other user (the token
+    commands, tests) keeps the default, a full sync inside every commit.
+    """
+
+    def __init__(self, path: Path, *, durable: bool = True) -> None:
         self.path = path
-        self._conn = connect(path)
+        self._conn = connect(path, synchronous="FULL" if durable else "NORMAL")
         self._depth = 0
+        #: Called after a rollback, so in-memory views of the tables can be rebuilt.
+        self.on_rollback: list[Callable[[], None]] = []
+
+    @property
+    def changes(self) -> int:
+        """Rows changed through this connection so far (what a durability barrier waits for)."""
+        return self._conn.total_changes
 
     def close(self) -> None:
         self._conn.close()
@@ -66,6 +83,8 @@ class Database:
             yield
         except BaseException:
             self._conn.execute("ROLLBACK")
+            for hook in self.on_rollback:
+                hook()
             raise
         else:
             self._conn.execute("COMMIT")
@@ -151,6 +170,11 @@ class Database:
             ).fetchone()
         )
 
+    def round_state(self, round_: int) -> RoundState | None:
+        """The state of ``round_`` (``None`` if there is no such round), without its manifest."""
+        row = self._conn.execute("SELECT state FROM rounds WHERE round=?", (round_,)).fetchone()
+        return None if row is None else RoundState(row[0])
+
     def recent_rounds(self, n: int) -> list[RoundRow]:
         rows = self._conn.execute(
             f"SELECT {self._ROUND_COLS} FROM rounds ORDER BY round DESC LIMIT ?", (n,)
@@ -208,8 +232,9 @@ class Database:
         return cur.rowcount == 1
 
     def unpublished(self) -> list[tuple[int, str]]:
+        # published=0 first: the partial index rounds_unpublished (coordinator.schema.INDEXES).
         rows = self._conn.execute(
-            "SELECT round, signed_manifest FROM rounds WHERE state=? AND published=0"
+            "SELECT round, signed_manifest FROM rounds WHERE published=0 AND state=?"
             " ORDER BY round",
             (RoundState.CLOSED.value,),
         ).fetchall()
@@ -219,28 +244,35 @@ class Database:
         self._conn.execute("UPDATE rounds SET published=1 WHERE round=?", (round_,))
 
     # submissions
+    _SUBMISSION_COLS = "round, node_id, seq, size, sha256, base_fingerprint, rejected, at"
+
+    @staticmethod
+    def _submission(r: Any) -> SubmissionRow:
+        return SubmissionRow(
+            round=r[0],
+            node_id=r[1],
+            seq=r[2],
+            size=r[3],
+            sha256=r[4],
+            base_fingerprint=r[5],
+            rejected=None if r[6] is None else Exclusion(r[6]),
+            at=r[7],
+        )
+
     def submissions(self, round_: int) -> list[SubmissionRow]:
         rows = self._conn.execute(
-            "SELECT round, node_id, seq, size, sha256, base_fingerprint, rejected, at"
-            " FROM submissions WHERE round=? ORDER BY seq",
+            f"SELECT {self._SUBMISSION_COLS} FROM submissions WHERE round=? ORDER BY seq",
             (round_,),
         )
-        return [
-            SubmissionRow(
-                round=r[0],
-                node_id=r[1],
-                seq=r[2],
-                size=r[3],
-                sha256=r[4],
-                base_fingerprint=r[5],
-                rejected=None if r[6] is None else Exclusion(r[6]),
-                at=r[7],
-            )
-            for r in rows
-        ]
+        return [self._submission(r) for r in rows]
 
     def submission(self, round_: int, node_id: str) -> SubmissionRow | None:
-        return next((s for s in self.submissions(round_) if s.node_id == node_id), None)
+        """One node's submission to a round: one lookup in the primary key."""
+        row = self._conn.execute(
+            f"SELECT {self._SUBMISSION_COLS} FROM submissions WHERE round=? AND node_id=?",
+            (round_, node_id),
+        ).fetchone()
+        return None if row is None else self._submission(row)
 
     def add_submission(
         self,
@@ -252,8 +284,10 @@ class Database:
         rejected: Exclusion | None,
         at: float | None = None,
     ) -> int:
+        # Sequence numbers are 0, 1, 2... per round: the next is the largest plus one, read from
+        # the end of the (round, seq) index instead of counting the round's rows.
         (seq,) = self._conn.execute(
-            "SELECT COUNT(*) FROM submissions WHERE round=?", (round_,)
+            "SELECT COALESCE(MAX(seq) + 1, 0) FROM submissions WHERE round=?", (round_,)
         ).fetchone()
         self._conn.execute(
             "INSERT INTO submissions(round, node_id, seq, size, sha256, base_fingerprint,"
@@ -278,12 +312,6 @@ class Database:
         )
         return {str(r[0]) for r in rows}
 
-    def count_submissions(self, round_: int) -> int:
-        (n,) = self._conn.execute(
-            "SELECT COUNT(*) FROM submissions WHERE round=?", (round_,)
-        ).fetchone()
-        return int(n)
-
     # reports
     def record_report(self, round_: int, node_id: str, fingerprint: str, report_json: str) -> bool:
         """Record a node's report of a round; its first report stays. True if this was it.
@@ -306,72 +334,19 @@ class Database:
         )
         return {str(r[0]): str(r[1]) for r in rows}
 
+    def count_reports(self, round_: int) -> int:
+        """How many reports of ``round_`` are stored (anyone's)."""
+        (n,) = self._conn.execute(
+            "SELECT COUNT(*) FROM reports WHERE round=?", (round_,)
+        ).fetchone()
+        return int(n)
+
     def reports(self, round_: int) -> dict[str, dict[str, object]]:
         """Node id -> its stored report of ``round_`` as parsed JSON (the caller validates it)."""
         rows = self._conn.execute(
             "SELECT node_id, report FROM reports WHERE round=? ORDER BY node_id", (round_,)
         )
         return {str(r[0]): json.loads(r[1]) for r in rows}
-
-    # checkpoints
-    def grant(self, round_: int) -> GrantRow | None:
-        row = self._conn.execute(
-            "SELECT node_id, body, expires_at FROM checkpoint_grants WHERE round=?", (round_,)
-        ).fetchone()
-        if row is None:
-            return None
-        return GrantRow(round_, row[0], CheckpointUpload.model_validate_json(row[1]), row[2])
-
-    def drop_grant(self, round_: int) -> None:
-        """Forget the upload grant of ``round_`` (its file failed verification)."""
-        self._conn.execute("DELETE FROM checkpoint_grants WHERE round=?", (round_,))
-
-    def put_grant(
-        self, round_: int, node_id: str, body: CheckpointUpload, expires_at: float
-    ) -> None:
-        self._conn.execute(
-            "INSERT OR REPLACE INTO checkpoint_grants(round, node_id, body, expires_at)"
-            " VALUES(?,?,?,?)",
-            (round_, node_id, body.model_dump_json(), expires_at),
-        )
-
-    def add_checkpoint(self, info: CheckpointInfo) -> None:
-        """Record a checkpoint whose file the coordinator verified."""
-        self._conn.execute(
-            "INSERT INTO checkpoints(round, info, verified) VALUES(?, ?, 1)",
-            (info.round, info.model_dump_json()),
-        )
-
-    def checkpoints(self) -> list[CheckpointRow]:
-        """Every committed checkpoint, newest first."""
-        rows = self._conn.execute(
-            "SELECT info, published, pruned, verified FROM checkpoints ORDER BY round DESC"
-        )
-        return [
-            CheckpointRow(
-                CheckpointInfo.model_validate_json(r[0]), bool(r[1]), bool(r[2]), bool(r[3])
-            )
-            for r in rows
-        ]
-
-    def checkpoint(self, round_: int) -> CheckpointInfo | None:
-        row = self._conn.execute("SELECT info FROM checkpoints WHERE round=?", (round_,)).fetchone()
-        return None if row is None else CheckpointInfo.model_validate_json(row[0])
-
-    def newest_checkpoint(self) -> CheckpointInfo | None:
-        row = self._conn.execute(
-            "SELECT info FROM checkpoints ORDER BY round DESC LIMIT 1"
-        ).fetchone()
-        return None if row is None else CheckpointInfo.model_validate_json(row[0])
-
-    def mark_checkpoint(
-        self, round_: int, *, published: bool = False, pruned: bool = False
-    ) -> None:
-        """Set the ``published`` and/or ``pruned`` flag of a committed checkpoint."""
-        if published:
-            self._conn.execute("UPDATE checkpoints SET published=1 WHERE round=?", (round_,))
-        if pruned:
-            self._conn.execute("UPDATE checkpoints SET pruned=1 WHERE round=?", (round_,))
 
     # retention's counts
     def add_deleted(self, kind: str, n: int) -> None:

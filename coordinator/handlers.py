@@ -43,10 +43,10 @@ from protocol.messages import (
     CheckpointView,
     JoinRequest,
     JoinResponse,
-    ManifestView,
     ProbeGrant,
     ProbeRequest,
     RoundReport,
+    RoundState,
     SubmitRequest,
     UploadGrant,
     UploadRequest,
@@ -90,6 +90,7 @@ async def join(request: web.Request) -> web.Response:
     req = await read_body(request, JoinRequest)
     instance = req.instance or instance_of(request)
     slot = coord.machine.join(node_id, req.client, instance, req.previous_instance)
+    coord.wake_opened()
     timing = coord.config.run.timing
     return ok(
         JoinResponse(
@@ -115,7 +116,16 @@ async def leave(request: web.Request) -> web.Response:
 
 
 async def current_round(request: web.Request) -> web.Response:
-    return ok(request.app[COORDINATOR].machine.round_view(node_of(request)))
+    """The round as the caller sees it; with ``wait``, a round still waiting for members is
+    long-polled until it opens (at most ``manifest_wait_max_s``), so nodes need not poll."""
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    wait = query_value(request, "wait", ROUTES["round"].query["wait"], 0.0)
+    view = coord.machine.round_view(node_id)
+    if view.state == RoundState.WAITING and wait > 0:
+        await coord.wait_opened(view.round, min(wait, coord.config.server.manifest_wait_max_s))
+        view = coord.machine.round_view(node_id)
+    return ok(view)
 
 
 async def upload(request: web.Request) -> web.Response:
@@ -153,14 +163,13 @@ async def manifest(request: web.Request) -> web.Response:
     server = coord.config.server
     wait = query_value(request, "wait", ROUTES["manifest"].query["wait"], 0.0)
     wait = min(wait, server.manifest_wait_max_s)
-    signed = coord.machine.manifest(round_)
-    if signed is None:
+    body = coord.manifest_body(round_)
+    if body is None:
         await coord.wait_closed(round_, wait)
-        signed = coord.machine.manifest(round_)
-    if signed is None:
+        body = coord.manifest_body(round_)
+    if body is None:
         return ok(coord.machine.round_view(node_id), status=202)
-    urls = {e.node_id: coord.store.presign_get(e.key) for e in signed.manifest.gather}
-    return ok(ManifestView(signed=signed, urls=urls))
+    return web.Response(body=body, content_type="application/json")
 
 
 async def report(request: web.Request) -> web.Response:

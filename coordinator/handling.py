@@ -102,6 +102,33 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error(exc.status, code, exc.reason)
 
 
+#: Endpoints that write nothing to the database (a heartbeat is a dictionary write, an upload
+#: grant a signature): their answers never wait for the disk, so they never queue behind a
+#: burst of commits. What they show may be committed and not yet synced; a node acts on its
+#: own requests' answers, which do wait, and a machine crash in those milliseconds looks to it
+#: like a coordinator restart.
+READ_ONLY = frozenset(
+    {"heartbeat", "round", "upload", "status", "openapi", "metrics", "checkpoint_latest"}
+    | {"checkpoints", "dashboard", "dashboard_script", "dashboard_style"}
+)
+
+
+@web.middleware
+async def durable_answers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """No answer leaves before the state it reflects is on disk (``Coordinator.durable``):
+    outermost, so error answers wait too; ``READ_ONLY`` endpoints excepted."""
+    if request.match_info.route.name in READ_ONLY:
+        return await handler(request)
+    coord = request.app[COORDINATOR]
+    try:
+        response = await handler(request)
+    except Exception:
+        await coord.durable()
+        raise
+    await coord.durable()
+    return response
+
+
 def node_of(request: web.Request, *, bound: bool = True) -> str:
     """The node id of the request's bearer token (401 without a valid one), once the request's
     process may speak for it (409 ``token_in_use`` while another live process holds it).

@@ -19,6 +19,7 @@ Who may vote on θ after a round is ``coordinator.votes``: only the round's part
 round waits for: its expected members less those silent for ``timing.silent_rounds``
 rounds in a row (``rounds.waited_set``); how long the next round may take is learnt from when
 each round's last valid submission arrived (``rounds.settled_at``).
+The close check is incremental (``coordinator.progress``): O(N) per round, not O(N²).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from coordinator import rounds
 from coordinator.db import Database, RoundRow, SubmissionRow
 from coordinator.errors import Conflict, UnknownRound
 from coordinator.membership import Membership
+from coordinator.progress import RoundProgress
 from coordinator.signing import ManifestSigner
 from coordinator.votes import Votes
 from protocol.errors import ConfigError
@@ -75,6 +77,9 @@ class RoundMachine:
         self.members = Membership(
             db, heartbeat_timeout_s=run.timing.heartbeat_timeout_s, now=clock()
         )
+        self.progress = RoundProgress(
+            db, self.waited, lambda: self.members.version, self.members.is_expected, run.timing
+        )
         cur = self._current()
         if cur.state == RoundState.CLOSED:
             # A database written before members finished with the run may still list them as
@@ -112,6 +117,11 @@ class RoundMachine:
         cur = self._current()
         return rounds.in_progress(cur.round, cur.state, self.run.rounds)[0]
 
+    def round_view_state(self) -> RoundState:
+        """The state of the round in progress (``finished`` once the run is over)."""
+        cur = self._current()
+        return rounds.in_progress(cur.round, cur.state, self.run.rounds)[1]
+
     def round_view(self, node_id: str) -> RoundView:
         """The current round as ``node_id`` sees it."""
         cur = self._current()
@@ -133,7 +143,7 @@ class RoundMachine:
             round=cur.round,
             state=cur.state,
             expected=expected,
-            submitted=self.db.submission(cur.round, node_id) is not None,
+            submitted=node_id in self.progress.submitted(cur.round),
             deadline_in_s=deadline_in_s,
             last_closed=cur.round - 1,
         )
@@ -158,7 +168,7 @@ class RoundMachine:
             if finished:
                 joined = self.run.rounds
             else:
-                has_subs = self.db.count_submissions(cur.round) > 0
+                has_subs = bool(self.progress.submitted(cur.round))
                 joined = rounds.joined_round_for(cur.state, cur.round, has_subs)
             slot = self.members.join(
                 node_id,
@@ -207,6 +217,7 @@ class RoundMachine:
         if round_ > cur.round or (cur.state == RoundState.CLOSED and round_ >= self.run.rounds):
             raise UnknownRound(round_)
         if round_ < cur.round or cur.state != RoundState.OPEN:
+            self.progress.note_late(round_, node_id)
             raise Conflict("round_closed", f"round {round_} is not open for submissions")
         if not self.members.is_expected(node_id, round_):
             raise Conflict("not_expected", f"{node_id} is not expected in round {round_}")
@@ -259,6 +270,7 @@ class RoundMachine:
             seq = self.db.add_submission(
                 round_, node_id, req.size, req.sha256, req.base_fingerprint, rejected, self.clock()
             )
+        self.progress.add(round_, node_id)
         log.info(
             "event=submitted round=%d node=%s seq=%d rejected=%s",
             round_,
@@ -284,15 +296,12 @@ class RoundMachine:
 
     def _maybe_close(self, now: float) -> list[SignedManifest]:
         closed: list[SignedManifest] = []
-        # Closing creates the next round, which cannot be closable at once (its expected
-        # members have not submitted yet); the bound only guards against a logic error.
-        for _ in range(2):
+        for _ in range(2):  # a new round is never closable at once: the bound guards a bug
             cur = self._current()
             if cur.state != RoundState.OPEN or cur.deadline is None:
                 break
-            submitted = [s.node_id for s in self.db.submissions(cur.round)]
-            if not rounds.should_close(self.waited(cur.round), submitted, now, cur.deadline):
-                break
+            if now < cur.deadline and not self.progress.may_close(cur, now):
+                break  # early only when everyone waited for is in (coordinator.progress)
             closed.append(self.close(cur.round, now))
         return closed
 

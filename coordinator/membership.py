@@ -18,11 +18,18 @@ client older than the binding) is not checked.
 Kept apart from the round machine because it owns the one piece of state that is not in the
 database: the last heartbeat of every active member. That is deliberately not persisted: after a
 restart every active member gets a fresh window, so nobody times out because the coordinator was
-down. Writes run inside the caller's transaction when there is one (``Database.tx`` nests).
+down; a heartbeat is a dictionary write, never a database write. Writes run inside the caller's
+transaction when there is one (``Database.tx`` nests).
+
+Every request asks about members (is it expected, which process holds it), so the members table
+is mirrored in memory: loaded at start, updated with every write made here (all of them are),
+reloaded after a rollback. ``version`` moves with every change, so the round machine knows when
+the set a round waits for must be worked out again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from coordinator import rounds
@@ -39,21 +46,44 @@ class Membership:
     def __init__(self, db: Database, *, heartbeat_timeout_s: float, now: float) -> None:
         self.db = db
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        #: The members table, by node id, in slot order.
+        self._rows: dict[str, MemberRow] = {}
+        #: Moves with every change of a member (the round machine's cache key).
+        self.version = 0
+        self._load()
+        db.on_rollback.append(self._load)
         #: node id -> time of its last heartbeat (or join, or the coordinator's start).
         self.last_seen: dict[str, float] = {
-            m.node_id: now for m in db.members() if m.state == MemberState.ACTIVE
+            m.node_id: now for m in self._rows.values() if m.state == MemberState.ACTIVE
         }
+
+    def _load(self) -> None:
+        """(Re)read the members table: at start, and after a rollback undid a write."""
+        self._rows = {m.node_id: m for m in self.db.members()}
+        self.version += 1
+
+    def _set(self, node_id: str, state: MemberState, joined: int, gone: int | None) -> None:
+        self.db.set_member(node_id, state, joined, gone)
+        row = self._rows[node_id]
+        self._rows[node_id] = dataclasses.replace(
+            row, state=state, joined_round=joined, gone_in_round=gone
+        )
+        self.version += 1
+
+    def row(self, node_id: str) -> MemberRow | None:
+        """The members row of ``node_id``, from memory."""
+        return self._rows.get(node_id)
 
     def members(self) -> list[rounds.Member]:
         """Every member as the round rules see it, in slot order."""
-        return [rule_member(m) for m in self.db.members()]
+        return [rule_member(m) for m in self._rows.values()]
 
     def active_count(self) -> int:
-        return sum(1 for m in self.db.members() if m.state == MemberState.ACTIVE)
+        return sum(1 for m in self._rows.values() if m.state == MemberState.ACTIVE)
 
     def is_expected(self, node_id: str, round_: int) -> bool:
         """Whether ``node_id`` is a member that must submit to ``round_``."""
-        member = self.db.member(node_id)
+        member = self._rows.get(node_id)
         return member is not None and rounds.is_expected(rule_member(member), round_)
 
     def check_instance(
@@ -63,7 +93,7 @@ class Membership:
         or its successor on the same state directory (``previous`` names the bound one)."""
         if instance is None:
             return
-        member = self.db.member(node_id)
+        member = self._rows.get(node_id)
         if member is None or member.state != MemberState.ACTIVE:
             return
         if member.instance is None or instance == member.instance:
@@ -104,17 +134,18 @@ class Membership:
         """
         with self.db.tx():
             self.check_instance(node_id, instance, now, previous)
-            member = self.db.member(node_id)
+            member = self._rows.get(node_id)
             state = MemberState.FINISHED if finished else MemberState.ACTIVE
             if member is None:
                 slot = self.db.add_member(node_id, joined, client)
-                self.db.set_member(node_id, state, joined, None)
+                self._rows[node_id] = MemberRow(node_id, slot, state, joined, None)
             else:
                 slot = member.slot
                 if member.state == MemberState.ACTIVE and member.joined_round <= current:
                     joined = member.joined_round
-                self.db.set_member(node_id, state, joined, None)
+            self._set(node_id, state, joined, None)
             self.db.bind_instance(node_id, instance)
+            self._rows[node_id] = dataclasses.replace(self._rows[node_id], instance=instance)
             if not finished:
                 self.last_seen[node_id] = now
         log.info(
@@ -134,7 +165,7 @@ class Membership:
 
         A finished member may still beat (it may be replaying the last rounds); nothing changes.
         """
-        member = self.db.member(node_id)
+        member = self._rows.get(node_id)
         if member is not None and member.state == MemberState.FINISHED:
             return
         if member is None or member.state != MemberState.ACTIVE:
@@ -146,29 +177,27 @@ class Membership:
 
         A finished member stays finished: leaving after the end is the normal way out.
         """
-        member = self.db.member(node_id)
+        member = self._rows.get(node_id)
         if member is None:
             raise Conflict("not_member", f"{node_id} never joined")
         if member.state == MemberState.FINISHED:
             return
         with self.db.tx():
-            self.db.set_member(node_id, MemberState.LEFT, member.joined_round, current)
+            self._set(node_id, MemberState.LEFT, member.joined_round, current)
         self.last_seen.pop(node_id, None)
         log.info("event=left node=%s round=%d", node_id, current)
 
     def time_out(self, current: int, now: float) -> None:
         """Mark every active member silent for longer than the timeout as timed out."""
         limit = now - self.heartbeat_timeout_s
-        for member in self.db.members():
+        for member in list(self._rows.values()):
             if member.state != MemberState.ACTIVE:
                 continue
             seen = self.last_seen.setdefault(member.node_id, now)
             if seen >= limit:
                 continue
             with self.db.tx():
-                self.db.set_member(
-                    member.node_id, MemberState.TIMED_OUT, member.joined_round, current
-                )
+                self._set(member.node_id, MemberState.TIMED_OUT, member.joined_round, current)
             self.last_seen.pop(member.node_id, None)
             log.warning(
                 "event=timed_out node=%s round=%d silent_s=%.1f",
@@ -183,12 +212,12 @@ class Membership:
         An active member counts as gone in round ``current`` (so that round no longer waits for
         it); a member that already left or timed out keeps the round it went in.
         """
-        member = self.db.member(node_id)
+        member = self._rows.get(node_id)
         if member is None or member.state in (MemberState.REVOKED, MemberState.FINISHED):
             return False
         gone = current if member.state == MemberState.ACTIVE else member.gone_in_round
         with self.db.tx():
-            self.db.set_member(node_id, MemberState.REVOKED, member.joined_round, gone)
+            self._set(node_id, MemberState.REVOKED, member.joined_round, gone)
         self.last_seen.pop(node_id, None)
         log.warning("event=revoked node=%s round=%d was=%s", node_id, current, member.state)
         return True
@@ -196,13 +225,11 @@ class Membership:
     def finish(self, last_round: int) -> int:
         """The run's last round closed: every active member finished; how many."""
         finished = 0
-        for member in self.db.members():
+        for member in list(self._rows.values()):
             if member.state != MemberState.ACTIVE:
                 continue
             with self.db.tx():
-                self.db.set_member(
-                    member.node_id, MemberState.FINISHED, member.joined_round, last_round
-                )
+                self._set(member.node_id, MemberState.FINISHED, member.joined_round, last_round)
             self.last_seen.pop(member.node_id, None)
             finished += 1
         return finished

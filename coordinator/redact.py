@@ -11,6 +11,11 @@ anything a person or a log collector reads:
 - ``SecretFilter``: a logging filter, installed on the process's handlers once the config is
   loaded, that replaces every known secret string in a formatted line (message, arguments and
   traceback) with ``***``; ``scrub`` does the same for one string (a start-up error message).
+
+A run has a token per node, so the filter must not cost a search per secret on every log line
+(a thousand searches per line at a thousand nodes made logging the coordinator's largest cost).
+It groups the secrets by length and, for each length present, cuts the line into every window of
+that length and looks the windows up in a set: the work grows with the line, not the secrets.
 """
 
 from __future__ import annotations
@@ -60,12 +65,30 @@ def secrets_in(values: Mapping[str, Any]) -> set[str]:
     return found
 
 
-def scrub(text: str, secrets: Iterable[str]) -> str:
-    """``text`` with every secret (longest first, so none is left half-masked) as ``***``."""
-    for secret in sorted(set(secrets), key=len, reverse=True):
+def by_length(secrets: Iterable[str]) -> dict[int, frozenset[str]]:
+    """The secrets long enough to scrub, grouped by length (longest first)."""
+    groups: dict[int, set[str]] = {}
+    for secret in secrets:
         if len(secret) >= MIN_SCRUB_CHARS:
+            groups.setdefault(len(secret), set()).add(secret)
+    return {n: frozenset(groups[n]) for n in sorted(groups, reverse=True)}
+
+
+def mask(text: str, groups: Mapping[int, frozenset[str]]) -> str:
+    """``text`` with every secret of ``groups`` (``by_length``) as ``***``, longest first, so
+    none is left half-masked."""
+    for length, secrets in groups.items():
+        if length > len(text):
+            continue
+        windows = {text[i : i + length] for i in range(len(text) - length + 1)}
+        for secret in windows & secrets:
             text = text.replace(secret, MASK)
     return text
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every secret (longest first, so none is left half-masked) as ``***``."""
+    return mask(text, by_length(secrets))
 
 
 class SecretFilter(logging.Filter):
@@ -73,17 +96,17 @@ class SecretFilter(logging.Filter):
 
     def __init__(self, secrets: Iterable[str]) -> None:
         super().__init__()
-        self.secrets = sorted({s for s in secrets if len(s) >= MIN_SCRUB_CHARS}, key=len)
+        self.groups = by_length(secrets)
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        clean = scrub(message, self.secrets)
+        clean = mask(message, self.groups)
         if clean != message:
             record.msg, record.args = clean, None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
-            record.exc_text = scrub(record.exc_text, self.secrets)
+            record.exc_text = mask(record.exc_text, self.groups)
         return True
 
 

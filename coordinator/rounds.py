@@ -122,10 +122,15 @@ def should_close(expected: set[str], submitted: Iterable[str], now: float, deadl
 
 def majority(values: Iterable[str]) -> str | None:
     """The most frequent value; ties go to the smallest string; ``None`` for no values."""
-    counts = Counter(values)
-    if not counts:
+    return majority_of(Counter(values))
+
+
+def majority_of(counts: Mapping[str, int]) -> str | None:
+    """``majority`` of values already counted (value -> how often; zero counts ignored)."""
+    present = [v for v, n in counts.items() if n > 0]
+    if not present:
         return None
-    return min(counts, key=lambda v: (-counts[v], v))
+    return min(present, key=lambda v: (-counts[v], v))
 
 
 def base_fingerprint(reported: Sequence[str], submissions: Iterable[Submission]) -> str | None:

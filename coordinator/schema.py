@@ -16,6 +16,9 @@ survives a crash of the process or the machine. The tables::
     checkpoints          committed checkpoints, whether published and pruned, and whether the
                          coordinator verified the file's fingerprint (every commit since v3)
 
+Every lookup a request makes goes through a primary key or an index (``INDEXES``), so a
+request costs the same with ten members or ten thousand.
+
 Kept apart from ``coordinator.db`` (the typed reads and writes) so the layout reads in one place.
 The version lives in SQLite's ``user_version``. A new file gets every table at the current
 version; an older file is brought forward one step at a time (``MIGRATIONS``), each step in one
@@ -101,6 +104,15 @@ CREATE TABLE IF NOT EXISTS tokens (
 CREATE INDEX IF NOT EXISTS tokens_by_node ON tokens(node_id);
 """
 
+#: Indexes beyond the keys, made at every open when missing. An index changes no table, so it
+#: needs no schema version: an older coordinator reads a file that has one, and a file from an
+#: older one gets it the first time this code opens it.
+INDEXES = (
+    # The closed rounds whose manifest is not in the store yet: the publisher's backlog after
+    # every close, without reading every round of a long run.
+    "CREATE INDEX IF NOT EXISTS rounds_unpublished ON rounds(round) WHERE published=0",
+)
+
 #: Statements that bring a file of version ``v`` to ``v + 1``, keyed by ``v``.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 1 -> 2: node tokens in the database (the table comes from SCHEMA), instance binding.
@@ -115,17 +127,27 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
 }
 
 
-def connect(path: Path) -> sqlite3.Connection:
+def connect(path: Path, *, synchronous: str = "FULL") -> sqlite3.Connection:
     """Open (or create) the database at ``path`` with its tables, in autocommit mode.
 
     Transactions are explicit (``Database.tx``), so nothing commits by accident.
+    ``synchronous`` is ``FULL`` (every commit waits for the disk) or ``NORMAL`` (the caller
+    syncs and checkpoints the write-ahead log itself: ``coordinator.durability``).
     """
+    if synchronous not in ("FULL", "NORMAL"):
+        raise ValueError(f"synchronous must be FULL or NORMAL, not {synchronous!r}")
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    if synchronous == "NORMAL":
+        # The caller also checkpoints (copies the log into the main file, with two fsyncs) on
+        # its own thread, so a commit on the event loop never does.
+        conn.execute("PRAGMA wal_autocheckpoint=0")
     conn.execute("PRAGMA foreign_keys=ON")
     try:
         _upgrade(conn, path)
+        for statement in INDEXES:
+            conn.execute(statement)
     except BaseException:
         conn.close()
         raise

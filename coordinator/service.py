@@ -1,21 +1,27 @@
 """The ``Coordinator``: one running service's parts, as every route handler and task sees them.
 
 ``coordinator.app`` builds one per app and keeps it under the ``COORDINATOR`` key;
-``coordinator.handlers`` reads it from the request. It also owns the long-polls waiting for a
-round to close, what follows a close (wake them, count it, publish, prune), and what follows a
-token revocation made by the operator's command (the member is out, the round stops waiting).
+``coordinator.handlers`` reads it from the request. It also owns the long-polls (waiting for a
+round to close, or for a waiting round to open), what follows a close (wake them, count it,
+publish, prune), what follows a token revocation made by the operator's command (the member is
+out, the round stops waiting), and the answer every node fetches after a close: the manifest
+with its presigned download URLs, built once per round and served as the same bytes to every
+reader until its URLs near half their lifetime (``manifest_body``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from coordinator.checkpoints import CheckpointBook
 from coordinator.config import CoordinatorConfig
+from coordinator.durability import GroupSync
 from coordinator.machine import RoundMachine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.publisher import ManifestPublisher
@@ -24,7 +30,13 @@ from coordinator.signing import ManifestSigner
 from coordinator.storage import ObjectStore
 from coordinator.tokens import TokenBook
 from coordinator.verify import CheckpointVerifier
-from protocol.messages import SignedManifest
+from protocol.messages import ManifestView, RoundState, SignedManifest
+
+#: Rounds whose manifest answer is kept (the newest; catching-up nodes read older ones once).
+CACHED_MANIFESTS = 8
+#: A cached manifest answer is rebuilt once this share of its URLs' lifetime has passed, so every
+#: URL handed out is valid for at least the rest (a node may retry its downloads with them).
+URL_REUSE_SHARE = 0.5
 
 
 @dataclass
@@ -41,8 +53,41 @@ class Coordinator:
     retention: Retention
     tokens: TokenBook
     verifier: CheckpointVerifier
+    #: Group commit of the database; ``None`` when every commit syncs itself (tests).
+    sync: GroupSync | None = None
     waiters: dict[int, asyncio.Event] = field(default_factory=dict)
+    #: Long-polls of a waiting round, by round, released when it opens (or is no longer newest).
+    open_waiters: dict[int, asyncio.Event] = field(default_factory=dict)
     stopping: bool = False
+    #: round -> (the manifest answer's bytes, until when (monotonic) they may be served)
+    manifests: OrderedDict[int, tuple[bytes, float]] = field(default_factory=OrderedDict)
+
+    async def durable(self) -> None:
+        """Return once everything committed so far is on disk (``GroupSync.barrier``)."""
+        if self.sync is not None and self.sync.pending():
+            await self.sync.barrier()
+
+    def manifest_body(self, round_: int) -> bytes | None:
+        """The ``ManifestView`` of closed ``round_`` as JSON bytes, ``None`` while it is open.
+
+        Every reader gets the same bytes: the download URLs are presigned once per round, not
+        once per request, and rebuilt when ``URL_REUSE_SHARE`` of their lifetime is gone.
+        """
+        now = time.monotonic()
+        cached = self.manifests.get(round_)
+        if cached is not None and now < cached[1]:
+            return cached[0]
+        signed = self.machine.manifest(round_)
+        if signed is None:
+            return None
+        urls = {e.node_id: self.store.presign_get(e.key) for e in signed.manifest.gather}
+        body = ManifestView(signed=signed, urls=urls).model_dump_json().encode()
+        fresh_for = URL_REUSE_SHARE * self.config.server.presign_expiry_s
+        self.manifests[round_] = (body, now + fresh_for)
+        self.manifests.move_to_end(round_)
+        while len(self.manifests) > CACHED_MANIFESTS:
+            self.manifests.popitem(last=False)
+        return body
 
     def after_close(self, closed: list[SignedManifest]) -> None:
         """Rounds closed: wake their long-polls, count them, publish their manifests, prune."""
@@ -53,6 +98,7 @@ class Coordinator:
             event = self.waiters.pop(signed.manifest.round, None)
             if event is not None:
                 event.set()
+        self.wake_opened()
         self.publisher.kick()
         self.retention.kick()
 
@@ -71,10 +117,29 @@ class Coordinator:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
 
+    async def wait_opened(self, round_: int, timeout: float) -> None:
+        """Return when waiting round ``round_`` opens, the server stops, or after ``timeout``."""
+        if self.stopping or timeout <= 0:
+            return
+        event = self.open_waiters.setdefault(round_, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    def wake_opened(self) -> None:
+        """Release the long-polls of rounds that are no longer waiting (call after any change
+        that may open a round: a join, a tick, a close)."""
+        if not self.open_waiters:
+            return
+        number = self.machine.round_number()
+        waiting = self.machine.round_view_state() == RoundState.WAITING
+        for round_ in list(self.open_waiters):
+            if round_ != number or not waiting:
+                self.open_waiters.pop(round_).set()
+
     def release_waiters(self) -> None:
         """The server is stopping: answer every long-poll now, and any new one at once."""
         self.stopping = True
-        for event in self.waiters.values():
+        for event in (*self.waiters.values(), *self.open_waiters.values()):
             event.set()
 
 

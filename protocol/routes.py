@@ -97,8 +97,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              {200: RoundView}, errors=(401, 409, 422, 429)),
     Endpoint("leave", "POST", "/v1/leave", "Leave the run", None, {200: Ack},
              errors=(401, 409, 422, 429)),
-    Endpoint("round", "GET", "/v1/round", "The current round as the caller sees it", None,
-             {200: RoundView}, errors=(401, 409, 422, 429)),
+    Endpoint("round", "GET", "/v1/round", "The current round as the caller sees it,"
+             " long-polling while it waits for members", None, {200: RoundView},
+             query={"wait": Query("seconds to wait for a round that waits for members to open"
+                                  " (the server waits at most its manifest_wait_max_s)",
+                                  "number", 0, 3600)},
+             errors=(401, 409, 422, 429)),
     Endpoint("upload", "POST", "/v1/rounds/{round}/upload",
              "A presigned PUT for the caller's payload of this round", UploadRequest,
              {200: UploadGrant}, errors=(400, 401, 404, 408, 409, 413, 422, 429)),

@@ -163,6 +163,54 @@ def test_a_silent_member_is_waited_for_again_after_it_submits(bench: Bench) -> N
     assert bench.closed_by[r] == "quorum"
 
 
+def test_a_straggler_that_keeps_coming_late_gets_back_in(bench: Bench) -> None:
+    """A node stalls once for 50 s, in round 2. It misses that round and the next, so it is
+    silent by the rule above; and it starts each round when it has finished being late for
+    the previous one. Without more, a round that closes the moment the others are in would
+    leave it late for good. Each round it came late to gives it a grace once the others are in,
+    so it gets back in and stays."""
+    for node in ("a", "b", "slow"):
+        bench.machine.join(node)
+    stall = {2: 50.0}
+    behind = 0.0  # seconds "slow" starts a round after the others
+    gathered = []
+    for _ in range(12):
+        r = bench.open_round()
+        start = bench.now
+        slow_at = start + 5 + behind + stall.get(r, 0.0)
+        bench.now = start + 5
+        closed = bench.submit("a", r) or bench.submit("b", r)
+        while not closed:  # a second at a time: the straggler arrives, or a tick closes it
+            bench.now += 1
+            arrived = bench.now >= slow_at
+            closed = bench.submit("slow", r) if arrived else bool(bench.machine.tick())
+        manifest = bench.machine.manifest(r)
+        assert manifest is not None
+        if "slow" in {e.node_id for e in manifest.manifest.gather}:
+            gathered.append(r)
+            behind = 0.0
+        else:
+            with pytest.raises(Conflict, match="not open for submissions"):  # after the close
+                bench.machine.check_submittable("slow", r)
+            behind = max(0.0, slow_at - bench.now)
+    assert 2 not in gathered and 3 not in gathered  # it did miss those
+    assert gathered[:2] == [0, 1] and gathered[2:] == list(range(gathered[2], 12))
+    # Each grace (a quarter of the deadline length) takes seconds off its lag until it is in.
+    assert gathered[2] <= 7, gathered
+
+
+def test_a_member_that_never_tries_gets_no_grace(bench: Bench) -> None:
+    for node in ("a", "b", "silent"):
+        bench.machine.join(node)
+    for _ in range(4):
+        play(bench, bench.open_round(), ["a", "b"], heartbeats=["silent"])
+    assert [bench.closed_by[r] for r in range(4)] == ["deadline", "deadline", "quorum", "quorum"]
+    r = bench.open_round()
+    bench.now += 5
+    bench.submit("a", r)
+    assert bench.submit("b", r)  # closed the moment the others were in: no grace to wait
+
+
 def test_when_everyone_is_silent_rounds_still_wait_for_their_deadline(bench: Bench) -> None:
     for node in ("a", "b", "c"):
         bench.machine.join(node)

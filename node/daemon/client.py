@@ -11,6 +11,12 @@ client), so a second process using the same token is refused instead of taking o
 also names the process that ran on the same state directory before (``node.daemon.instance``).
 A TLS certificate that does not verify raises ``Refused`` at once (``node.daemon.tls``): it is
 not an outage to wait out.
+
+Waiting for the coordinator is done by long-polls, not by asking again and again: the manifest
+of an open round (``manifest_wait_s``), and a round that waits for members (``round_wait_s``:
+once a ``round()`` answered "waiting", the next asks the coordinator to hold the answer until the
+round opens). A coordinator older than the round long-poll refuses the ``wait`` parameter; the
+client then asks without it from then on, as before.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from protocol.messages import (
     ProbeGrant,
     ProbeRequest,
     RoundReport,
+    RoundState,
     RoundView,
     StatusView,
     SubmitRequest,
@@ -61,6 +68,9 @@ class ClientTimeouts:
     request_s: float = 30.0
     #: Longest server-side wait asked for on the manifest long-poll.
     manifest_wait_s: float = 20.0
+    #: Longest server-side wait asked for while a round waits for members; below the daemon's
+    #: stop grace (3 s), so a stop requested meanwhile is still taken between two requests.
+    round_wait_s: float = 2.5
 
 
 class CoordinatorClient:
@@ -88,6 +98,10 @@ class CoordinatorClient:
         self.policy = policy
         #: Whether the coordinator answers; logs once per change of state, not per attempt.
         self.link = Link("coordinator")
+        #: The last round view said "waiting": the next ``round()`` long-polls.
+        self._waiting = False
+        #: False once the coordinator refused the round long-poll (an older one).
+        self._round_long_poll = True
 
     async def _call(
         self,
@@ -164,7 +178,22 @@ class CoordinatorClient:
         await self._call("leave")
 
     async def round(self) -> RoundView:
-        return _as(RoundView, await self._call("round"))
+        """The round as the coordinator sees this node; held by the coordinator until it opens
+        (at most ``round_wait_s``) when the previous answer said it waits for members."""
+        wait = self.timeouts.round_wait_s
+        if self._waiting and self._round_long_poll and wait > 0:
+            try:
+                out = await self._call("round", params={"wait": f"{wait:g}"}, extra_wait_s=wait)
+            except CoordinatorError as exc:
+                if exc.status != 422 or "'wait'" not in str(exc):
+                    raise
+                self._round_long_poll = False  # a coordinator without the round long-poll
+                out = await self._call("round")
+        else:
+            out = await self._call("round")
+        view = _as(RoundView, out)
+        self._waiting = view.state == RoundState.WAITING
+        return view
 
     async def upload_grant(self, round_: int, size: int, sha256: str) -> UploadGrant:
         out = await self._call("upload", UploadRequest(size=size, sha256=sha256), round_=round_)
