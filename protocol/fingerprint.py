@@ -17,22 +17,30 @@ reader is strict: a header of bounded size, tensors of the dtypes our models use
 that tile the data section exactly (in range, contiguous, no gap, no overlap, nothing after
 the last tensor), shapes that match their byte counts. Any violation is a ``PayloadError``
 naming the field, and nothing is hashed from a file that fails.
+
+The hash is BLAKE3 (one thread). The fingerprint is adversarial ground: a checkpoint is
+committed, and a joiner trusts it, because its fingerprint equals what the majority of a
+round's members reported, so a second preimage or collision would let a hostile uploader pass
+off other parameters. That rules out non-cryptographic hashes such as xxh3, although xxh3-128
+measured 6.7x faster here (0.23 against 1.51 ns/param on 81 M parameters, 2 shared cores;
+sha256 4.48; BLAKE3 with its thread pool 1.79, slower than one thread on this machine).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from blake3 import blake3
 
 from protocol.errors import PayloadError
 
 if TYPE_CHECKING:
     import torch
 
-#: Hex digits kept from the sha256; 128 bits is plenty to tell states apart.
+#: Hex digits kept from the BLAKE3 digest; 128 bits is plenty to tell states apart.
 FINGERPRINT_HEX = 32
 #: Largest safetensors header accepted (bytes of JSON): room for ~50,000 tensor entries.
 MAX_HEADER_BYTES = 8 << 20
@@ -53,7 +61,7 @@ def fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
     """Hex fingerprint of a name -> tensor mapping (order of insertion does not matter)."""
     import torch  # the node's import only: the coordinator uses the pure-Python reader below
 
-    h = hashlib.sha256()
+    h = blake3()
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         h.update(_line(name, str(t.dtype), tuple(t.shape)))
@@ -68,11 +76,11 @@ def fingerprint_safetensors(data: bytes | memoryview) -> str:
 
     Equals ``fingerprint(safetensors.torch.load(data))`` for every file this accepts;
     ``PayloadError`` for any file that is malformed or holds a dtype other than F32. Reads the
-    bytes in place (one pass of sha256 over them, no copy).
+    bytes in place (one pass of BLAKE3 over them, no copy).
     """
     view = memoryview(data)
     entries, base = read_header(view)
-    h = hashlib.sha256()
+    h = blake3()
     for name in sorted(entries):
         dtype, shape, begin, end = entries[name]
         h.update(_line(name, DTYPES[dtype][0], shape))

@@ -71,6 +71,10 @@ class RunConfig(BaseModel):
     clip: bool = True
     #: Screen peers by sign agreement and bound every value's influence (node.compute.robust).
     robust: bool = True
+    #: Overlap communication with compute: round r trains from θ without round r-1's
+    #: aggregate, which is applied once round r's training ends (one round of delay), so a
+    #: round's transfers can run while the next round trains.
+    overlap: bool = False
     # Inner optimiser
     inner_lr: float = Field(1e-3, gt=0.0)
     warmup_frac: float = Field(0.05, ge=0.0, le=1.0)
@@ -90,6 +94,10 @@ class RunConfig(BaseModel):
     retention_rounds: int = Field(30, ge=1)
     #: Checkpoints kept in the store (the newest ones).
     keep_checkpoints: int = Field(2, ge=1)
+    # Evaluation
+    #: Nodes measure the held-out loss of θ after the first round, after the last one and
+    #: after every round R with (R + 1) a multiple of this (``evaluates``); 1: every round.
+    eval_every: int = Field(10, ge=1)
     timing: Timing = Timing()
 
     @model_validator(mode="after")
@@ -113,6 +121,11 @@ class RunConfig(BaseModel):
         """``{name}-{hash}``: readable, and different for any change to the config."""
         digest = hashlib.sha256(self.canonical()).hexdigest()[:RUN_ID_HEX]
         return f"{self.name}-{digest}"
+
+    def evaluates(self, round_: int) -> bool:
+        """Whether nodes evaluate θ after round ``round_`` (0-based): the first and the last
+        round always, so a run's loss curve has both ends, and every ``eval_every``-th."""
+        return round_ == 0 or round_ == self.rounds - 1 or (round_ + 1) % self.eval_every == 0
 
     @property
     def total_inner_steps(self) -> int:

@@ -81,7 +81,7 @@ async def test_a_restart_resends_the_pending_payload_byte_for_byte(harness) -> N
     assert state is not None and state.round == 1 and state.phase == "submitting"
     key = payload_key("", run.run_id, 1, "node-0")
     uploaded = h.store.objects[key]
-    assert (h.state_dir("node-0") / "pending.slc").read_bytes() == uploaded
+    assert (h.state_dir("node-0") / "pending-1.slc").read_bytes() == uploaded
 
     assert await h.daemon("node-0").run(handle_signals=False) == 0
     sent = [data for _, k, data in h.store.puts if k == key]

@@ -76,6 +76,7 @@ def test_dashboard_follows_a_real_run(
         batch_size=4,
         min_nodes=2,
         checkpoint_every=2,
+        eval_every=1,  # a loss on every row and a chart point per round
         timing=TIMING,
     )
     cluster = Cluster(tmp_path, store, run, 2)

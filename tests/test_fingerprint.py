@@ -117,3 +117,15 @@ def test_malformed_files_are_refused(case: str) -> None:
 def test_random_bytes_never_crash(data: bytes) -> None:
     with contextlib.suppress(PayloadError):
         fingerprint_safetensors(data)
+
+
+def test_the_fingerprint_is_blake3_of_the_documented_stream() -> None:
+    """The reference: the module docstring's byte stream, hashed with BLAKE3, 32 hex digits."""
+    from blake3 import blake3
+
+    tensors = {"b": torch.arange(6, dtype=torch.float32).view(2, 3), "a": torch.tensor(1.5)}
+    stream = b"a|torch.float32|()\n" + struct.pack("<f", 1.5)
+    stream += b"b|torch.float32|(2, 3)\n" + struct.pack("<6f", *range(6))
+    expected = blake3(stream).hexdigest()[:32]
+    assert fingerprint(tensors) == expected
+    assert fingerprint_safetensors(save(tensors)) == expected

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.compute.state import load_state, save_state
+from node.compute.state import adam_tensors, load_state, save_adam, save_state, save_theta
 from node.compute.worker import Worker, check_payload_header
 from node.errors import StateError
 from protocol.errors import PayloadError
@@ -86,3 +86,83 @@ def test_state_refuses_another_model_and_damage(tmp_path) -> None:
     with pytest.raises(StateError, match="unreadable"):
         load_state(tmp_path, w.shapes)
     assert load_state(tmp_path / "empty", w.shapes) is None
+
+
+def test_the_state_files_are_plain_safetensors(tmp_path) -> None:
+    """Written straight from the tensors' memory, the files are what ``safetensors`` reads:
+    e in the state file with the header, θ and AdamW (step counts too) in their own files,
+    every tensor and dtype back exactly."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    w = _pair()[0]
+    w.train_and_compress()
+    snapshot = w.snapshot("submitting")
+    save_state(tmp_path, snapshot)
+    state = load_file(str(tmp_path / "state.safetensors"))
+    theta = load_file(str(tmp_path / "theta-0.safetensors"))
+    adam = load_file(str(tmp_path / "adam-0.safetensors"))
+    for name, t in snapshot.error.items():
+        assert torch.equal(state["error." + name], t)
+    for name, t in snapshot.theta.items():
+        assert torch.equal(theta[name], t)
+    for name, t in snapshot.adam.items():
+        assert adam[name].dtype == t.dtype and torch.equal(adam[name], t)
+    with safe_open(str(tmp_path / "state.safetensors"), framework="pt") as f:
+        assert '"phase": "submitting"' in (f.metadata() or {})["sparseloco"]
+
+
+def test_a_state_missing_its_latest_moments_restores_the_previous_ones(tmp_path) -> None:
+    """AdamW is written behind: a state committed without its round's moments (killed in
+    between) comes back with the newest older ones and their step count."""
+    w = _pair()[0]
+    w.train_and_compress()
+    w.apply({})
+    save_state(tmp_path, w.snapshot("idle"))  # round 1: θ_1, moments after 1 round
+    steps = w.local_steps
+    w.train_and_compress()
+    w.apply({})
+    newer = w.snapshot("idle")
+    save_state(tmp_path, newer)
+    (tmp_path / "adam-2.safetensors").unlink()
+    older = _pair()[0]
+    older.train_and_compress()
+    save_adam(tmp_path, 1, adam_tensors(older.opt), steps)
+    state = load_state(tmp_path, w.shapes)
+    assert state is not None and state.round == 2 and state.local_steps == steps
+    assert all(torch.equal(state.theta[n], t) for n, t in newer.theta.items())
+    for name, t in adam_tensors(older.opt).items():
+        assert torch.equal(state.adam[name], t)
+
+
+def test_a_theta_file_of_another_state_is_refused(tmp_path) -> None:
+    w = _pair()[0]
+    save_state(tmp_path, w.snapshot("idle"))
+    w.corrupt()
+    save_theta(tmp_path, 0, w.params, w.fingerprint())
+    with pytest.raises(StateError, match="not the θ"):
+        load_state(tmp_path, w.shapes)
+
+
+def test_mass_sums_match_a_float64_reference(monkeypatch) -> None:
+    """``total`` and ``abs_total`` against summing a float64 copy (chunk edges included)."""
+    import node.compute.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "ABS_CHUNK", 7)
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"a": torch.randn(5, 9, generator=gen), "b": torch.randn(20, generator=gen)}
+    want = sum(float(t.double().sum()) for t in tensors.values())
+    want_abs = sum(float(t.double().abs().sum()) for t in tensors.values())
+    assert worker_module.total(tensors) == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert worker_module.abs_total(tensors) == pytest.approx(want_abs, rel=1e-12)
+
+
+def test_training_hands_theta_back_bit_for_bit() -> None:
+    """After a round's training θ is θ_r again, exactly, and e moved by the pseudo-gradient."""
+    w = _pair()[0]
+    before = {n: t.clone() for n, t in w.params.items()}
+    fp = w.fingerprint()
+    w.train_and_compress()
+    assert all(torch.equal(w.params[n], before[n]) for n in before)
+    assert w.fingerprint() == fp
+    assert any(e.abs().sum() > 0 for e in w.error.values())

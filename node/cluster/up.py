@@ -7,7 +7,8 @@ and stops everything again in reverse order, on success, on error and on Ctrl-C.
 (store data, coordinator database, node states, logs) lands in one run folder.
 
 The result (``--json``) has ``run_id``, ``final_eval_loss`` and per round the gather set,
-exclusions and every node's reported fingerprint, plus whether they all agreed.
+exclusions and every node's reported fingerprint, plus whether they all agreed. A round's
+``eval_loss`` is None where the run's evaluation schedule (``RunConfig.eval_every``) skipped it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class UpConfig(BaseModel):
     data: str | None = None
     #: Seconds a round may run before it closes without missing nodes.
     round_timeout_s: float = Field(120.0, gt=0)
+    #: Evaluate every this many rounds (and the first and last); None: the run config's default.
+    eval_every: int | None = Field(None, ge=1)
 
 
 def _toml_value(value: Any) -> str:
@@ -194,7 +197,10 @@ def summarize(status: StatusView) -> dict[str, Any]:
                 "timings": {n: r.timings for n, r in summary.reports.items() if r.timings},
             }
         )
-    final = rounds[-1]["eval_loss"] if rounds else None
+    # Nodes evaluate on the run's schedule (``RunConfig.eval_every``; the last round always):
+    # the final loss is the newest one measured.
+    evaluated = [entry["eval_loss"] for entry in rounds if entry["eval_loss"] is not None]
+    final = evaluated[-1] if evaluated else None
     return {
         "run_id": status.run_id,
         "run": status.run.model_dump(mode="json"),
@@ -226,6 +232,7 @@ def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> 
             heartbeat_timeout_s=30.0,
         ),
         **shape,
+        **({} if cfg.eval_every is None else {"eval_every": cfg.eval_every}),
     )
     store = EmbeddedStore(run_dir / "store")
     procs: list[Process] = []

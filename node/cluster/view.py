@@ -1,9 +1,9 @@
 """What ``sparseloco up`` shows while it runs: a live table on a terminal, log lines otherwise.
 
 Fed with the coordinator's ``StatusView`` a couple of times a second. The table has one row
-per node (state, last loss, bytes up and down, whether it was in the last gather set); below it
-the round, the gather set and whether the fingerprints agreed. Without a terminal (CI, a pipe)
-it writes one line per closed round instead.
+per node (state, last training loss, newest held-out loss, bytes up and down, whether it was in
+the last gather set); below it the round, the gather set and whether the fingerprints agreed.
+Without a terminal (CI, a pipe) it writes one line per closed round instead.
 
 Rounds are numbered as everywhere else (the API, ``--json``, the coordinator's and the nodes'
 logs): from 0. Progress is said as a count: ``round=2 done=3/5`` is round 2 closing, the third
@@ -53,6 +53,8 @@ class UpView:
         self.live: Live | None = None
         self.logged: set[int] = set()
         self.totals: dict[str, list[int]] = {}
+        #: Each node's newest held-out loss: rounds off the evaluation schedule report none.
+        self.eval_loss: dict[str, float] = {}
 
     def __enter__(self) -> UpView:
         if self.tty:
@@ -80,6 +82,8 @@ class UpView:
             for node, report in summary.reports.items():
                 up, down = self.totals.setdefault(node, [0, 0])
                 self.totals[node] = [up + report.bytes_up, down + report.bytes_down]
+                if report.eval_loss is not None:
+                    self.eval_loss[node] = report.eval_loss
         if self.live is not None:
             self.live.update(self._render(status, closed))
             return
@@ -109,11 +113,12 @@ class UpView:
         for member in status.members:
             report = last.reports.get(member.node_id) if last else None
             up, down = self.totals.get(member.node_id, [0, 0])
+            eval_loss = self.eval_loss.get(member.node_id)
             table.add_row(
                 member.node_id,
                 member.state.value,
                 f"{report.train_loss:.4f}" if report and report.train_loss else "-",
-                f"{report.eval_loss:.4f}" if report and report.eval_loss else "-",
+                f"{eval_loss:.4f}" if eval_loss is not None else "-",
                 _bytes(up),
                 _bytes(down),
                 "yes" if last and member.node_id in last.gather else "-",
@@ -130,7 +135,8 @@ class UpView:
     def summary(self, result: dict[str, Any]) -> None:
         rounds = result["rounds"]
         loss = result["final_eval_loss"]
-        first = rounds[0]["eval_loss"] if rounds else None
+        # Rounds off the evaluation schedule report no loss: the first one measured.
+        first = next((r["eval_loss"] for r in rounds if r["eval_loss"] is not None), None)
         agree = "identical on all nodes" if result["fingerprints_agree"] else "DIFFERED"
         print(
             f"run {result['run_id']}: {len(rounds)} rounds with {result['nodes']} nodes in"

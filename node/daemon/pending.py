@@ -7,9 +7,12 @@ the error-feedback mass it had to send or keep, and what it will report about th
 ``None`` means nothing is pending: the node is between rounds or only catching up.
 
 On disk the same fact is the state file's phase ``submitting`` (its error buffer already has ĉ
-subtracted) plus ``pending.slc`` with the payload bytes, both written atomically
+subtracted) plus ``pending-{r}.slc`` with the payload bytes, both written atomically
 (``node.compute.state``). A restart rebuilds the ``PendingRound`` from them; ĉ is then decoded
-from the payload again, the only time the node decodes its own payload.
+from the payload again, the only time the node decodes its own payload. After the aggregate is
+applied nothing is committed: the state on disk stays "submitting r" until the next round's
+replaces it, and a restart in between finishes round r again from its manifest, as after a
+crash mid-apply (θ_{r+1} goes to its own file behind, for the next commit to point at).
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ from pathlib import Path
 import torch
 
 from node.compute.state import (
-    PENDING_FILE,
     STATE_FILE,
     NodeState,
+    commit_state,
     load_pending,
     load_state,
+    save_adam,
     save_pending,
     save_state,
+    save_theta,
+    theta_saved,
 )
 from node.compute.worker import TrainResult, Worker
 from node.daemon.settings import NodeSettings
@@ -79,20 +85,42 @@ class PendingRound:
 
 
 def save_submitting(state_dir: Path, worker: Worker, pending: PendingRound) -> None:
-    """Persist a just-compressed round: the payload first, then the state that points at it."""
-    save_pending(state_dir, pending.payload)
+    """Persist a just-compressed round: the payload first, then the state that points at it
+    (e and the header; θ_r's file was written behind during training), then AdamW behind.
+    Its seconds go to the ``save`` phase (``node.compute.state`` has the layout)."""
+    t0 = time.perf_counter()
+    worker.writes.theta.wait()
+    save_pending(state_dir, pending.round, pending.payload)
     snapshot = worker.snapshot("submitting")
     if pending.computed is not None:
         snapshot.extra[MASS_KEY] = [pending.computed, pending.scale]
-    save_state(state_dir, snapshot)
+    if not theta_saved(state_dir, snapshot.round, snapshot.fingerprint):
+        # θ changed without the round loop's steps (a resync, a test's hostile node): now.
+        save_theta(state_dir, snapshot.round, snapshot.theta, snapshot.fingerprint)
+    commit_state(state_dir, snapshot)
+    adam, steps = snapshot.adam, snapshot.local_steps
+    worker.writes.adam.start(lambda: save_adam(state_dir, pending.round, adam, steps))
+    pending.timings["save"] = time.perf_counter() - t0
 
 
 def save_idle(state_dir: Path, worker: Worker) -> str:
-    """Persist θ, e and AdamW with nothing pending; the fingerprint of the saved θ."""
+    """Persist θ, e and AdamW with nothing pending, all of it now; the saved θ's fingerprint."""
+    worker.writes.wait()
     snapshot = worker.snapshot("idle")
     save_state(state_dir, snapshot)
-    (state_dir / PENDING_FILE).unlink(missing_ok=True)
     return snapshot.fingerprint
+
+
+def save_applied(state_dir: Path, worker: Worker, *, trained: bool) -> str:
+    """After a round's aggregate is applied: θ_{r+1}'s fingerprint. If the node trained the
+    round, θ_{r+1} is written behind (the state written when training ended is what a restart
+    finishes the round again from); if not, the whole state is written now."""
+    if not trained:
+        return save_idle(state_dir, worker)
+    fp = worker.fingerprint()
+    round_, theta = worker.round, worker.params
+    worker.writes.theta.start(lambda: save_theta(state_dir, round_, theta, fp))
+    return fp
 
 
 def resume(state_dir: Path, state: NodeState, base: str) -> PendingRound | None:
@@ -100,7 +128,7 @@ def resume(state_dir: Path, state: NodeState, base: str) -> PendingRound | None:
     or None if the state was idle."""
     if state.phase != "submitting":
         return None
-    payload = load_pending(state_dir)
+    payload = load_pending(state_dir, state.round)
     if payload is None:
         raise StateError(f"{state_dir}: state says a payload is pending but none is")
     mass = state.extra.get(MASS_KEY)

@@ -15,7 +15,10 @@
    and apply (plus the chaos suite's faults); who was screened out goes into the report;
 7. ``settle``: the own contribution: counted as sent if aggregated, else ĉ back into e
    (step 9), and the error-feedback account computed = sent + held;
-8. ``save``: held-out loss, the new state on disk, the fingerprint of θ_{r+1};
+8. ``save``: held-out loss on the run's schedule (``RunConfig.evaluates``), the fingerprint of
+   θ_{r+1}, and the state on disk only if the node did not train this round or the run ends
+   (after training, the state saved then is enough to finish this round again:
+   ``node.compute.state``);
 9. ``report``: fingerprint, losses, bytes, timings and mass to the coordinator; then offer a
    checkpoint if r+1 is a checkpoint round.
 """
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from node.daemon.gather import decode_gather, fetch_gather
-from node.daemon.pending import PendingRound
+from node.daemon.pending import PendingRound, save_applied
 from node.daemon.retry import Backoff
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
 from protocol.codec import Payload
@@ -81,11 +84,17 @@ class RoundFinisher:
         applied = {node: p for node, p in payloads.items() if node not in screened}
         t3 = time.perf_counter()
         mass = await self.settle(pending, manifest, applied)
-        fingerprint, eval_loss, eval_s = await d.compute(self.save)
+        # The state on disk is written only without a trained round to finish again from, and
+        # at the run's end (``save_applied``).
+        trained = pending is not None and r + 1 < d.worker.run.rounds
+        fingerprint, eval_loss, eval_s = await d.compute(self.save, r, trained)
         t4 = time.perf_counter()
         if pending is not None:
             pending.timings.update(download=t1 - t0, decode=t2 - t1, aggregate_apply=t3 - t2)
-            pending.timings.update(eval=eval_s, save=t4 - t3 - eval_s)
+            # After the state file written when training ended (``save_submitting``).
+            pending.timings["save"] = pending.timings.get("save", 0.0) + t4 - t3 - eval_s
+            if eval_loss is not None:
+                pending.timings["eval"] = eval_s
         facts = {
             "fingerprint": fingerprint,
             "rejected": rejected,
@@ -280,16 +289,24 @@ class RoundFinisher:
             d.log("mass_unreportable", computed=pending.computed, held=held)
             return None
 
-    def save(self) -> tuple[str, float | None, float]:
-        """(compute thread) Held-out loss (and its seconds), then the new state on disk; the
-        fingerprint of θ_{r+1}, the loss, the seconds."""
+    def save(self, r: int, trained: bool) -> tuple[str, float | None, float]:
+        """(compute thread) After applying round r: the held-out loss if this round is on the
+        evaluation schedule (and its seconds), then ``save_applied``. θ_{r+1}'s fingerprint,
+        the loss (None when not evaluated), the seconds."""
         d = self.d
-        every = d.settings.eval_every
-        t0 = time.perf_counter()
         worker = d.worker
-        eval_loss = worker.evaluate() if every and worker.round % every == 0 else None
+        t0 = time.perf_counter()
+        eval_loss = worker.evaluate() if self.evaluates(r) else None
         eval_s = time.perf_counter() - t0
-        return d.save_idle(), eval_loss, eval_s
+        return save_applied(d.settings.state_dir, worker, trained=trained), eval_loss, eval_s
+
+    def evaluates(self, r: int) -> bool:
+        """Whether the node measures the held-out loss after round r: the run's schedule, or
+        the node's ``eval_every`` setting where its operator gave one (0: never)."""
+        s = self.d.settings
+        if "eval_every" in s.model_fields_set:
+            return bool(s.eval_every) and (r + 1) % s.eval_every == 0
+        return self.d.worker.run.evaluates(r)
 
     async def report(self, r: int, report: RoundReport) -> None:
         try:

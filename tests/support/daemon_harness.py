@@ -71,12 +71,23 @@ class Harness:
         self.clock = FakeClock()
         self.store = FakeStore()
         self.coord = FakeCoordinator(run, root / "coordinator", self.store, self.clock)
+        self.daemons: dict[str, NodeDaemon] = {}
 
     def state_dir(self, node_id: str) -> Path:
         return self.root / "nodes" / node_id
 
     def daemon(self, node_id: str, faults: Faults | None = None, **settings: Any) -> NodeDaemon:
-        """A daemon for ``node_id``; ``settings`` override its ``NodeSettings``."""
+        """A daemon for ``node_id``; ``settings`` override its ``NodeSettings``.
+
+        A restarted node's predecessor here (one that raised ``Crash``) is an object in this
+        process, whose state writes behind (``node.compute.state``) still run: they finish
+        before the new daemon starts, so two never write one state dir at once (a killed
+        process's threads end with it; the case of a write that never happened is
+        ``test_worker_state``'s).
+        """
+        previous = self.daemons.get(node_id)
+        if previous is not None and previous._worker is not None:
+            previous._worker.writes.wait()
         values: dict[str, Any] = {
             "coordinator": "http://coordinator.invalid",
             "allow_insecure_http": True,  # a placeholder: the fakes never dial it
@@ -87,13 +98,15 @@ class Harness:
             "eval_batch_size": 2,
             **settings,
         }
-        return NodeDaemon(
+        daemon = NodeDaemon(
             NodeSettings(**values),
             self.coord.api(node_id),
             self.store.transfers(node_id),
             clock=self.clock,
             faults=faults if faults is not None else Faults(),
         )
+        self.daemons[node_id] = daemon
+        return daemon
 
     def start(self, daemon: NodeDaemon) -> asyncio.Task[int]:
         return asyncio.create_task(daemon.run(handle_signals=False), name=daemon.settings.token)

@@ -9,6 +9,12 @@ collects the per-phase timings every node reported for every round it took part 
 upload plus the coordinator's close, i.e. the synchronisation cost. The round itself is
 measured by the coordinator (first expected node to close). Round 0 is reported separately from
 the steady state, since it includes the compiled codec loops loading in every process.
+
+Each phase is the median over every (node, round) report, except ``eval``: nodes evaluate on
+the run's schedule (``RunConfig.eval_every``), so its cost is the mean over all reports, a
+round without evaluation counting 0 (amortised). ``own`` is the node's own work beside
+training (encode, decode, aggregate+apply, save, eval), without the network and the waits
+(benchmark 1's business): the share issue 11 sets a target for.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ PHASES = (
 )
 
 
+#: The node's own work beside training: what is left when the network and the waits are not.
+OWN = ("encode", "decode", "aggregate_apply", "save", "eval")
+
+
 def phase_table(result: dict[str, Any], skip_first: bool = True) -> dict[str, float]:
     """Median seconds per phase over every (node, round) report, and the round duration."""
     samples: dict[str, list[float]] = {p: [] for p in PHASES}
@@ -49,7 +59,11 @@ def phase_table(result: dict[str, Any], skip_first: bool = True) -> dict[str, fl
             for phase in PHASES:
                 if phase in timings:
                     samples[phase].append(timings[phase])
-    out = {p: statistics.median(v) for p, v in samples.items() if v}
+                elif phase == "eval" and "train" in timings:
+                    samples[phase].append(0.0)  # a trained round off the evaluation schedule
+    out = {p: statistics.median(v) for p, v in samples.items() if v and p != "eval"}
+    if samples["eval"]:
+        out["eval"] = statistics.fmean(samples["eval"])
     if durations:
         out["round"] = statistics.median(durations)
     return out
@@ -64,15 +78,24 @@ def markdown(table: dict[str, float]) -> str:
         if p in table
     ]
     non_train = total - table.get("train", 0.0)
+    own = sum(table.get(p, 0.0) for p in OWN)
+    own_share = 100 * own / (own + table.get("train", 0.0))
     rows.append(f"| sum of phases | {total:.3f} | |")
     rows.append(f"| non-training share | {non_train:.3f} | {100 * non_train / total:.1f} % |")
+    rows.append(f"| own work (no network, no waits) vs training | {own:.3f} | {own_share:.1f} % |")
     if "round" in table:
         rows.append(f"| round (coordinator: open to close) | {table['round']:.3f} | |")
     return "\n".join([head, *rows])
 
 
 def run(
-    json_out: str | None, *, nodes: int, rounds: int, preset: str, run_dir: str | None
+    json_out: str | None,
+    *,
+    nodes: int,
+    rounds: int,
+    preset: str,
+    run_dir: str | None,
+    eval_every: int | None = None,
 ) -> dict[str, Any]:
     cfg = UpConfig(
         nodes=nodes,
@@ -81,6 +104,7 @@ def run(
         run_dir=Path(run_dir) if run_dir else None,
         data=None,
         round_timeout_s=120.0,
+        eval_every=eval_every,
     )
     result = up(cfg)
     table = phase_table(result)

@@ -1,0 +1,35 @@
+"""The two benchmarks of the node's own work, on made-up or tiny inputs (numbers not checked).
+
+``round_bench.phase_table`` amortises evaluation over the rounds off the schedule; ``node_work``
+runs a whole round of the node's own work on the tiny model and counts one fingerprint of θ.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from node.research.bench import node_work
+from node.research.bench.round_bench import markdown, phase_table
+
+
+def _entry(round_: int, eval_s: float | None) -> dict[str, object]:
+    timings = {"train": 1.0, "encode": 0.1, "save": 0.05}
+    if eval_s is not None:
+        timings["eval"] = eval_s
+    return {"round": round_, "duration_s": 1.5, "timings": {"n0": timings, "n1": dict(timings)}}
+
+
+def test_evaluation_is_amortised_over_the_rounds_it_skips() -> None:
+    result = {"rounds": [_entry(0, 9.0), _entry(1, None), _entry(2, None), _entry(3, 0.6)]}
+    table = phase_table(result)  # round 0 left out: 2 of 3 rounds without evaluation
+    assert table["eval"] == pytest.approx(0.2)
+    assert table["train"] == 1.0 and table["round"] == 1.5
+    text = markdown(table)
+    assert "| own work (no network, no waits) vs training | 0.350 | 25.9 % |" in text
+
+
+def test_the_node_work_bench_runs_a_round_and_hashes_theta_once(tmp_path) -> None:
+    report = node_work.run(preset="tiny", rounds=1, peers=2, state_dir=str(tmp_path))
+    assert report["fingerprints_of_theta"] == 1
+    assert set(report["ns_per_param"]) == set(node_work.PARTS)
+    assert list(tmp_path.iterdir()) == []  # the state files went with the temp dir
