@@ -21,6 +21,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -94,10 +95,6 @@ def pack_codes(codes: torch.Tensor) -> bytes:
     return ((p[0::4] << 6) | (p[1::4] << 4) | (p[2::4] << 2) | p[3::4]).tobytes()
 
 
-# Byte -> its four codes, first code from the two most significant bits.
-_CODE_LUT = (np.arange(256, dtype=np.uint8)[:, None] >> np.array([6, 4, 2, 0], np.uint8)) & 3
-
-
 def codes_canonical(data: bytes, count: int) -> bool:
     """Whether ``data`` is exactly the packing of ``count`` codes, with zero padding bits."""
     if len(data) != (count + 3) // 4:
@@ -112,4 +109,23 @@ def unpack_codes(data: bytes, count: int) -> np.ndarray | None:
         return None
     if not data:
         return np.zeros(0, dtype=np.uint8)
-    return _CODE_LUT[np.frombuffer(data, dtype=np.uint8)].reshape(-1)[:count]
+    codes: np.ndarray = _unpack(np.frombuffer(data, dtype=np.uint8), count)
+    return codes
+
+
+@numba.njit(cache=True, nogil=True)
+def count_codes(codes):
+    """How many of the 2-bit ``codes`` (uint8) are 0, 1, 2 and 3 (int64, length 4)."""
+    counts = np.zeros(4, dtype=np.int64)
+    for c in codes:
+        counts[c & 3] += 1
+    return counts
+
+
+@numba.njit(cache=True, nogil=True)
+def _unpack(data, count):
+    """Four 2-bit codes per byte of ``data``, the first in the top bits; the first ``count``."""
+    out = np.empty(count, dtype=np.uint8)
+    for j in range(count):
+        out[j] = (data[j >> 2] >> (6 - 2 * (j & 3))) & 3
+    return out

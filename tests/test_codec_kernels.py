@@ -68,3 +68,15 @@ def test_encode_matches_reference_on_a_real_model_sized_tensor() -> None:
     r = ref.encode_tensor(x, topk=64, tile=64)
     assert sparse.positions.tolist() == r.positions
     assert torch.equal(sparse.dense(), recon["w"])
+
+
+def test_threshold_carried_from_tile_to_tile_is_only_a_guess() -> None:
+    # Neighbouring tiles at wildly different scales: the threshold carried over from the
+    # previous tile is far too high (fallback) or far too low (many candidates) in turn.
+    rng = np.random.default_rng(7)
+    x = rng.standard_t(3, size=(128, 512)).astype(np.float32)
+    for tj in range(8):
+        x[:, tj * 64 : tj * 64 + 64] *= np.float32(1e3 if tj % 2 else 1e-3)
+    x[64:, 128:192] = 0.25  # a constant tile: every entry ties
+    for k in (1, 64, 200):
+        check(x, k)

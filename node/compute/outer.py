@@ -15,12 +15,15 @@ Determinism is the point of this module: every honest node must end each round w
 bit-identical parameters. So peers are always taken in sorted node-id order, norms are computed
 exactly (``SparseTensor.sq_norm``), every arithmetic step is a separate fp32 operation (no fused
 multiply-add), and each peer is added in turn, one addition per entry it selected (compiled
-loops, ``_accumulate``). Aggregation holds one tensor's sums and counts at a time, never a dense
-copy per peer, and only the selected entries of the parameters are touched.
+loops, ``_sum_band``). Aggregation works one band of tiles at a time (``_bands``): its scratch is
+a band's sums and counts per thread, never a dense copy of a tensor, let alone one per peer, and
+only the selected entries of the parameters are touched. Bands are independent, so they run in
+parallel without changing a single sum.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -28,9 +31,12 @@ from collections.abc import Mapping, Sequence
 import numba
 import numpy as np
 import torch
+from numba.typed import List
 
 from node.compute.robust import Screening, value_bound
+from protocol import kernels
 from protocol.codec import Payload, SparseTensor, encode
+from protocol.tiles import TileGeometry
 
 
 def pseudo_gradient(
@@ -80,110 +86,173 @@ def _clip_scales(norms: Sequence[float]) -> list[float]:
     return [1.0 if n == 0.0 or n <= median else median / n for n in norms]
 
 
-@numba.njit(cache=True, nogil=True)
-def _accumulate(sums, counts, touched, n_touched, index, codes, table):
-    # One peer's contribution: its values into the sums, one into the counts, and every entry
-    # seen for the first time appended to ``touched``. Indices are distinct within a peer.
-    for j in range(index.size):
-        i = index[j]
-        if counts[i] == 0:
-            touched[n_touched] = i
-            n_touched += 1
-        sums[i] += table[codes[j]]
-        counts[i] += 1
-    return n_touched
+def _bands(geometry: TileGeometry) -> tuple[int, int, int]:
+    """``(n_bands, kept_per_band, band_size)``: a band is one row of tiles, ``h`` whole rows.
 
-
-@numba.njit(cache=True, nogil=True)
-def _take_mean(sums, counts, touched, mean):
-    # fp32 mean of every touched entry; the buffers are left all zero again.
-    for j in range(touched.size):
-        i = touched[j]
-        mean[j] = sums[i] / np.float32(counts[i])
-        sums[i] = 0.0
-        counts[i] = 0
-
-
-@numba.njit(cache=True, nogil=True)
-def _subtract_at(theta, index, update):
-    # theta[index] -= update, one fp32 subtraction per entry (update already holds alpha).
-    for j in range(index.size):
-        theta[index[j]] -= update[j]
-
-
-class _Scratch:
-    """Dense sum and count buffers reused from tensor to tensor.
-
-    They are zero between uses: after each tensor only the touched entries are cleared again,
-    so aggregating a whole model writes about as much memory as the payloads select, and holds
-    one tensor-sized set of buffers at a time.
+    Every peer lists its kept entries tile by tile, so a band's entries are one contiguous
+    slice of each peer's index, and they all fall in ``band_size`` consecutive elements of the
+    flattened tensor. Aggregating band by band needs scratch for one band only.
     """
-
-    def __init__(self) -> None:
-        self.sums = np.zeros(0, dtype=np.float32)
-        self.counts = np.zeros(0, dtype=np.int32)
-        self.touched = np.zeros(0, dtype=np.int64)
-        self.pos = np.zeros(0, dtype=np.uint64)
-        self.neg = np.zeros(0, dtype=np.uint64)
-
-    def reserve(self, size: int) -> None:
-        if self.sums.size < size:
-            self.sums = np.zeros(size, dtype=np.float32)
-            self.counts = np.zeros(size, dtype=np.int32)
-            self.touched = np.zeros(size, dtype=np.int64)
-            self.pos = np.zeros(size, dtype=np.uint64)
-            self.neg = np.zeros(size, dtype=np.uint64)
+    gr, gc = geometry.grid
+    return gr, gc * geometry.k, geometry.h * geometry.cols
 
 
-def sparse_mean(
-    parts: Sequence[SparseTensor],
-    *,
-    clip: bool = True,
-    bound: bool = False,
-    scratch: _Scratch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean over contributors of one tensor, as ``(index, mean)`` over the touched entries.
+@numba.njit(cache=True, nogil=True)
+def _sum_band(b, indices, codes, tables, kept, size, sums, counts, touched):
+    # Band b of every peer into the band-local sums and counts, peers one after another in
+    # canonical order (each entry once per peer), so every sum is formed in the same order on
+    # every node. Entries seen for the first time go to ``touched``; returns how many.
+    base = b * size
+    lo = b * kept
+    n = 0
+    for p in range(len(indices)):
+        index = indices[p]
+        code = codes[p]
+        for j in range(lo, lo + kept):
+            i = index[j] - base
+            if counts[i] == 0:
+                touched[n] = i
+                n += 1
+            sums[i] += tables[p, code[j]]
+            counts[i] += 1
+    return n
 
-    ``parts`` must already be in the canonical (sorted node id) order. ``index`` (int64,
-    row-major into the flattened tensor, each entry once, in order of first selection) lists
-    every entry some peer selected; every other entry of the aggregate is 0. With ``clip``,
-    each peer's tensor is first scaled by ``min(1, median_norm / its_norm)``; with ``bound``,
-    every value is then clipped to ``node.compute.robust.value_bound`` (bounded influence).
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _subtract_mean(theta, indices, codes, tables, n_bands, kept, size, alpha, scaled, chunks):
+    # theta -= mean (times alpha when ``scaled``: a separate fp32 multiplication), band by
+    # band. Bands are independent, so they run in parallel, each thread with its own band of
+    # scratch, cleared again entry by entry after use.
+    for c in numba.prange(chunks):
+        sums = np.zeros(size, dtype=np.float32)
+        counts = np.zeros(size, dtype=np.int32)
+        touched = np.empty(size, dtype=np.int64)
+        for b in range(c * n_bands // chunks, (c + 1) * n_bands // chunks):
+            n = _sum_band(b, indices, codes, tables, kept, size, sums, counts, touched)
+            base = b * size
+            for j in range(n):
+                i = touched[j]
+                m = sums[i] / np.float32(counts[i])
+                if scaled:
+                    m = m * alpha
+                theta[base + i] -= m
+                sums[i] = 0.0
+                counts[i] = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _band_means(indices, codes, tables, n_bands, kept, size, out_index, out_mean):
+    # Every touched entry and its fp32 mean, band by band; returns how many.
+    sums = np.zeros(size, dtype=np.float32)
+    counts = np.zeros(size, dtype=np.int32)
+    touched = np.empty(size, dtype=np.int64)
+    m = 0
+    for b in range(n_bands):
+        n = _sum_band(b, indices, codes, tables, kept, size, sums, counts, touched)
+        for j in range(n):
+            i = touched[j]
+            out_index[m] = b * size + i
+            out_mean[m] = sums[i] / np.float32(counts[i])
+            sums[i] = 0.0
+            counts[i] = 0
+            m += 1
+    return m
+
+
+def _peer_tables(
+    parts: Sequence[SparseTensor], clip: bool, bound: bool, norms: Sequence[float] | None = None
+) -> np.ndarray:
+    """Each peer's four values after median-norm clipping and the value bound, ``(G, 4)``.
+
+    ``norms``: the parts' L2 norms when already known (``math.sqrt(part.sq_norm())``).
     """
-    if not parts:
-        raise ValueError("aggregation needs at least one payload")
     geometry = parts[0].geometry
     for p in parts[1:]:
         if p.geometry != geometry:
             raise ValueError(f"tensor {p.name!r}: peers disagree on the tile geometry")
-    scratch = scratch or _Scratch()
-    scratch.reserve(geometry.numel)
-    norms = [math.sqrt(p.sq_norm()) for p in parts] if clip or bound else []
+    if norms is None:
+        norms = [math.sqrt(p.sq_norm()) for p in parts] if clip or bound else []
+    elif not (clip or bound):
+        norms = []
     scales = _clip_scales(norms) if clip else [1.0] * len(parts)
     limit = value_bound(norms, geometry.n_kept) if bound else math.inf
-    n = 0
-    for part, scale in zip(parts, scales, strict=True):
-        table = part.table
+    tables = np.empty((len(parts), 4), dtype=np.float32)
+    edge = np.float32(limit)
+    for row, (part, scale) in enumerate(zip(parts, scales, strict=True)):
+        table = part.table.numpy()
         if scale != 1.0:
-            table = table * torch.tensor(scale, dtype=torch.float32)
+            table = table * np.float32(scale)  # one fp32 multiplication, as in torch
         if limit != math.inf:
-            edge = torch.tensor(limit, dtype=torch.float32)
-            table = torch.minimum(torch.maximum(table, -edge), edge)
-        # Peers are added one after another in canonical order, each entry at most once per
-        # peer, so every sum is formed in the same order on every node.
-        n = _accumulate(
-            scratch.sums,
-            scratch.counts,
-            scratch.touched,
-            n,
-            part.index.numpy(),
-            part.codes.numpy(),
-            table.numpy(),
+            table = np.minimum(np.maximum(table, -edge), edge)
+        tables[row] = table
+    return tables
+
+
+def _typed(arrays: Sequence[np.ndarray]) -> List:
+    out = List()
+    for a in arrays:
+        out.append(a)
+    return out
+
+
+def _peer_arrays(parts: Sequence[SparseTensor]) -> tuple[List, List]:
+    """The peers' index and code arrays as numba lists (one index dtype for all)."""
+    indices = [p.index.numpy() for p in parts]
+    if len({a.dtype for a in indices}) > 1:
+        indices = [a.astype(np.int64) for a in indices]
+    return _typed(indices), _typed([p.codes.numpy() for p in parts])
+
+
+def sparse_mean(
+    parts: Sequence[SparseTensor], *, clip: bool = True, bound: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean over contributors of one tensor, as ``(index, mean)`` over the touched entries.
+
+    ``parts`` must already be in the canonical (sorted node id) order. ``index`` (int64,
+    row-major into the flattened tensor, each entry once; band by band, inside a band in order
+    of first selection) lists every entry some peer selected; every other entry of the aggregate
+    is 0. With ``clip``, each peer's tensor is first scaled by ``min(1, median_norm /
+    its_norm)``; with ``bound``, every value is then clipped to
+    ``node.compute.robust.value_bound`` (bounded influence).
+    """
+    if not parts:
+        raise ValueError("aggregation needs at least one payload")
+    tables = _peer_tables(parts, clip, bound)
+    geometry = parts[0].geometry
+    n_bands, kept, size = _bands(geometry)
+    cap = min(geometry.numel, len(parts) * geometry.n_kept)
+    index = np.empty(cap, dtype=np.int64)
+    mean = np.empty(cap, dtype=np.float32)
+    if geometry.n_kept:
+        indices, codes = _peer_arrays(parts)
+        n = _band_means(indices, codes, tables, n_bands, kept, size, index, mean)
+    else:
+        n = 0
+    return torch.from_numpy(index[:n].copy()), torch.from_numpy(mean[:n].copy())
+
+
+def _subtract_in_place(
+    theta: torch.Tensor,
+    parts: Sequence[SparseTensor],
+    alpha: float,
+    clip: bool,
+    bound: bool,
+    norms: Sequence[float] | None = None,
+) -> None:
+    """``theta -= alpha * mean`` for an fp32 contiguous CPU tensor, one band at a time."""
+    tables = _peer_tables(parts, clip, bound, norms)
+    geometry = parts[0].geometry
+    if geometry.n_kept == 0:
+        return
+    n_bands, kept, size = _bands(geometry)
+    indices, codes = _peer_arrays(parts)
+    flat = theta.detach().view(-1).numpy()
+    with kernels.PARALLEL_LOCK:
+        chunks = min(n_bands, 4 * numba.get_num_threads())
+        scaled = alpha != 1.0
+        _subtract_mean(
+            flat, indices, codes, tables, n_bands, kept, size, np.float32(alpha), scaled, chunks
         )
-    index = scratch.touched[:n].copy()
-    mean = np.empty(n, dtype=np.float32)
-    _take_mean(scratch.sums, scratch.counts, index, mean)
-    return torch.from_numpy(index), torch.from_numpy(mean)
 
 
 def aggregate_tensor(parts: Sequence[SparseTensor], *, clip: bool = True) -> torch.Tensor:
@@ -200,6 +269,11 @@ def aggregate_tensor(parts: Sequence[SparseTensor], *, clip: bool = True) -> tor
 def ordered(payloads: Mapping[str, Payload]) -> list[Payload]:
     """Payloads in the canonical aggregation order: sorted by node id."""
     return [payloads[node] for node in sorted(payloads)]
+
+
+def _decoded(name: str, payload: Payload) -> tuple[SparseTensor, float]:
+    part = payload.tensors[name]
+    return part, math.sqrt(part.sq_norm())
 
 
 def apply_aggregate(
@@ -224,29 +298,29 @@ def apply_aggregate(
     screening = Screening(names)
     if not peers:
         return screening
-    scratch = _Scratch()
     if robust and screening.active:
         # First pass: every tensor's pairwise sign agreement (each decoded once more when the
         # payloads are lazy), then one verdict per peer for the whole payload.
         for name in params:
-            parts = [p.tensors[name] for p in peers]
-            scratch.reserve(parts[0].geometry.numel)
-            screening.add(parts, scratch.pos, scratch.neg)
+            screening.add(kernels.map_threads(lambda p: p.tensors[name], peers))  # noqa: B023
         keep = screening.decide()
         peers = [p for p, kept in zip(peers, keep, strict=True) if kept]
     with torch.no_grad():
         for name, theta in params.items():
-            parts = [p.tensors[name] for p in peers]
-            index, update = sparse_mean(parts, clip=clip, bound=robust, scratch=scratch)
-            if alpha != 1.0:
-                update.mul_(alpha)
+            # Lazily read payloads decode here, the peers side by side (nogil kernels).
+            decoded = kernels.map_threads(functools.partial(_decoded, name), peers)
+            parts = [part for part, _ in decoded]
             if (
                 theta.dtype == torch.float32
                 and theta.is_contiguous()
                 and theta.device.type == "cpu"
             ):
-                _subtract_at(theta.detach().view(-1).numpy(), index.numpy(), update.numpy())
-            else:
-                flat = theta.view(-1)
-                flat[index] = flat[index] - update.to(device=theta.device, dtype=theta.dtype)
+                norms = [norm for _, norm in decoded]
+                _subtract_in_place(theta, parts, alpha, clip, robust, norms)
+                continue
+            index, update = sparse_mean(parts, clip=clip, bound=robust)
+            if alpha != 1.0:
+                update.mul_(alpha)
+            flat = theta.view(-1)
+            flat[index] = flat[index] - update.to(device=theta.device, dtype=theta.dtype)
     return screening

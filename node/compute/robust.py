@@ -37,6 +37,7 @@ from fractions import Fraction
 
 import numba
 import numpy as np
+from numba.typed import List
 
 from protocol.codec import SparseTensor
 
@@ -55,30 +56,13 @@ VALUE_BOUND = 8.0
 
 
 @numba.njit(cache=True, nogil=True)
-def _mark(pos, neg, index, codes, signs, bit):
-    # Each entry's masks of the peers that sent it a positive / negative value.
-    for j in range(index.size):
-        s = signs[codes[j]]
-        if s > 0:
-            pos[index[j]] |= bit
-        elif s < 0:
-            neg[index[j]] |= bit
-
-
-@numba.njit(cache=True, nogil=True)
-def _unmark(pos, neg, index):
-    for j in range(index.size):
-        pos[index[j]] = 0
-        neg[index[j]] = 0
-
-
-@numba.njit(cache=True, nogil=True)
-def _pairs(pos, neg, index, codes, signs, p, n, agree, shared):
-    # Peer p's agreement with every other peer on the entries p selected.
+def _pairs(pos, neg, index, codes, signs, p, lo, hi, base, agree, shared):
+    # Peer p's agreement with every other peer on the entries p selected in one band.
+    n = agree.shape[0]
     one = np.uint64(1)
     mine = one << np.uint64(p)
-    for j in range(index.size):
-        i = index[j]
+    for j in range(lo, hi):
+        i = index[j] - base
         s = signs[codes[j]]
         if s > 0:
             same, other = pos[i] & ~mine, neg[i]
@@ -97,6 +81,37 @@ def _pairs(pos, neg, index, codes, signs, p, n, agree, shared):
                 if s != 0:
                     agree[p, q] -= 1
                 shared[p, q] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _screen(indices, codes, signs, n_bands, kept, size, agree, shared):
+    # Band by band (see node.compute.outer._bands): each entry's masks of the peers that sent
+    # it a positive / negative value, then every peer's agreement with the others; the masks
+    # cover one band and are cleared after it.
+    pos = np.zeros(size, dtype=np.uint64)
+    neg = np.zeros(size, dtype=np.uint64)
+    n = len(indices)
+    for b in range(n_bands):
+        base = b * size
+        lo = b * kept
+        hi = lo + kept
+        for p in range(n):
+            bit = np.uint64(1) << np.uint64(p)
+            index = indices[p]
+            code = codes[p]
+            for j in range(lo, hi):
+                s = signs[p, code[j]]
+                if s > 0:
+                    pos[index[j] - base] |= bit
+                elif s < 0:
+                    neg[index[j] - base] |= bit
+        for p in range(n):
+            _pairs(pos, neg, indices[p], codes[p], signs[p], p, lo, hi, base, agree, shared)
+        for p in range(n):
+            index = indices[p]
+            for j in range(lo, hi):
+                pos[index[j] - base] = 0
+                neg[index[j] - base] = 0
 
 
 @dataclass
@@ -118,23 +133,20 @@ class Screening:
     def active(self) -> bool:
         return MIN_PEERS <= len(self.names) <= MAX_SCREENED
 
-    def add(self, parts: Sequence[SparseTensor], pos: np.ndarray, neg: np.ndarray) -> None:
-        """Account one tensor (``parts`` in the order of ``names``); ``pos``/``neg`` are zero
-        uint64 scratch arrays of at least the tensor's size, zero again on return."""
-        if not self.active:
+    def add(self, parts: Sequence[SparseTensor]) -> None:
+        """Account one tensor (``parts`` in the order of ``names``), one band of tiles at a
+        time: scratch is 16 bytes per element of a band, not of the tensor."""
+        if not self.active or not parts or parts[0].geometry.n_kept == 0:
             return
-        n = len(parts)
-        signs = [np.sign(p.table.numpy()).astype(np.int32) for p in parts]
-        index = [p.index.numpy() for p in parts]
-        codes = [p.codes.numpy() for p in parts]
-        try:
-            for p in range(n):
-                _mark(pos, neg, index[p], codes[p], signs[p], np.uint64(1) << np.uint64(p))
-            for p in range(n):
-                _pairs(pos, neg, index[p], codes[p], signs[p], p, n, self.agree, self.shared)
-        finally:
-            for p in range(n):
-                _unmark(pos, neg, index[p])
+        g = parts[0].geometry
+        gr, gc = g.grid
+        signs = np.stack([np.sign(p.table.numpy()).astype(np.int32) for p in parts])
+        indices, codes = List(), List()
+        index_dtype = np.int64 if g.numel >= 2**31 else np.int32
+        for p in parts:
+            indices.append(p.index.numpy().astype(index_dtype, copy=False))
+            codes.append(p.codes.numpy())
+        _screen(indices, codes, signs, gr, gc * g.k, g.h * g.cols, self.agree, self.shared)
 
     def decide(self) -> list[bool]:
         """Which peers stay (in the order of ``names``); fills ``rejected``."""

@@ -11,6 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 MB = 1e6
+_IMPL = {
+    "lazy": "ours, the node's path (lazy read)",
+    "ours": "ours, eager read",
+    "naive": "production path (naive torch)",
+}
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -85,6 +90,20 @@ def format_markdown(results: Mapping[str, Any]) -> str:
                 ],
             )
         )
+        if (e := p.get("encode_memcpy")) is not None:
+            out.append(
+                _table(
+                    ["encode", "memory copy of the same bytes", "encode / copy", "target met"],
+                    [
+                        [
+                            f"{e['encode_s'] * 1e3:.3g} ms",
+                            f"{e['memcpy_s'] * 1e3:.3g} ms",
+                            f"{e['ratio']:.1f}x (≤ {e['target']}x)",
+                            _mark(e["ok"]),
+                        ]
+                    ],
+                )
+            )
     if (q := results.get("memory")) is not None:
         out.append(
             f"Peak memory of decode + aggregate + apply of {q['peers']} payloads at "
@@ -93,13 +112,21 @@ def format_markdown(results: Mapping[str, Any]) -> str:
         )
         out.append(
             _table(
-                ["implementation", "peak extra RSS", "fp32 model copies", "payloads held"],
+                [
+                    "implementation",
+                    "peak extra RSS",
+                    "fp32 model copies",
+                    "payloads held",
+                    "target met",
+                ],
                 [
                     [
-                        r["impl"],
+                        _IMPL.get(r["impl"], r["impl"]),
                         f"{r['peak_mb']:.1f} MB" + ("" if r["hwm_reset"] else " (lower bound)"),
-                        f"{r['model_copies']:.2f}",
+                        f"{r['model_copies']:.2f}"
+                        + (f" (≤ {r['target']})" if r.get("target") is not None else ""),
                         f"{r['payload_mb']:.1f} MB",
+                        _mark(r["ok"]) if r.get("ok") is not None else "-",
                     ]
                     for r in q["rows"]
                 ],

@@ -62,12 +62,12 @@ def _aggregate_once(
     tile: int,
     clip: bool,
 ) -> None:
-    if kind == "ours":
+    if kind in ("ours", "lazy"):
         from node.compute.outer import apply_aggregate
         from protocol.codec import read_payload
 
         payloads = {
-            f"peer{i:03d}": read_payload(d, shapes, topk=topk, tile=tile)
+            f"peer{i:03d}": read_payload(d, shapes, topk=topk, tile=tile, lazy=kind == "lazy")
             for i, d in enumerate(datas)
         }
         apply_aggregate(params, payloads, clip=clip)
@@ -109,7 +109,10 @@ def peak_aggregation_bytes(
     tile: int = 64,
     clip: bool = True,
 ) -> dict[str, object]:
-    """Peak extra RSS of parse + aggregate + apply of ``payloads`` (``kind``: ours or naive)."""
+    """Peak extra RSS of parse + aggregate + apply of ``payloads``.
+
+    ``kind``: ``lazy`` (ours as the node reads payloads), ``ours`` (eager decode) or ``naive``.
+    """
     with tempfile.TemporaryDirectory(prefix="slc-mem-") as tmp:
         root = Path(tmp)
         (root / "shapes.json").write_text(json.dumps({n: list(s) for n, s in shapes.items()}))

@@ -8,11 +8,11 @@ format of the production system (12-bit indices, one byte per 2-bit code):
   2-bit quantiser in fp32 torch ops, pack the within-tile positions at 12 bits (two positions in
   three bytes), store each code in a whole byte, and rebuild the dense reconstruction by
   scattering into a zero tile-layout tensor and permuting back;
-- decode + aggregate: parse every peer (unpack the 12-bit positions, codes to values through the
-  levels), then for each peer and tensor scatter its values into a dense tile-layout tensor, add
-  it to a dense sum and its mask to a dense count; finally ``sum / count`` (0 where nobody
-  selected a coordinate), untile, and apply. Optional median-norm clipping as in
-  ``node.compute.outer.clip_scales``.
+- decode + aggregate (the production system's path): parse every peer (unpack the 12-bit
+  positions, codes to values through the levels), scale each peer's values of a tensor by its
+  median-norm clipping factor (``torch.norm`` of the values, as
+  ``node.compute.outer.clip_scales``), concatenate the peers along the tile and average with one
+  ``scatter_reduce_(reduce="mean", include_self=False)`` per tensor; untile, and apply.
 
 Per tensor, the byte layout is ``shift`` and the four levels (20 bytes of fp32, the same as
 ours), then the 12-bit positions (``3 * ceil(n_kept / 2)`` bytes), then ``n_kept`` code bytes;
@@ -162,26 +162,25 @@ def clip_scales(parts: Sequence[NaiveSparse]) -> torch.Tensor:
 def aggregate(
     peers: Sequence[Mapping[str, NaiveSparse]], *, clip: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Dense scatter-mean over peers of every tensor (see module docstring)."""
-    names = sorted(peers[0])
-    scales = {
-        n: clip_scales([p[n] for p in peers]) if clip else torch.ones(len(peers)) for n in names
-    }
-    sums = {
-        n: torch.zeros(peers[0][n].geometry.n_tiles, peers[0][n].geometry.tile_len) for n in names
-    }
-    counts = {n: torch.zeros_like(s) for n, s in sums.items()}
-    for i, peer in enumerate(peers):
-        for n in names:
-            t = peer[n]
-            dense = torch.zeros_like(sums[n]).scatter_(1, t.positions, t.values() * scales[n][i])
-            mask = torch.zeros_like(counts[n]).scatter_(1, t.positions, 1.0)
-            sums[n] += dense
-            counts[n] += mask
+    """Scatter-mean over peers of every tensor, as the production path does it.
+
+    Per tensor: every peer's values (scaled by its clipping factor) and tile positions are
+    concatenated along the tile, then one ``scatter_reduce_(..., "mean", include_self=False)``
+    into a zero tile-layout tensor averages each coordinate over the peers that sent it (0
+    where nobody did); the result is untiled. The whole model's aggregate is built before any of
+    it is applied, as an optimiser step over gradients would need.
+    """
     out = {}
-    for n in names:
-        mean = torch.where(counts[n] > 0, sums[n] / counts[n], torch.zeros(()))
-        out[n] = untile(mean, peers[0][n].geometry)
+    for n in sorted(peers[0]):
+        parts = [p[n] for p in peers]
+        g = parts[0].geometry
+        scales = clip_scales(parts) if clip else torch.ones(len(parts))
+        index = torch.cat([t.positions for t in parts], dim=1)
+        values = torch.cat([t.values() * scales[i] for i, t in enumerate(parts)], dim=1)
+        mean = torch.zeros(g.n_tiles, g.tile_len).scatter_reduce_(
+            1, index, values, reduce="mean", include_self=False
+        )
+        out[n] = untile(mean, g)
     return out
 
 

@@ -1,0 +1,137 @@
+"""GPU check of the device path: the same bytes and parameters on CUDA as on the CPU, and timings.
+
+    python tests/bench/gpu_check.py [--preset base] [--peers 8] [--repeat 3]
+
+Encodes ``--peers`` seeded error-feedback-like buffers of the preset's shapes on the CPU
+(``protocol.codec``) and on the GPU (``node.compute.device``) and requires identical payload
+bytes and reconstructions; decodes every payload on the GPU and requires the CPU's dense
+tensors; aggregates them into the same parameters on both (clipping on, alpha 0.7, plain and
+robust) and requires bit-identical results. Then prints the time of each operation on both,
+best of ``--repeat``. Exits 0 when everything matched, 1 on any difference, and 0 with a
+"no CUDA device" line (checking nothing) where torch sees no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from node.compute import device
+from node.compute.outer import apply_aggregate
+from node.research.bench.codec_bench import error_buffer, model_shapes
+from protocol.codec import decode, encode, read_payload
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.cpu().view(torch.int32), b.cpu().view(torch.int32))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="base")
+    ap.add_argument("--peers", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script itself")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible to torch; nothing checked (run it on a GPU box)")
+        return 0
+    cuda = torch.device(args.device)
+    shapes = model_shapes(args.preset)
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    name = torch.cuda.get_device_name(0) if cuda.type == "cuda" else "CPU (dry run)"
+    print(
+        f"gpu_check: {name}, torch {torch.__version__}, "
+        f"preset {args.preset} ({params / 1e6:.1f} M parameters), {args.peers} peers"
+    )
+    failures = []
+    datas = {}
+    for i in range(args.peers):
+        x = error_buffer(shapes, 100 + i)
+        data, recon = encode(x)
+        gdata, grecon = device.encode({n: v.to(cuda) for n, v in x.items()})
+        if gdata != data:
+            failures.append(f"peer {i}: payload bytes differ")
+        if not all(_same(grecon[n], recon[n]) for n in shapes):
+            failures.append(f"peer {i}: reconstruction differs")
+        datas[f"node-{i:03d}"] = data
+    lazy = {k: read_payload(d, shapes, lazy=True) for k, d in datas.items()}
+    first = next(iter(datas.values()))
+    dense = decode(first, shapes)
+    gdense = device.decode(lazy[next(iter(datas))], cuda)
+    if not all(_same(gdense[n], dense[n]) for n in shapes):
+        failures.append("decode differs")
+    start = {
+        n: torch.randn(s, generator=torch.Generator().manual_seed(1)) for n, s in shapes.items()
+    }
+    for robust in (False, True):
+        cpu = {n: v.clone() for n, v in start.items()}
+        gpu = {n: v.to(cuda) for n, v in start.items()}
+        want = apply_aggregate(cpu, lazy, alpha=0.7, robust=robust)
+        got = device.apply_aggregate(gpu, lazy, alpha=0.7, robust=robust)
+        if got.rejected != want.rejected or not all(_same(gpu[n], cpu[n]) for n in shapes):
+            failures.append(f"aggregation (robust={robust}) differs")
+    x = error_buffer(shapes, 0)
+    gx = {n: v.to(cuda) for n, v in x.items()}
+    gparams = {n: v.to(cuda) for n, v in start.items()}
+    cparams = {n: v.clone() for n, v in start.items()}
+    rows = [
+        (
+            "encode",
+            _best(lambda: encode(x), args.repeat),
+            _best(lambda: device.encode(gx), args.repeat),
+        ),
+        (
+            f"aggregate {args.peers} peers (lazy read + apply)",
+            _best(
+                lambda: apply_aggregate(
+                    cparams, {k: read_payload(d, shapes, lazy=True) for k, d in datas.items()}
+                ),
+                args.repeat,
+            ),
+            _best(
+                lambda: device.apply_aggregate(
+                    gparams, {k: read_payload(d, shapes, lazy=True) for k, d in datas.items()}
+                ),
+                args.repeat,
+            ),
+        ),
+    ]
+    print("| operation | CPU (numba) | GPU (torch) |\n|---|---:|---:|")
+    for op, c, g in rows:
+        print(f"| {op} | {c * 1e3:.1f} ms | {g * 1e3:.1f} ms |")
+    if cuda.type == "cuda":
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 1e6:.0f} MB")
+    if failures:
+        print("gpu_check: FAILED\n  " + "\n  ".join(failures))
+        return 1
+    print(f"gpu_check: OK, bit-identical on {cuda.type}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
