@@ -11,7 +11,8 @@ Subcommands:
 - ``doctor``: can this machine take part in that run (``node.tools.doctor``);
 - ``export``: the run's newest checkpoint as a verified safetensors file (``node.tools.export``);
 - ``simulate``: SparseLoCo, DiLoCo and DDP in one process;
-- ``bench``: ``codec`` (payload size, speed, memory) and ``quality`` (the three algorithms).
+- ``bench``: ``codec`` (payload size, speed, memory), ``quality`` (the three algorithms),
+  ``robust``, ``round`` and ``coordinator`` (the coordinator under N simulated nodes).
 
 Each subcommand parses its flags into a validated config; bad values fail at start with a
 message naming the flag, before anything heavy (torch) is imported.
@@ -64,6 +65,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="disable median-norm clipping of peers",
     )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        default=None,
+        help="SparseLoCo: apply each round's aggregate one round late (overlapped transfers)",
+    )
     p.add_argument("--inner-lr", type=float, help="inner AdamW lr (default by algorithm)")
     p.add_argument("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)")
     p.add_argument("--seed", type=int)
@@ -90,6 +97,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             "beta",
             "alpha",
             "clip",
+            "overlap",
             "inner_lr",
             "outer_lr",
             "seed",
@@ -111,7 +119,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (reported numbers, never pass/fail)")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="{codec,quality,robust,round}")
+    bench = p.add_subparsers(
+        dest="bench", required=True, metavar="{codec,quality,robust,round,coordinator}"
+    )
     c = bench.add_parser("codec", help="payload size, encode and decode+aggregate speed, memory")
     c.add_argument("--preset", default="base", help="model whose shapes are encoded")
     c.add_argument("--peers", type=int, default=16)
@@ -140,6 +150,20 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--dir", dest="run_dir", help="run folder (default: runs/up-<time>)")
     r.add_argument("--json", dest="json_out", metavar="OUT")
     r.set_defaults(func=_cmd_bench_round)
+    k = bench.add_parser(
+        "coordinator", help="the real coordinator under N simulated nodes doing full rounds"
+    )
+    k.add_argument("--nodes", type=int, default=1000)
+    k.add_argument("--rounds", type=int, default=3)
+    k.add_argument("--train-s", type=float, default=2.0, help="every node's simulated training")
+    k.add_argument("--spread-s", type=float, default=5.0, help="plus up to this, at random")
+    k.add_argument("--apply-s", type=float, default=1.0, help="manifest to report, x0.5-1.5")
+    k.add_argument("--join-s", type=float, default=20.0, help="joins spread over this long")
+    k.add_argument("--payload-bytes", type=int, default=4096)
+    k.add_argument("--timeout-s", type=float, default=900.0, help="then stop, unfinished")
+    k.add_argument("--dir", dest="run_dir", help="keep the store, database and logs here")
+    k.add_argument("--json", dest="json_out", metavar="OUT")
+    k.set_defaults(func=_cmd_bench_coordinator)
 
 
 def _cmd_bench_codec(args: argparse.Namespace) -> int:
@@ -221,6 +245,12 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", help="local state folder (or SPARSELOCO_NODE_STATE_DIR)")
     p.add_argument("--data", help="text file, directory or glob (default: bundled corpus)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    for way in ("upload", "download"):
+        p.add_argument(
+            f"--{way}-limit",
+            help=f"cap this node's {way}s to the store, e.g. 100Mbit or 12.5MB (per second;"
+            f" or SPARSELOCO_NODE_{way.upper()}_LIMIT)",
+        )
     p.set_defaults(func=_cmd_node)
 
 
@@ -233,6 +263,8 @@ def _cmd_node(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         data=args.data,
         threads=args.threads,
+        upload_limit=args.upload_limit,
+        download_limit=args.download_limit,
     )
     from node.daemon.loop import run_node
 
@@ -275,6 +307,24 @@ def _cmd_bench_round(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         preset=args.preset,
         run_dir=args.run_dir,
+    )
+    return 0
+
+
+def _cmd_bench_coordinator(args: argparse.Namespace) -> int:
+    from node.research.bench.coordinator_load import run
+
+    run(
+        args.json_out,
+        nodes=args.nodes,
+        rounds=args.rounds,
+        train_s=args.train_s,
+        spread_s=args.spread_s,
+        join_s=args.join_s,
+        apply_s=args.apply_s,
+        payload_bytes=args.payload_bytes,
+        timeout_s=args.timeout_s,
+        root=args.run_dir,
     )
     return 0
 

@@ -13,6 +13,7 @@ import hashlib
 import aiohttp
 import pytest
 
+from node.daemon.ratelimit import Limits
 from node.daemon.retry import RetryPolicy
 from node.daemon.transfer import get_object, put_object
 from node.errors import DigestError, TransferError
@@ -117,3 +118,26 @@ async def test_digest_and_size_mismatch_are_errors(store, s3, request) -> None:
         with pytest.raises(TransferError) as err:
             await get_object(http, missing, size=1, sha256="0" * 64, policy=FAST)
         assert err.value.status == 404
+
+
+async def test_capped_transfers_move_the_same_bytes(store, s3, request) -> None:
+    """A capped upload declares its length (a presigned PUT refuses a chunked body) and a
+    capped download, plain or ranged, reassembles the object."""
+    bucket = store.bucket
+    key = f"transfer/{request.node.name}.slc"
+    body = hashlib.sha256(b"capped").digest() * 10_000  # 320 kB, several chunks
+    url, headers = _presign_put(s3, bucket, key, body)
+    limits = Limits(upload=50e6, download=50e6)
+    async with aiohttp.ClientSession() as http:
+        assert await put_object(http, url, headers, body, policy=FAST, bandwidth=limits.upload)
+        for part_size in (len(body), 100_000):
+            got = await get_object(
+                http,
+                _presign_get(s3, bucket, key),
+                size=len(body),
+                sha256=hashlib.sha256(body).hexdigest(),
+                policy=FAST,
+                part_size=part_size,
+                bandwidth=limits.download,
+            )
+            assert got == body

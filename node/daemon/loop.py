@@ -48,6 +48,7 @@ from node.daemon.faults import Faults
 from node.daemon.instance import claim
 from node.daemon.join import join, rejoin
 from node.daemon.pending import PendingRound, restore, save_idle, save_submitting
+from node.daemon.ratelimit import Limits
 from node.daemon.retry import FOREVER, Link
 from node.daemon.rounds import RoundFinisher
 from node.daemon.settings import NodeSettings
@@ -387,7 +388,7 @@ async def serve(settings: NodeSettings) -> int:
             instance=instance,
             previous_instance=previous,
         )
-        transfers = HttpTransfers(http, transfer_timeouts)
+        transfers = HttpTransfers(http, transfer_timeouts, limits=Limits.of(settings))
         daemon = NodeDaemon(settings, api, transfers, links=(api.link, transfers.link))
         return await daemon.run()
 

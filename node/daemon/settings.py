@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from node.daemon.ratelimit import parse_rate
 from node.daemon.tls import check_coordinator_url
 from protocol.errors import ConfigError, Problem, config_error
 from protocol.invite import decode_invite, normalize_fingerprint
@@ -85,7 +86,8 @@ class NodeSettings(ConnectionSettings):
     threads: int = Field(0, ge=0)
     eval_batches: int = Field(4, ge=1)
     eval_batch_size: int = Field(8, ge=1)
-    #: Evaluate the held-out loss every this many rounds (0: never).
+    #: Evaluate the held-out loss every this many rounds (0: never); unset, the run's own
+    #: schedule (``RunConfig.eval_every``) decides.
     eval_every: int = Field(1, ge=0)
     parallel_downloads: int = Field(8, ge=1)
     connect_timeout_s: float = Field(10.0, gt=0)
@@ -96,6 +98,20 @@ class NodeSettings(ConnectionSettings):
     outage_budget_s: float = Field(math.inf, gt=0)
     #: Seconds a stop request (SIGTERM, Ctrl-C) waits for the round in hand before it is cut.
     stop_grace_s: float = Field(3.0, ge=0)
+    #: Caps on this node's transfers to and from the store, in bytes per second (given as
+    #: ``100Mbit``, ``12.5MB``...: ``node.daemon.ratelimit``); None: uncapped.
+    upload_limit: float | None = Field(None, gt=0)
+    download_limit: float | None = Field(None, gt=0)
+
+    @field_validator("upload_limit", "download_limit", mode="before")
+    @classmethod
+    def _rate(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return parse_rate(value)
+        except ConfigError as exc:  # as a validation error, so the message names the flag
+            raise ValueError(str(exc)) from None
 
 
 #: The settings an invite fills, by field.

@@ -10,6 +10,8 @@ set; this module moves the bytes with aiohttp:
 - ``get_object`` downloads and checks size and sha256. Objects larger than ``part_size`` are
   fetched as parallel ranged GETs; a digest mismatch is a ``DigestError`` and is not retried
   (every honest node would see the same bytes).
+- Either direction may be capped (``node.daemon.ratelimit``): the body is then sent or read in
+  chunks at the cap's pace, and each attempt's timeout grows by the time the cap needs.
 - ``HttpTransfers`` is the daemon's ``api.Transfers`` seam over both, bound to one session and
   its timeouts.
 
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 from yarl import URL
 
+from node.daemon.ratelimit import CHUNK, Bandwidth, Limits
 from node.daemon.retry import TRANSIENT_STATUS, Link, RetryPolicy, retry
 from node.errors import DigestError, TransferError, TransientError
 
@@ -47,8 +50,12 @@ class TransferTimeouts:
     #: Whole PUT or GET of one object or part, including the body.
     transfer_s: float = 120.0
 
-    def client_timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.transfer_s, sock_connect=self.connect_s)
+    def client_timeout(
+        self, size: int = 0, limit: Bandwidth | None = None
+    ) -> aiohttp.ClientTimeout:
+        """The limits of one attempt; a capped transfer gets the time its cap needs on top."""
+        total = self.transfer_s + (0.0 if limit is None else limit.seconds_for(size))
+        return aiohttp.ClientTimeout(total=total, sock_connect=self.connect_s)
 
 
 DEFAULT_TIMEOUTS = TransferTimeouts()
@@ -59,12 +66,17 @@ def _signed(url: str) -> URL:
     return URL(url, encoded=True)
 
 
-async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The body up to ``limit`` bytes (``StreamReader.read(n)`` may return fewer: loop)."""
+async def _read_at_most(
+    resp: aiohttp.ClientResponse, limit: int, bandwidth: Bandwidth | None = None
+) -> bytes:
+    """The body up to ``limit`` bytes (``StreamReader.read(n)`` may return fewer: loop), read
+    at ``bandwidth``'s pace when there is one."""
     chunks = []
     left = limit
     while left > 0:
-        chunk = await resp.content.read(left)
+        if bandwidth is not None:
+            await bandwidth.take(min(left, CHUNK))
+        chunk = await resp.content.read(min(left, CHUNK) if bandwidth is not None else left)
         if not chunk:
             break
         chunks.append(chunk)
@@ -90,13 +102,19 @@ async def put_object(
     timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
     policy: RetryPolicy = DEFAULT_POLICY,
     link: Link | None = None,
+    bandwidth: Bandwidth | None = None,
 ) -> bool:
-    """PUT ``data`` to a presigned URL. Returns False if the object already existed (412)."""
+    """PUT ``data`` to a presigned URL. Returns False if the object already existed (412).
+    With ``bandwidth`` the body goes out at its pace (with its length declared, not chunked)."""
 
     async def attempt() -> bool:
-        async with session.put(
-            _signed(url), data=data, headers=dict(headers), timeout=timeouts.client_timeout()
-        ) as resp:
+        body: bytes | AsyncIterator[bytes] = data
+        sent = dict(headers)
+        if bandwidth is not None:
+            body = bandwidth.chunks(data)
+            sent["Content-Length"] = str(len(data))
+        timeout = timeouts.client_timeout(len(data), bandwidth)
+        async with session.put(_signed(url), data=body, headers=sent, timeout=timeout) as resp:
             body = await resp.read()
             if resp.status == 412:
                 return False
@@ -114,13 +132,13 @@ async def _get_range(
     timeouts: TransferTimeouts,
     policy: RetryPolicy,
     link: Link | None,
+    bandwidth: Bandwidth | None,
 ) -> bytes:
     async def attempt() -> bytes:
         headers = {"Range": f"bytes={start}-{end - 1}"}
-        async with session.get(
-            _signed(url), headers=headers, timeout=timeouts.client_timeout()
-        ) as resp:
-            body = await resp.read()
+        timeout = timeouts.client_timeout(end - start, bandwidth)
+        async with session.get(_signed(url), headers=headers, timeout=timeout) as resp:
+            body = await _read_at_most(resp, end - start + 1, bandwidth)
             _check_status(resp.status, body, "download part")
             if len(body) != end - start:
                 raise TransientError(f"download part: got {len(body)} bytes of {end - start}")
@@ -139,15 +157,18 @@ async def get_object(
     policy: RetryPolicy = DEFAULT_POLICY,
     part_size: int = PART_SIZE,
     link: Link | None = None,
+    bandwidth: Bandwidth | None = None,
 ) -> bytes:
-    """Download an object of known ``size`` and ``sha256`` (hex) and verify it."""
+    """Download an object of known ``size`` and ``sha256`` (hex) and verify it (at
+    ``bandwidth``'s pace when there is one)."""
     if size <= part_size:
 
         async def attempt() -> bytes:
-            async with session.get(_signed(url), timeout=timeouts.client_timeout()) as resp:
+            timeout = timeouts.client_timeout(size, bandwidth)
+            async with session.get(_signed(url), timeout=timeout) as resp:
                 # Read at most one byte more than promised: a longer body is a digest error,
                 # and a hostile server cannot make us buffer more than that.
-                body = await _read_at_most(resp, size + 1)
+                body = await _read_at_most(resp, size + 1, bandwidth)
                 _check_status(resp.status, body, "download")
                 return body
 
@@ -158,7 +179,7 @@ async def get_object(
         async def part(start: int) -> bytes:
             async with gate:
                 end = min(size, start + part_size)
-                return await _get_range(session, url, start, end, timeouts, policy, link)
+                return await _get_range(session, url, start, end, timeouts, policy, link, bandwidth)
 
         parts = await asyncio.gather(*(part(s) for s in range(0, size, part_size)))
         data = b"".join(parts)
@@ -178,10 +199,12 @@ class HttpTransfers:
         session: aiohttp.ClientSession,
         timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
         policy: RetryPolicy = DEFAULT_POLICY,
+        limits: Limits | None = None,
     ) -> None:
         self.session = session
         self.timeouts = timeouts
         self.policy = policy
+        self.limits = limits or Limits()
         #: Whether the object store answers; logs once per change of state.
         self.link = Link("store")
 
@@ -194,6 +217,7 @@ class HttpTransfers:
             timeouts=self.timeouts,
             policy=self.policy,
             link=self.link,
+            bandwidth=self.limits.upload,
         )
 
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:
@@ -205,4 +229,5 @@ class HttpTransfers:
             timeouts=self.timeouts,
             policy=self.policy,
             link=self.link,
+            bandwidth=self.limits.download,
         )

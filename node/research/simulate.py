@@ -175,6 +175,7 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
     errors = [{n: torch.zeros_like(t) for n, t in theta.items()} for _ in workers]
     shapes = {n: tuple(t.shape) for n, t in theta.items()}
     sent = 0
+    in_flight: dict[str, Any] | None = None  # with overlap: the aggregate still travelling
     sim.record(0, None)
     for r in range(cfg.rounds):
         _sync(workers, theta)
@@ -189,7 +190,16 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
             )
             sent += len(data)
             payloads[f"w{w:03d}"] = read_payload(data, shapes, topk=cfg.topk, tile=cfg.tile)
-        apply_aggregate(theta, payloads, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
+        if not cfg.overlap:
+            apply_aggregate(theta, payloads, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
+        else:
+            # Round r-1's aggregate travelled while round r trained: it is applied now. The
+            # last round's own aggregate follows at once (nothing trains after it).
+            last = r == cfg.rounds - 1
+            for due in (in_flight, payloads if last else None):
+                if due is not None:
+                    apply_aggregate(theta, due, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
+            in_flight = None if last else payloads
         sim.record(r + 1, train_loss)
     return {"bytes_sent_per_worker": sent / cfg.workers}
 
