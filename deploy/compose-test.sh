@@ -320,7 +320,7 @@ for unit in ${nodes//,/ }; do
     [ "$ended" = "success 0 0" ] ||
         fail "sparseloco-node@$unit ended with (result, status, restarts) = ($ended)"
 done
-sdexec python3 -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen('http://127.0.0.1:8700/v1/status?rounds=100000').read().decode())" \
+sdexec python3 -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen('http://127.0.0.1:8700/v1/status?rounds=1000').read().decode())" \
     >"$WORK/systemd-status.json"
 python3 deploy/compose_check.py --status-file "$WORK/systemd-status.json" --nodes "$nodes" ||
     fail "the nodes run by systemd disagree"

@@ -80,7 +80,7 @@ def containers(docker: str, project: str, service: str) -> list[Container]:
 
 
 def fetch_status(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{url}/v1/status?rounds=100000", timeout=10) as resp:
+    with urllib.request.urlopen(f"{url}/v1/status?rounds=1000", timeout=10) as resp:
         status: dict[str, Any] = json.load(resp)
         return status
 
