@@ -248,9 +248,8 @@ class RoundMachine:
 
     def expected_base(self, round_: int) -> str | None:
         """The base fingerprint round ``round_`` must use, if the reports already settle it."""
-        if round_ == 0:
-            return None
-        return self.votes.majority(round_ - 1)
+        voted = self.run.base_round(round_)
+        return None if voted is None else self.votes.majority(voted)
 
     def submit(
         self, node_id: str, round_: int, req: SubmitRequest, digest_ok: bool
@@ -319,7 +318,8 @@ class RoundMachine:
                 raise Conflict("round_closed", f"round {round_} is not open; it cannot close")
             rows = self.db.submissions(round_)
             subs = [_submission(s) for s in rows]
-            reported = self.votes.reported(round_ - 1) if round_ > 0 else []
+            voted = self.run.base_round(round_)
+            reported = [] if voted is None else self.votes.reported(voted)
             decision = rounds.decide_close(
                 subs, self.members.members(), round_, reported, self.run.gather_size
             )

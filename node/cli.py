@@ -11,8 +11,7 @@ Subcommands:
 - ``doctor``: can this machine take part in that run (``node.tools.doctor``);
 - ``export``: the run's newest checkpoint as a verified safetensors file (``node.tools.export``);
 - ``simulate``: SparseLoCo, DiLoCo and DDP in one process;
-- ``bench``: ``codec`` (payload size, speed, memory), ``quality`` (the three algorithms),
-  ``robust``, ``round`` and ``coordinator`` (the coordinator under N simulated nodes).
+- ``bench``: the benchmarks (``node.research.bench.cli``).
 
 Each subcommand parses its flags into a validated config; bad values fail at start with a
 message naming the flag, before anything heavy (torch) is imported.
@@ -25,6 +24,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from node.research.bench.cli import add_bench
 from node.tools.commands import (
     add_doctor,
     add_export,
@@ -67,9 +67,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--overlap",
-        action="store_true",
+        nargs="?",
+        const="eager",
+        choices=("off", "delayed", "eager"),
         default=None,
-        help="SparseLoCo: apply each round's aggregate one round late (overlapped transfers)",
+        help="SparseLoCo: apply each round's aggregate one round late so transfers overlap the"
+        " next round's training; 'eager' (the default with the flag) starts that training with"
+        " the worker's own update applied, 'delayed' without it",
     )
     p.add_argument("--inner-lr", type=float, help="inner AdamW lr (default by algorithm)")
     p.add_argument("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)")
@@ -117,70 +121,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (reported numbers, never pass/fail)")
-    bench = p.add_subparsers(
-        dest="bench", required=True, metavar="{codec,quality,robust,round,coordinator}"
-    )
-    c = bench.add_parser("codec", help="payload size, encode and decode+aggregate speed, memory")
-    c.add_argument("--preset", default="base", help="model whose shapes are encoded")
-    c.add_argument("--peers", type=int, default=16)
-    c.add_argument("--repeat", type=int, default=3)
-    c.add_argument("--threads", type=int, help="torch threads for the timings (default: all)")
-    c.add_argument("--json", dest="json_out", metavar="OUT")
-    c.set_defaults(func=_cmd_bench_codec)
-    q = bench.add_parser("quality", help="SparseLoCo vs DiLoCo vs DDP on the bench preset")
-    q.add_argument("--preset", default="bench")
-    q.add_argument("--rounds", type=int)
-    q.add_argument("--data")
-    q.add_argument("--algos", default="sparseloco,diloco,ddp")
-    q.add_argument("--out", default="bench-out/quality", help="folder for JSON and the plot")
-    q.set_defaults(func=_cmd_bench_quality)
-    b = bench.add_parser("robust", help="hostile workers against robust aggregation (simulated)")
-    b.add_argument("--preset", default="tiny")
-    b.add_argument("--workers", type=int, default=4)
-    b.add_argument("--attackers", type=int, default=1)
-    b.add_argument("--rounds", type=int, default=8)
-    b.add_argument("--json", dest="json_out", metavar="OUT")
-    b.set_defaults(func=_cmd_bench_robust)
-    r = bench.add_parser("round", help="time of a networked round, phase by phase (runs up)")
-    r.add_argument("--nodes", type=int, default=4)
-    r.add_argument("--rounds", type=int, default=8)
-    r.add_argument("--preset", default="tiny")
-    r.add_argument("--dir", dest="run_dir", help="run folder (default: runs/up-<time>)")
-    r.add_argument("--json", dest="json_out", metavar="OUT")
-    r.set_defaults(func=_cmd_bench_round)
-    k = bench.add_parser(
-        "coordinator", help="the real coordinator under N simulated nodes doing full rounds"
-    )
-    k.add_argument("--nodes", type=int, default=1000)
-    k.add_argument("--rounds", type=int, default=3)
-    k.add_argument("--train-s", type=float, default=2.0, help="every node's simulated training")
-    k.add_argument("--spread-s", type=float, default=5.0, help="plus up to this, at random")
-    k.add_argument("--apply-s", type=float, default=1.0, help="manifest to report, x0.5-1.5")
-    k.add_argument("--join-s", type=float, default=20.0, help="joins spread over this long")
-    k.add_argument("--payload-bytes", type=int, default=4096)
-    k.add_argument("--timeout-s", type=float, default=900.0, help="then stop, unfinished")
-    k.add_argument("--dir", dest="run_dir", help="keep the store, database and logs here")
-    k.add_argument("--json", dest="json_out", metavar="OUT")
-    k.set_defaults(func=_cmd_bench_coordinator)
-
-
-def _cmd_bench_codec(args: argparse.Namespace) -> int:
-    from node.research.bench.codec_bench import run
-
-    run(args.json_out, args.preset, args.peers, args.repeat, threads=args.threads)
-    return 0
-
-
-def _cmd_bench_quality(args: argparse.Namespace) -> int:
-    from node.research.bench.quality import run_quality
-
-    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    run_quality(args.out, preset=args.preset, algos=algos, rounds=args.rounds, data=args.data)
-    return 0
-
-
 def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "up",
@@ -196,6 +136,16 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="text file, directory or glob (default: bundled corpus)")
     p.add_argument("--dir", dest="run_dir", help="run folder (default: runs/up-<time>)")
     p.add_argument("--round-timeout", type=float, default=120.0, help="seconds per round")
+    p.add_argument(
+        "--overlap",
+        nargs="?",
+        const="eager",
+        choices=("off", "delayed", "eager"),
+        help="train each round while the previous one's payloads travel (the run's overlap;"
+        " eager with the flag alone)",
+    )
+    p.add_argument("--upload-limit", help="cap every node's uploads, e.g. 100Mbit (per second)")
+    p.add_argument("--download-limit", help="cap every node's downloads, e.g. 100Mbit")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the summary here")
     p.set_defaults(func=_cmd_up)
 
@@ -215,6 +165,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             run_dir=args.run_dir,
             data=args.data,
             round_timeout_s=args.round_timeout,
+            overlap=args.overlap,
+            upload_limit=args.upload_limit,
+            download_limit=args.download_limit,
         )
     except ValidationError as exc:
         raise config_error(exc, _flag) from exc
@@ -266,7 +219,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
         upload_limit=args.upload_limit,
         download_limit=args.download_limit,
     )
-    from node.daemon.loop import run_node
+    from node.daemon.serve import run_node
 
     return run_node(settings)
 
@@ -291,44 +244,6 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def _cmd_bench_robust(args: argparse.Namespace) -> int:
-    from node.research.bench.robust_bench import run_bench
-
-    run_bench(args.preset, args.workers, args.attackers, args.rounds, args.json_out)
-    return 0
-
-
-def _cmd_bench_round(args: argparse.Namespace) -> int:
-    from node.research.bench.round_bench import run
-
-    run(
-        args.json_out,
-        nodes=args.nodes,
-        rounds=args.rounds,
-        preset=args.preset,
-        run_dir=args.run_dir,
-    )
-    return 0
-
-
-def _cmd_bench_coordinator(args: argparse.Namespace) -> int:
-    from node.research.bench.coordinator_load import run
-
-    run(
-        args.json_out,
-        nodes=args.nodes,
-        rounds=args.rounds,
-        train_s=args.train_s,
-        spread_s=args.spread_s,
-        join_s=args.join_s,
-        apply_s=args.apply_s,
-        payload_bytes=args.payload_bytes,
-        timeout_s=args.timeout_s,
-        root=args.run_dir,
-    )
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed so a test can pin the flags)."""
     parser = argparse.ArgumentParser(
@@ -345,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor(sub)
     add_export(sub)
     _add_simulate(sub)
-    _add_bench(sub)
+    add_bench(sub)
     return parser
 
 

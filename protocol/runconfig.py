@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: Hex digits of the sha256 of the canonical config kept as the run id.
 RUN_ID_HEX = 16
@@ -71,10 +71,13 @@ class RunConfig(BaseModel):
     clip: bool = True
     #: Screen peers by sign agreement and bound every value's influence (node.compute.robust).
     robust: bool = True
-    #: Overlap communication with compute: round r trains from θ without round r-1's
+    #: Overlap communication with compute: round r trains from θ_{r-1}, without round r-1's
     #: aggregate, which is applied once round r's training ends (one round of delay), so a
-    #: round's transfers can run while the next round trains.
-    overlap: bool = False
+    #: round's transfers run while the next round trains. "delayed" starts that training from
+    #: θ_{r-1} itself; "eager" from θ_{r-1} with the node's own round r-1 update applied
+    #: locally, its estimate of the aggregate still in flight. θ_r, what every node applies
+    #: and agrees on, is the same in both; only where the local training starts differs.
+    overlap: Literal["off", "delayed", "eager"] = "off"
     # Inner optimiser
     inner_lr: float = Field(1e-3, gt=0.0)
     warmup_frac: float = Field(0.05, ge=0.0, le=1.0)
@@ -99,6 +102,14 @@ class RunConfig(BaseModel):
     #: after every round R with (R + 1) a multiple of this (``evaluates``); 1: every round.
     eval_every: int = Field(10, ge=1)
     timing: Timing = Timing()
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _overlap_flag(cls, value: Any) -> Any:
+        """``true``/``false`` as written before the variants existed: delayed, off."""
+        if isinstance(value, bool):
+            return "delayed" if value else "off"
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -126,6 +137,17 @@ class RunConfig(BaseModel):
         """Whether nodes evaluate θ after round ``round_`` (0-based): the first and the last
         round always, so a run's loss curve has both ends, and every ``eval_every``-th."""
         return round_ == 0 or round_ == self.rounds - 1 or (round_ + 1) % self.eval_every == 0
+
+    @property
+    def overlaps(self) -> bool:
+        return self.overlap != "off"
+
+    def base_round(self, round_: int) -> int | None:
+        """The round whose aggregate was the last one in θ that round ``round_``'s payloads are
+        trained from: the nodes' reports of that round (the fingerprint after applying it) say
+        what the base must be. None when the base is θ_0 (round 0, and round 1 with overlap)."""
+        base = round_ - (2 if self.overlaps else 1)
+        return base if base >= 0 else None
 
     @property
     def total_inner_steps(self) -> int:

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,7 @@ from support.cluster import Cluster
 TIMING = Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=30)
 
 
-def _run(rounds: int, min_nodes: int, inner_steps: int = 5) -> RunConfig:
+def _run(rounds: int, min_nodes: int, inner_steps: int = 5, overlap: str = "off") -> RunConfig:
     return RunConfig(
         name="it",
         model="tiny",
@@ -35,6 +36,7 @@ def _run(rounds: int, min_nodes: int, inner_steps: int = 5) -> RunConfig:
         inner_steps=inner_steps,
         batch_size=4,
         min_nodes=min_nodes,
+        overlap=overlap,  # type: ignore[arg-type]
         timing=TIMING,
     )
 
@@ -112,12 +114,14 @@ def test_three_nodes_train_one_model(cluster_factory, store, s3) -> None:
         verify_manifest(signed, public_key)  # raises ManifestError if it does not verify
 
 
-def test_late_joiner_and_a_restarted_node_end_bit_identical(cluster_factory) -> None:
+@pytest.mark.parametrize("overlap", ["off", "eager"])
+def test_late_joiner_and_a_restarted_node_end_bit_identical(cluster_factory, overlap) -> None:
     # min_nodes=2 makes the run wait for a second node, which keys the scenario to rounds
     # rather than to speed: node-1 leaves after round 1, the run pauses, node-2 joins late
     # (replaying every closed round from θ_0) and the run resumes; node-1 then comes back
-    # from its saved state and catches up too.
-    run = _run(rounds=8, min_nodes=2)
+    # from its saved state and catches up too. With overlap the same holds while every node
+    # trains round r+1 beside round r's transfers.
+    run = _run(rounds=8, min_nodes=2, overlap=overlap)
     cluster = cluster_factory(run, 3)
     cluster.start_coordinator()
     cluster.start_node("node-0")
@@ -274,3 +278,40 @@ def test_a_second_process_with_the_same_token_is_refused(cluster_factory) -> Non
     coordinator_log = (cluster.root / "logs" / "coordinator-1.log").read_text()
     assert "event=timed_out" not in coordinator_log
     assert "event=run_finished rounds=2 members_finished=2" in coordinator_log
+
+
+def test_up_with_overlap_on_capped_links(tmp_path) -> None:
+    """``sparseloco up --overlap`` with bandwidth caps, through the console script as the
+    README shows it: every node in every gather set (each payload trained from the θ before
+    the aggregate in flight, as the coordinator checks), one θ on all nodes after each round."""
+    out = tmp_path / "up.json"
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "sparseloco"),
+            "up",
+            "--nodes",
+            "3",
+            "--rounds",
+            "4",
+            "--overlap",
+            "--upload-limit",
+            "400kbit",
+            "--download-limit",
+            "400kbit",
+            "--dir",
+            str(tmp_path / "run"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["run"]["overlap"] == "eager"
+    assert result["fingerprints_agree"] is True
+    assert [r["round"] for r in result["rounds"]] == [0, 1, 2, 3]
+    for r in result["rounds"]:
+        assert sorted(r["gather"]) == ["node-0", "node-1", "node-2"], r["excluded"]
+        assert len(set(r["fingerprints"].values())) == 1

@@ -23,13 +23,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.cluster.process import Process
 from node.cluster.seaweed import EmbeddedStore, StoreEndpoint
 from node.compute.presets import get_run_preset
+from node.daemon.ratelimit import parse_rate
 from node.errors import UpError
 from protocol.messages import RoundState, StatusView
 from protocol.routes import MAX_STATUS_ROUNDS
@@ -53,6 +54,18 @@ class UpConfig(BaseModel):
     round_timeout_s: float = Field(120.0, gt=0)
     #: Evaluate every this many rounds (and the first and last); None: the run config's default.
     eval_every: int | None = Field(None, ge=1)
+    #: The run's ``overlap`` (off, delayed, eager); None: the run config's default (off).
+    overlap: Literal["off", "delayed", "eager"] | None = None
+    #: Every node's upload and download caps (``--upload-limit``, ``--download-limit``).
+    upload_limit: str | None = None
+    download_limit: str | None = None
+
+    @field_validator("upload_limit", "download_limit")
+    @classmethod
+    def _rate(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_rate(value)  # ConfigError is a ValueError: refused before anything starts
+        return value
 
 
 def _toml_value(value: Any) -> str:
@@ -156,11 +169,15 @@ def start_node(
     log_path: Path,
     data: str | None,
     extra_env: dict[str, str] | None = None,
+    limits: tuple[str | None, str | None] = (None, None),
 ) -> Process:
     args = [sys.executable, "-m", "node", "node", "--coordinator", url]
     args += ["--state-dir", str(state_dir), "--threads", "1"]
     if data:
         args += ["--data", data]
+    for way, limit in zip(("upload", "download"), limits, strict=True):
+        if limit is not None:
+            args += [f"--{way}-limit", limit]
     env = _quiet_env()
     env.pop("SPARSELOCO_FAULTS", None)
     env.pop("SPARSELOCO_ATTACK", None)
@@ -233,6 +250,7 @@ def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> 
         ),
         **shape,
         **({} if cfg.eval_every is None else {"eval_every": cfg.eval_every}),
+        **({} if cfg.overlap is None else {"overlap": cfg.overlap}),
     )
     store = EmbeddedStore(run_dir / "store")
     procs: list[Process] = []
@@ -263,6 +281,7 @@ def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> 
                 run_dir / "nodes" / name,
                 run_dir / "logs" / f"{name}.log",
                 cfg.data,
+                limits=(cfg.upload_limit, cfg.download_limit),
             )
             for name, token in tokens.items()
         ]

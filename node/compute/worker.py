@@ -61,6 +61,8 @@ class TrainResult:
     #: Σ(β·e + Δ) and Σ|β·e + Δ| in float64: the mass this round had to send or keep.
     computed: float = 0.0
     scale: float = 0.0
+    #: Σe right after compression: what the round kept (before step 9 may add ĉ back).
+    held: float = 0.0
 
 
 #: Entries whose absolute values are taken at a time by ``abs_total`` (a 4 MB scratch buffer).
@@ -124,6 +126,9 @@ class Worker:
         self.stop = threading.Event()
         #: Fingerprint of θ as it is now; None once θ changed (see ``fingerprint``).
         self._fingerprint: str | None = None
+        #: Fingerprint of θ before the last aggregate was applied, if it was known then: under
+        #: overlap, the base of the round the node applies next.
+        self.previous_fingerprint: str | None = None
         #: Files of the local state being written behind (``node.compute.state``): every method
         #: that changes θ waits for θ's, training waits for AdamW's.
         self.writes = Writes()
@@ -164,37 +169,49 @@ class Worker:
         self.round = state.round
         self.local_steps = state.local_steps
         self._fingerprint = None
+        self.previous_fingerprint = None
 
     # -- one round -------------------------------------------------------------------------------
 
-    def lr_scale(self) -> float:
+    def lr_scale(self, round_: int) -> float:
         """Linear re-warm-up for an AdamW state that started fresh after round 0."""
         warm = self.run.rewarmup_steps
-        if self.round == 0 or warm == 0 or self.local_steps >= warm:
+        if round_ == 0 or warm == 0 or self.local_steps >= warm:
             return 1.0
         return (self.local_steps + 1) / (warm + 1)
 
-    def train_and_compress(self) -> TrainResult:
-        """Steps 1-5: H inner steps from θ_round, pseudo-gradient, error feedback, encode.
+    def train_and_compress(
+        self, round_: int | None = None, guess: Mapping[str, torch.Tensor] | None = None
+    ) -> TrainResult:
+        """Steps 1-5: H inner steps from θ, pseudo-gradient, error feedback, encode.
 
-        Afterwards the model holds θ_round again and ``error`` has the sent part subtracted.
+        ``round_`` is the round trained (its data, schedule and payload header): by default the
+        one after θ's, ``self.round``; with overlap it is one later (θ lacks the aggregate still
+        in flight). ``guess`` (eager overlap) is the node's own previous ĉ, the stand-in for
+        that aggregate: training then starts from θ - α·guess and the pseudo-gradient is taken
+        from there, while the payload's base stays θ's fingerprint.
+
+        Afterwards the model holds θ again and ``error`` has the sent part subtracted.
         Raises ``Abandoned`` (θ and e untouched) if ``stop`` is set between inner steps.
         """
-
+        trained_round = self.round if round_ is None else round_
         t0 = time.perf_counter()
         self.writes.adam.wait()  # the moments of the previous round are on disk
         base = self.fingerprint()
-        # Training runs on a copy; θ_r stays in ``start``, untouched, and is handed back below.
+        # Training runs on a copy; θ stays in ``start``, untouched, and is handed back below.
         start = {n: p.data for n, p in self.model.named_parameters()}
-        for p in self.model.parameters():
-            p.data = p.data.clone()
+        alpha = self.run.alpha
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                g = guess[n] if guess is not None else None
+                p.data = p.data.clone() if g is None else torch.sub(p.data, g, alpha=alpha)
         H = self.run.inner_steps
         losses = []
         try:
             for h in range(H):
                 if self.stop.is_set():
                     raise Abandoned()
-                step = self.round * H + h
+                step = trained_round * H + h
                 x, y = self.corpus.train_batch(
                     worker=self.slot % self.run.data_slots,
                     n_workers=self.run.data_slots,
@@ -210,7 +227,7 @@ class Worker:
                         y,
                         step=step,
                         cfg=self.optim_cfg,
-                        lr_scale=self.lr_scale(),
+                        lr_scale=self.lr_scale(trained_round),
                     )
                 )
                 self.local_steps += 1
@@ -219,7 +236,11 @@ class Worker:
             # taken: they are local and never shared, so that loses nothing.
             self._hand_back(start, base)
             raise
-        delta = self._hand_back(start, base)  # bit for bit θ_round: its fingerprint holds
+        delta = self._hand_back(start, base)  # bit for bit θ: its fingerprint holds
+        if guess is not None:
+            with torch.no_grad():
+                for n, d in delta.items():
+                    d.sub_(guess[n], alpha=alpha)  # from θ - α·guess, where training started
         t1 = time.perf_counter()
         feed_error(self.error, delta, self.run.beta)
         computed = total(self.error)
@@ -229,11 +250,13 @@ class Worker:
             topk=self.run.topk,
             tile=self.run.tile,
             run_id=self.run_id,
-            round=self.round,
+            round=trained_round,
             node_id=self.node_id,
             base=base,
         )
         sha256 = hashlib.sha256(payload).hexdigest()
+        # Under overlap e changes again before this round is settled: its account is taken now.
+        held = total(self.error) if self.run.overlaps else 0.0
         t2 = time.perf_counter()
         return TrainResult(
             payload=payload,
@@ -245,6 +268,7 @@ class Worker:
             encode_s=t2 - t1,
             computed=computed,
             scale=scale,
+            held=held,
         )
 
     def _hand_back(self, start: Mapping[str, torch.Tensor], fp: str) -> dict[str, torch.Tensor]:
@@ -285,6 +309,7 @@ class Worker:
         Returns the peers screened out (``node.compute.robust``), with the reason.
         """
         self.writes.theta.wait()
+        self.previous_fingerprint = self._fingerprint
         screening = apply_aggregate(
             self.params, payloads, alpha=self.run.alpha, clip=self.run.clip, robust=self.run.robust
         )
@@ -346,12 +371,14 @@ class Worker:
             )
         self._reset_to(tensors, actual)
         self.round = round_
+        self.previous_fingerprint = None
 
     def reset_to_initial(self) -> None:
         """θ_0 from the run's seed, round 0 (for a replay from the start)."""
         initial = build_model(self.model_cfg, seed=self.run.seed)
         self._reset_to({n: p.data for n, p in initial.named_parameters()})
         self.round = 0
+        self.previous_fingerprint = None
 
 
 def check_payload_header(payload: Payload, *, run_id: str, round_: int, node_id: str) -> None:

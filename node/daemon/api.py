@@ -1,7 +1,7 @@
 """The daemon's seams: what it needs from the coordinator, the object store and the clock.
 
 ``NodeDaemon`` talks to the outside world only through these three small Protocols, built in
-``node.daemon.loop.run_node``:
+``node.daemon.serve.run_node``:
 
 - ``CoordinatorApi``: one coroutine per endpoint the node calls (``node.daemon.client``
   implements it over HTTP, with retries);

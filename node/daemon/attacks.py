@@ -61,11 +61,17 @@ class Attack:
         """A round's gathered payloads (what ``replay`` copies from next round)."""
         self.previous = dict(blobs)
 
-    def train(self, worker: Worker) -> TrainResult:
-        """(compute thread) This round's payload, made hostile."""
+    def train(
+        self,
+        worker: Worker,
+        round_: int | None = None,
+        guess: Mapping[str, torch.Tensor] | None = None,
+    ) -> TrainResult:
+        """(compute thread) This round's payload, made hostile (the arguments are
+        ``Worker.train_and_compress``'s)."""
         if self.kind == "stale":
-            return self._stale(worker)
-        honest = worker.train_and_compress()
+            return self._stale(worker, round_, guess)
+        honest = worker.train_and_compress(round_, guess)
         before = {n: worker.error[n] + honest.recon[n] for n in honest.recon}  # β·e + Δ
         hostile = self._hostile(worker, honest, before)
         if hostile is None:
@@ -77,7 +83,7 @@ class Attack:
             topk=worker.run.topk,
             tile=worker.run.tile,
             run_id=worker.run_id,
-            round=worker.round,
+            round=worker.round if round_ is None else round_,
             node_id=worker.node_id,
             base=honest.base,
         )
@@ -97,17 +103,19 @@ class Attack:
             previous=previous,
         )  # fmt: skip
 
-    def _stale(self, worker: Worker) -> TrainResult:
+    def _stale(
+        self, worker: Worker, round_: int | None, guess: Mapping[str, torch.Tensor] | None
+    ) -> TrainResult:
         now = {n: t.clone() for n, t in worker.params.items()}
         self.history.append(now)
         del self.history[: -(STALE_ROUNDS + 1)]
         old = self.history[0]
         base = worker.fingerprint()
         if old is now:
-            return worker.train_and_compress()
+            return worker.train_and_compress(round_, guess)
         worker.reset_theta(old)
         try:
-            result = worker.train_and_compress()
+            result = worker.train_and_compress(round_, guess)
         finally:
             worker.reset_theta(now, base)
         return replace(result, base=base)  # it claims today's θ

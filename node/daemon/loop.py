@@ -4,7 +4,7 @@ One event loop (uvloop) does all the waiting: coordinator calls, uploads and dow
 heartbeats. All compute (training, encoding, decoding, aggregation, saving) runs in one worker
 thread, one job at a time, so the loop stays responsive and the compiled codec is never entered
 twice at once. The coordinator, the store and the clock come in as the small Protocols of
-``node.daemon.api``; ``run_node`` builds the HTTP ones.
+``node.daemon.api``; ``node.daemon.serve.run_node`` builds the HTTP ones.
 
 A round, for round r with θ_r in the model:
 
@@ -31,29 +31,24 @@ import contextlib
 import functools
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import aiohttp
 import torch
 
-from node.compute.worker import Worker
+from node.compute.worker import TrainResult, Worker
+from node.daemon import overlap
 from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
 from node.daemon.attacks import Attack
 from node.daemon.checkpoints import CheckpointSync
-from node.daemon.client import ClientTimeouts, CoordinatorClient
 from node.daemon.faults import Faults
-from node.daemon.instance import claim
 from node.daemon.join import join, rejoin
 from node.daemon.pending import PendingRound, restore, save_idle, save_submitting
-from node.daemon.ratelimit import Limits
-from node.daemon.retry import FOREVER, Link
+from node.daemon.retry import Link
 from node.daemon.rounds import RoundFinisher
 from node.daemon.settings import NodeSettings
-from node.daemon.tls import connector
-from node.daemon.transfer import HttpTransfers, TransferTimeouts
 from node.daemon.upload import submit
 from node.errors import (
     Abandoned,
@@ -275,7 +270,9 @@ class NodeDaemon:
                     f"local state is at round {r} but the coordinator is at {view.round};"
                     " this state dir belongs to another coordinator database"
                 )
-            if self.pending is not None:
+            if run.overlaps and overlap.beside(self, view):
+                await overlap.step(self)
+            elif self.pending is not None:
                 await self._resume_pending(view)
             elif r < view.round:
                 await self.finisher.finish(r)  # catch up on a closed round
@@ -287,11 +284,20 @@ class NodeDaemon:
                 await self.finisher.finish(r)
         return False
 
+    def train(
+        self, round_: int | None = None, guess: Mapping[str, torch.Tensor] | None = None
+    ) -> TrainResult:
+        """(compute thread) Steps 1-5 (``Worker.train_and_compress``); a hostile node's payload
+        instead in the tests that make one."""
+        if self.attack is not None:
+            return self.attack.train(self.worker, round_, guess)
+        return self.worker.train_and_compress(round_, guess)
+
     async def _participate(self, r: int) -> None:
-        """Steps 1-5 and the upload, then the rest of the round."""
-        train = self.attack.train if self.attack else lambda w: w.train_and_compress()
+        """Steps 1-5 and the upload, then the rest of the round. With overlap only steps 1-5:
+        the next step sends this round while it trains the next (``node.daemon.overlap``)."""
         try:
-            result = await self.compute(train, self.worker)
+            result = await self.compute(self.train)
         except Abandoned:
             self.log("training_abandoned")
             return
@@ -300,6 +306,8 @@ class NodeDaemon:
         await self.compute(save_submitting, self.settings.state_dir, self.worker, pending)
         self.pending = pending
         self.log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload))
+        if self.worker.run.overlaps:
+            return
         delay = self.faults.slow_for(r)
         if delay:
             self.log("fault_slow", seconds=delay)
@@ -366,35 +374,3 @@ class NodeDaemon:
     async def return_own(self, pending: PendingRound) -> None:
         """Step 9: the pending payload was not aggregated; its ĉ goes back into e."""
         await self.compute(self.worker.return_own, await self.own_recon(pending))
-
-
-async def serve(settings: NodeSettings) -> int:
-    """The daemon with its HTTP seams: the coordinator client and presigned transfers."""
-    timeouts = ClientTimeouts(
-        connect_s=settings.connect_timeout_s, request_s=settings.request_timeout_s
-    )
-    transfer_timeouts = TransferTimeouts(
-        connect_s=settings.connect_timeout_s, transfer_s=settings.transfer_timeout_s
-    )
-    policy = replace(FOREVER, budget_s=settings.outage_budget_s)
-    instance, previous = claim(settings.state_dir)  # who we are, and who ran here before
-    async with aiohttp.ClientSession(connector=connector(settings.ca_cert)) as http:
-        api = CoordinatorClient(
-            http,
-            settings.coordinator,
-            settings.token,
-            timeouts=timeouts,
-            policy=policy,
-            instance=instance,
-            previous_instance=previous,
-        )
-        transfers = HttpTransfers(http, transfer_timeouts, limits=Limits.of(settings))
-        daemon = NodeDaemon(settings, api, transfers, links=(api.link, transfers.link))
-        return await daemon.run()
-
-
-def run_node(settings: NodeSettings) -> int:
-    """Run a node to completion on uvloop; the exit status."""
-    import uvloop
-
-    return uvloop.run(serve(settings))

@@ -40,11 +40,13 @@ from node.compute.state import (
 from node.compute.worker import TrainResult, Worker
 from node.daemon.settings import NodeSettings
 from node.errors import StateError
+from protocol.codec import body_limit
+from protocol.envelope import unpack_envelope
 from protocol.messages import JoinResponse
 
 log = logging.getLogger("sparseloco.node")
 
-#: State-file extra holding ``[computed, scale]`` of the pending round's mass.
+#: State-file extra holding ``[computed, scale, held]`` of the pending round's mass.
 MASS_KEY = "mass_in"
 
 
@@ -62,6 +64,8 @@ class PendingRound:
     #: Σ(β·e + Δ) and Σ|β·e + Δ| before compression; None if a restart lost them.
     computed: float | None = None
     scale: float | None = None
+    #: Σe right after compression (overlap: e moves on before the round is settled).
+    held: float | None = None
     train_loss: float | None = None
     bytes_up: int = 0
     #: Seconds per phase of this round on this node, for the report.
@@ -79,6 +83,7 @@ class PendingRound:
             recon=result.recon,
             computed=result.computed,
             scale=result.scale,
+            held=result.held,
             train_loss=result.train_loss,
             timings={"train": result.train_s, "encode": result.encode_s},
         )
@@ -93,7 +98,7 @@ def save_submitting(state_dir: Path, worker: Worker, pending: PendingRound) -> N
     save_pending(state_dir, pending.round, pending.payload)
     snapshot = worker.snapshot("submitting")
     if pending.computed is not None:
-        snapshot.extra[MASS_KEY] = [pending.computed, pending.scale]
+        snapshot.extra[MASS_KEY] = [pending.computed, pending.scale, pending.held]
     if not theta_saved(state_dir, snapshot.round, snapshot.fingerprint):
         # θ changed without the round loop's steps (a resync, a test's hostile node): now.
         save_theta(state_dir, snapshot.round, snapshot.theta, snapshot.fingerprint)
@@ -123,9 +128,11 @@ def save_applied(state_dir: Path, worker: Worker, *, trained: bool) -> str:
     return fp
 
 
-def resume(state_dir: Path, state: NodeState, base: str) -> PendingRound | None:
-    """The pending round a saved state describes (``base``: the fingerprint of the restored θ),
-    or None if the state was idle."""
+def resume(
+    state_dir: Path, state: NodeState, shapes: dict[str, tuple[int, ...]]
+) -> PendingRound | None:
+    """The pending round a saved state describes, or None if the state was idle. Its base is
+    the one the payload names (θ_r's fingerprint; with overlap θ_{r-1}'s)."""
     if state.phase != "submitting":
         return None
     payload = load_pending(state_dir, state.round)
@@ -136,10 +143,11 @@ def resume(state_dir: Path, state: NodeState, base: str) -> PendingRound | None:
         round=state.round,
         payload=payload,
         sha256=hashlib.sha256(payload).hexdigest(),
-        base=base,
+        base=unpack_envelope(payload, max_body=body_limit(shapes)).base,
         recon=None,
         computed=None if mass is None else float(mass[0]),
         scale=None if mass is None else float(mass[1]),
+        held=None if mass is None or len(mass) < 3 or mass[2] is None else float(mass[2]),
     )
 
 
@@ -177,6 +185,6 @@ def restore(s: NodeSettings, joined: JoinResponse) -> tuple[Worker, PendingRound
             f" {joined.node_id!r} of {joined.run_id!r}; use another --state-dir"
         )
     worker.restore(state)
-    pending = resume(s.state_dir, state, worker.fingerprint())
+    pending = resume(s.state_dir, state, worker.shapes)
     log.info("event=resumed node=%s round=%d phase=%s", joined.node_id, state.round, state.phase)
     return worker, pending, True

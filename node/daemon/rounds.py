@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
@@ -49,6 +50,17 @@ Blobs = dict[str, bytes]
 Rejected = dict[str, str]
 
 
+@dataclass
+class Gathered:
+    """A closed round's verified manifest and its downloaded gather set."""
+
+    manifest: Manifest
+    blobs: Blobs
+    #: Payloads left out already (a digest that does not match), with the reason.
+    rejected: Rejected
+    download_s: float
+
+
 class RoundFinisher:
     """The steps after training, for one daemon (its seams, worker and pending round)."""
 
@@ -62,17 +74,27 @@ class RoundFinisher:
         view = await self.wait(r)
         if view is None:
             return
-        if pending is not None and pending.submitted_at is not None:
-            pending.timings["wait"] = d.clock.now() - pending.submitted_at
+        self.waited(pending)
         manifest = self.verify(view, r)
-        if await self.diverged(manifest):
+        if await self.diverged(r, manifest):
             await d.resync()
             return
         t0 = time.perf_counter()
         fetched = await self.download(r, view, manifest, pending)
         if fetched is None:
             return
-        blobs, rejected = fetched
+        await self.conclude(r, Gathered(manifest, *fetched, time.perf_counter() - t0))
+
+    def waited(self, pending: PendingRound | None) -> None:
+        """The manifest is here: the seconds since the own submit (the round's ``wait``)."""
+        if pending is not None and pending.submitted_at is not None:
+            pending.timings["wait"] = self.d.clock.now() - pending.submitted_at
+
+    async def conclude(self, r: int, gathered: Gathered) -> None:
+        """Steps 5-9 once round r's gather set is here: decode, apply, settle, save, report."""
+        d = self.d
+        pending = d.pending if d.pending is not None and d.pending.round == r else None
+        manifest, blobs, rejected = gathered.manifest, gathered.blobs, gathered.rejected
         if d.attack is not None:
             d.attack.remember(blobs)
         t1 = time.perf_counter()
@@ -90,7 +112,9 @@ class RoundFinisher:
         fingerprint, eval_loss, eval_s = await d.compute(self.save, r, trained)
         t4 = time.perf_counter()
         if pending is not None:
-            pending.timings.update(download=t1 - t0, decode=t2 - t1, aggregate_apply=t3 - t2)
+            pending.timings.update(
+                download=gathered.download_s, decode=t2 - t1, aggregate_apply=t3 - t2
+            )
             # After the state file written when training ended (``save_submitting``).
             pending.timings["save"] = pending.timings.get("save", 0.0) + t4 - t3 - eval_s
             if eval_loss is not None:
@@ -147,13 +171,23 @@ class RoundFinisher:
             view.signed, joined.manifest_public_key, run_id=joined.run_id, round_=r
         )
 
-    async def diverged(self, manifest: Manifest) -> bool:
-        """Whether θ is not the θ this round's payloads were trained from."""
+    async def diverged(self, r: int, manifest: Manifest) -> bool:
+        """Whether θ is not the θ round r's payloads were trained from.
+
+        With overlap the payloads of round r ≥ 1 were trained from θ_{r-1} while the node now
+        holds θ_r: the fingerprint it had before its last apply is compared (unknown right after
+        a restart or a checkpoint, when the coordinator's vote is the only check).
+        """
         d = self.d
         base = manifest.base_fingerprint
         if base is None:
             return False
-        ours = await d.compute(d.worker.fingerprint)
+        if d.worker.run.overlaps and r > 0:
+            ours = d.worker.previous_fingerprint
+            if ours is None:
+                return False
+        else:
+            ours = await d.compute(d.worker.fingerprint)
         if ours == base:
             return False
         d.log("diverged", ours=ours, manifest=base)
@@ -274,15 +308,23 @@ class RoundFinisher:
         if pending is None:
             return None
         recon = await d.own_recon(pending)
+        carried = await d.compute(d.worker.sent_mass, recon)  # Σĉ
         if d.node_id in payloads:
-            sent = await d.compute(d.worker.sent_mass, recon)
+            sent = carried
         else:
             sent = 0.0
             await d.compute(d.worker.return_own, recon)
             d.log("contribution_kept", reason=repr(manifest.excluded.get(d.node_id, "rejected")))
         if pending.computed is None or pending.scale is None:
             return None
-        held = await d.compute(d.worker.held_mass)
+        if d.worker.run.overlaps:
+            # e already holds the next round's residual: the round's own is what compression
+            # left (measured then), plus ĉ if it came back.
+            if pending.held is None:
+                return None
+            held = pending.held + (carried if sent == 0.0 and d.node_id not in payloads else 0.0)
+        else:
+            held = await d.compute(d.worker.held_mass)
         try:
             return Mass(computed=pending.computed, sent=sent, held=held, scale=pending.scale)
         except ValidationError:  # a diverged buffer's sums leave the wire's bounds

@@ -176,21 +176,27 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
     shapes = {n: tuple(t.shape) for n, t in theta.items()}
     sent = 0
     in_flight: dict[str, Any] | None = None  # with overlap: the aggregate still travelling
+    starts: list[dict[str, torch.Tensor]] | None = None  # eager: each worker's own start
     sim.record(0, None)
     for r in range(cfg.rounds):
-        _sync(workers, theta)
+        if starts is None:
+            _sync(workers, theta)
+        else:
+            for (model, _), start in zip(workers, starts, strict=True):
+                _sync([(model, None)], start)  # type: ignore[list-item]
         base = fingerprint(theta)
         train_loss = sim.train_workers(workers, r)
         payloads = {}
         for w, (model, _) in enumerate(workers):
-            delta = pseudo_gradient(theta, sim.params(model))
+            origin = theta if starts is None else starts[w]
+            delta = pseudo_gradient(origin, sim.params(model))
             feed_error(errors[w], delta, cfg.beta)
             data, _ = compress(
                 errors[w], topk=cfg.topk, tile=cfg.tile, round=r, node_id=f"w{w:03d}", base=base
             )
             sent += len(data)
             payloads[f"w{w:03d}"] = read_payload(data, shapes, topk=cfg.topk, tile=cfg.tile)
-        if not cfg.overlap:
+        if not cfg.overlaps:
             apply_aggregate(theta, payloads, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
         else:
             # Round r-1's aggregate travelled while round r trained: it is applied now. The
@@ -200,8 +206,20 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
                 if due is not None:
                     apply_aggregate(theta, due, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
             in_flight = None if last else payloads
+            if cfg.overlap == "eager" and not last:
+                starts = [_eager_start(theta, {n: p}, cfg) for n, p in payloads.items()]
         sim.record(r + 1, train_loss)
     return {"bytes_sent_per_worker": sent / cfg.workers}
+
+
+def _eager_start(
+    theta: dict[str, torch.Tensor], own: dict[str, Any], cfg: SimConfig
+) -> dict[str, torch.Tensor]:
+    """Where a worker starts the next round under eager overlap: θ with its own update applied
+    as the stand-in for the aggregate still in flight (the daemon's ``Worker.eager_start``)."""
+    start = {n: t.clone() for n, t in theta.items()}
+    apply_aggregate(start, own, alpha=cfg.alpha, clip=cfg.clip, robust=False)
+    return start
 
 
 def run_diloco(sim: Simulation) -> dict[str, Any]:

@@ -4,8 +4,8 @@ Each check returns ``Failure`` values (never raises on a violation), so a run co
 them and reports them together. Letters follow the chaos suite's brief:
 
 - (a) agreement: every node that reported round r reports the same fingerprint, except a node
-  the manifest of r or r+1 excludes as "wrong base fingerprint" (a corrupted θ is reported in
-  round r itself and excluded only when it trains on it in round r+1);
+  the manifest of r or r+1 (r+2 with overlap) excludes as "wrong base fingerprint" (a corrupted
+  θ is reported in round r itself and excluded only when it trains on it in a later round);
 - (b) manifests: the signed manifest in the bucket verifies, matches the status (gather set,
   exclusions) and every gathered payload's size and sha256, unless retention already pruned it;
 - (c) no round closed twice: status rounds unique and consecutive, and the coordinator logs
@@ -107,10 +107,16 @@ def majority(values: Iterable[str]) -> str | None:
     return min(counts, key=lambda v: (-counts[v], v)) if counts else None
 
 
+def _lag(status: StatusView) -> int:
+    """Rounds from applying round r to the first payloads trained on the result."""
+    return 2 if status.run.overlaps else 1
+
+
 def reference_fingerprint(status: StatusView, round_: int) -> str | None:
-    """θ after round r: the base of round r+1's manifest when it closed, else the majority."""
+    """θ after round r: the base of round r+1's manifest (r+2's with overlap, whose payloads
+    train from the θ before the aggregate in flight) when it closed, else the majority."""
     by_round = {r.round: r for r in closed(status)}
-    nxt = by_round.get(round_ + 1)
+    nxt = by_round.get(round_ + _lag(status))
     if nxt is not None and nxt.base_fingerprint:
         return nxt.base_fingerprint
     here = by_round.get(round_)
@@ -128,9 +134,10 @@ def check_agreement(status: StatusView) -> tuple[list[Failure], list[dict[str, A
     for r, summary in sorted(by_round.items()):
         ref = reference_fingerprint(status, r)
         wrong_base = {n for n, why in summary.excluded.items() if why == WRONG_BASE}
-        nxt = by_round.get(r + 1)
-        if nxt is not None:
-            wrong_base |= {n for n, why in nxt.excluded.items() if why == WRONG_BASE}
+        for later in range(r + 1, r + 1 + _lag(status)):
+            nxt = by_round.get(later)
+            if nxt is not None:
+                wrong_base |= {n for n, why in nxt.excluded.items() if why == WRONG_BASE}
         dissent = sorted(n for n, fp in summary.fingerprints.items() if fp != ref)
         excused = [n for n in dissent if n in wrong_base]
         for node in dissent:

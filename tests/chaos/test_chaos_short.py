@@ -15,6 +15,8 @@ within 5 % of the same config run without faults (run first, in the same test).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from protocol.runconfig import RunConfig, Timing
 
 from .runner import chaos_test
@@ -60,5 +62,18 @@ def test_short_chaos_scenario(tmp_path, store) -> None:
     result = chaos_test(SHORT, tmp_path, store)
     assert result["rounds_closed"] == RUN.rounds
     # The straggler missed round 8 and was told so; the killed node missed round 2.
+    assert result["excluded"].get(8, {}).get("node-0") == "missed deadline"
+    assert "node-1" not in result["gather"][2]
+
+
+SHORT_OVERLAP = replace(
+    SHORT, name="short-overlap", run=RUN.model_copy(update={"overlap": "eager"})
+)
+
+
+def test_short_chaos_scenario_with_overlap(tmp_path, store) -> None:
+    """The same faults with round r+1 training while round r's payloads travel."""
+    result = chaos_test(SHORT_OVERLAP, tmp_path, store)
+    assert result["rounds_closed"] == RUN.rounds
     assert result["excluded"].get(8, {}).get("node-0") == "missed deadline"
     assert "node-1" not in result["gather"][2]

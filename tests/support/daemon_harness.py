@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from node.compute.state import load_state
-from node.compute.worker import Worker
+from node.compute.worker import TrainResult, Worker
 from node.daemon.faults import Faults
 from node.daemon.loop import NodeDaemon
 from node.daemon.settings import NodeSettings
@@ -156,13 +157,35 @@ def worker(run: RunConfig, node_id: str = "node-0", slot: int = 0) -> Worker:
 
 
 def reference_fingerprints(run: RunConfig, node_id: str = "node-0") -> list[str]:
-    """θ's fingerprint after each round for one node alone, straight through the worker."""
+    """θ's fingerprint after each round for one node alone, straight through the worker: with
+    overlap, round r+1 trains from θ_r before round r's aggregate is applied.
+
+    Computed on a fresh thread, as the daemon computes on its own compute thread: torch's
+    intra-op thread pool is set up per calling thread, and a different number of threads sums
+    in a different order (the bits of training depend on it, on every machine alike)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(_reference, run, node_id).result()
+
+
+def _reference(run: RunConfig, node_id: str) -> list[str]:
     w = worker(run, node_id)
     out = []
-    for _ in range(run.rounds):
-        result = w.train_and_compress()
-        w.apply({node_id: w.read(result.payload)})
+    if not run.overlaps:
+        for _ in range(run.rounds):
+            result = w.train_and_compress()
+            w.apply({node_id: w.read(result.payload)})
+            out.append(w.fingerprint())
+        return out
+    pending: TrainResult | None = w.train_and_compress()
+    for r in range(run.rounds):
+        assert pending is not None
+        following = None
+        if r + 1 < run.rounds:
+            guess = pending.recon if run.overlap == "eager" else None
+            following = w.train_and_compress(r + 1, guess)
+        w.apply({node_id: w.read(pending.payload)})
         out.append(w.fingerprint())
+        pending = following
     return out
 
 

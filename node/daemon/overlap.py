@@ -1,0 +1,152 @@
+"""Overlapped rounds: round k's transfers travel while round k+1 trains.
+
+With the run's ``overlap`` on, a node never waits on the network between rounds. One step of the
+round loop, with θ = θ_k and the node's round-k payload pending (trained, maybe not sent yet):
+
+    compute thread  | train round k+1 from θ_k ("eager": from θ_k - α·ĉ_k, its own round-k update
+                    | standing in for the aggregate in flight), compress it
+    event loop      | upload and submit round k's payload once round k is open, wait for round k's
+                    | manifest, download its gather set
+    then            | verify, decode, apply round k (θ becomes θ_{k+1}), settle and report it
+                    | (``RoundFinisher.conclude``), and commit round k+1 as the pending round
+
+So every payload of round k+1 is trained from θ_k, and the coordinator checks exactly that base
+(``RunConfig.base_round``). θ_{k+1} itself, what every node applies and agrees on, is what it
+is without overlap: only where each node's local training starts differs. The state on disk has
+the same shape as without overlap ("submitting k+1" with θ_{k+1}), so a restart resumes the same
+way, and a crash before the commit finishes round k again from its manifest and trains round k+1
+again (``node.daemon.pending``).
+
+Rounds the node cannot train beside (round 0, which has nothing in flight; the run's last round;
+rounds that closed while the node was away) go through the plain steps of ``node.daemon.loop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+from node.daemon.pending import PendingRound, save_submitting
+from node.daemon.rounds import Gathered
+from node.daemon.upload import submit
+from node.errors import Abandoned
+from protocol.messages import RoundState, RoundView
+
+if TYPE_CHECKING:
+    from node.compute.worker import TrainResult
+    from node.daemon.loop import NodeDaemon
+
+CLOSED = RoundState.CLOSED
+
+#: Seconds between looks at the coordinator while the round a payload is for has not opened.
+OPEN_POLL_S = 0.25
+
+
+def beside(d: NodeDaemon, view: RoundView) -> bool:
+    """Whether the next round can train beside the transfers of the round θ is at: not the
+    run's last round, not a closed round being caught up on, and not round 0's first training
+    (nothing in flight yet)."""
+    k = d.worker.round
+    if k + 1 >= d.worker.run.rounds or view.round > k + 1:
+        return False
+    return not (k == 0 and d.pending is None and view.round == 0 and view.expected)
+
+
+async def step(d: NodeDaemon) -> None:
+    """Train round k+1 while round k's payloads travel, then apply round k and commit k+1."""
+    k = d.worker.round
+    pending = d.pending if d.pending is not None and d.pending.round == k else None
+    guess = None
+    if d.worker.run.overlap == "eager" and pending is not None:
+        guess = await d.own_recon(pending)
+    travel = asyncio.create_task(communicate(d, pending, k), name=f"round-{k}-transfers")
+    try:
+        result = await d.compute(d.train, k + 1, guess)
+    except Abandoned:
+        d.log("training_abandoned")
+        await _cancel(travel)
+        return
+    except BaseException:
+        await _cancel(travel)
+        raise
+    d.faults.crash_point(k + 1, "after_train")
+    d.log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload), beside=k)
+    gathered = await travel
+    if gathered is None or d.worker.round != k:
+        # Stopped, or θ moved elsewhere (a checkpoint after the round was pruned): round k+1
+        # was trained from a θ that is gone, so what it computed goes back into e.
+        await _give_back(d, result)
+        return
+    finisher = d.finisher
+    if await finisher.diverged(k, gathered.manifest):
+        await _give_back(d, result)
+        await d.resync()
+        return
+    await finisher.conclude(k, gathered)
+    following = PendingRound.trained(k + 1, result)
+    await d.compute(save_submitting, d.settings.state_dir, d.worker, following)
+    d.pending = following
+
+
+async def communicate(d: NodeDaemon, pending: PendingRound | None, k: int) -> Gathered | None:
+    """(event loop, beside training) Send round k's payload, then fetch round k's gather set.
+
+    None if a stop was requested, or if round k's payloads were pruned and the node moved to a
+    checkpoint instead (``RoundFinisher.download``).
+    """
+    finisher = d.finisher
+    if pending is not None and pending.submitted_at is None:
+        delay = d.faults.slow_for(k)
+        if delay:
+            d.log("fault_slow", seconds=delay)
+            await d.sleep(delay)
+        await send_when_open(d, pending)
+    view = await finisher.wait(k)
+    if view is None:
+        return None
+    finisher.waited(pending)
+    manifest = finisher.verify(view, k)
+    t0 = time.perf_counter()
+    fetched = await finisher.download(k, view, manifest, pending)
+    if fetched is None:
+        return None
+    return Gathered(manifest, *fetched, time.perf_counter() - t0)
+
+
+async def send_when_open(d: NodeDaemon, pending: PendingRound) -> None:
+    """Submit ``pending`` once its round opens; nothing if the round went on without the node
+    (closed before, or it is not expected): then step 9 keeps the contribution."""
+    r = pending.round
+    while not d.stopping.is_set():
+        view = await d.api.round()
+        if view.round > r or (view.round == r and view.state in (CLOSED, RoundState.FINISHED)):
+            # Closed already: sent before a restart, or too late; the manifest will say.
+            d.log("send_skipped", reason="round_closed")
+            pending.submitted_at = d.clock.now()
+            return
+        if view.round == r and view.state == RoundState.OPEN:
+            if view.submitted:
+                pending.submitted_at = d.clock.now()
+            elif view.expected:
+                await submit(d, pending)
+            else:
+                d.log("missed_round", reason="not_expected")
+                pending.submitted_at = d.clock.now()
+            return
+        await d.sleep(OPEN_POLL_S)  # round r-1 is still open, or round r waits for members
+
+
+async def _give_back(d: NodeDaemon, result: TrainResult) -> None:
+    """A trained round that will not be sent: ĉ back into e (nothing the node computed is lost
+    while it keeps running; the state on disk never had it)."""
+    if d.stopping.is_set():
+        return
+    await d.compute(d.worker.return_own, result.recon)
+
+
+async def _cancel(task: asyncio.Task[Gathered | None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task  # what it failed with matters less than what ended the step

@@ -1,0 +1,146 @@
+"""``sparseloco bench overlap``: how much of the wall time nodes spend training, on capped links,
+with and without overlap.
+
+Three runs of ``sparseloco up`` with the same preset and nodes (real SeaweedFS, coordinator and
+node processes on loopback):
+
+1. **calibrate**: plain, links uncapped. Per (node, round): the training seconds and the bytes
+   sent and received. The cap is then chosen so that a round's transfers take ``link_share``
+   times the training: ``rate = (bytes up + bytes down) / (link_share · train seconds)``, one
+   rate for both directions (medians over the steady rounds).
+2. **plain** with that cap on every node's uploads and downloads (``--upload-limit``,
+   ``--download-limit``: the token buckets of ``node.daemon.ratelimit``; this kernel has no
+   ``netem``);
+3. **overlap** (``eager`` unless told otherwise) with the same cap.
+
+Utilisation = Σ training seconds / Σ round durations over the steady rounds, per node, then the
+mean over nodes. A round's duration is the coordinator's, from open to close; rounds follow each
+other, so the durations of consecutive rounds add up to the wall time from the first one's open
+to the last one's close. Round 0 (compiled codec loops loading in every process; under overlap
+nothing in flight yet) and the last round (nothing left to overlap with) are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from node.cluster.up import UpConfig, up
+
+log = logging.getLogger("sparseloco.bench.overlap")
+
+
+def steady(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rounds of an ``up`` summary that are neither the first nor the last."""
+    rounds = sorted(result["rounds"], key=lambda e: e["round"])
+    return rounds[1:-1]
+
+
+def utilisation(result: dict[str, Any]) -> dict[str, Any]:
+    """Training share of the wall time over the steady rounds: per node and the mean."""
+    rounds = steady(result)
+    wall = sum(e["duration_s"] or 0.0 for e in rounds)
+    trained: dict[str, float] = {}
+    for entry in rounds:
+        for node, timings in entry["timings"].items():
+            trained[node] = trained.get(node, 0.0) + timings.get("train", 0.0)
+    if wall <= 0 or not trained:
+        raise ValueError("no steady rounds with timings: run at least 3 rounds")
+    per_node = {node: t / wall for node, t in sorted(trained.items())}
+    return {
+        "utilisation": statistics.fmean(per_node.values()),
+        "per_node": per_node,
+        "wall_s": wall,
+        "rounds": len(rounds),
+        "round_s": wall / len(rounds),
+        "train_s": statistics.fmean(trained.values()) / len(rounds),
+    }
+
+
+def link_rate(result: dict[str, Any], link_share: float) -> float:
+    """Bytes per second at which a steady round's transfers take ``link_share`` × training."""
+    samples = []
+    for entry in steady(result):
+        nodes = max(1, len(entry["timings"]))
+        moved = (entry["bytes_up"] + entry["bytes_down"]) / nodes
+        for timings in entry["timings"].values():
+            if timings.get("train"):
+                samples.append(moved / (link_share * timings["train"]))
+    if not samples:
+        raise ValueError("the calibration run reported no training time")
+    return statistics.median(samples)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    rate = report["rate_bytes_s"]
+    lines = [
+        f"link cap: {rate * 8 / 1e3:.1f} kbit/s each way per node"
+        f" (transfers ≈ {report['link_share']:g} × training)",
+        "",
+        "| schedule | utilisation | round s | training s per round |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in ("uncapped", "plain", "overlap"):
+        u = report[name]
+        lines.append(
+            f"| {name} | {u['utilisation']:.3f} | {u['round_s']:.2f} | {u['train_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def run(
+    json_out: str | None,
+    *,
+    nodes: int,
+    rounds: int,
+    preset: str,
+    run_dir: str | None,
+    link_share: float = 1.0,
+    overlap: str = "eager",
+) -> dict[str, Any]:
+    if rounds < 3:
+        raise ValueError("--rounds must be at least 3 (the first and last are not steady)")
+    root = Path(run_dir) if run_dir else None
+
+    def one(name: str, **options: Any) -> dict[str, Any]:
+        log.info("event=bench_overlap_run run=%s", name)
+        cfg = UpConfig(
+            nodes=nodes,
+            rounds=rounds,
+            preset=preset,
+            run_dir=root / name if root else None,
+            round_timeout_s=600.0,
+            **options,
+        )
+        return up(cfg)
+
+    calibration = one("uncapped")
+    rate = link_rate(calibration, link_share)
+    cap = f"{rate:.0f}"  # bytes per second
+    plain = one("plain", upload_limit=cap, download_limit=cap)
+    overlapped = one("overlap", overlap=overlap, upload_limit=cap, download_limit=cap)
+    report = {
+        "nodes": nodes,
+        "rounds": rounds,
+        "preset": preset,
+        "link_share": link_share,
+        "rate_bytes_s": rate,
+        "overlap_variant": overlap,
+        "uncapped": utilisation(calibration),
+        "plain": utilisation(plain),
+        "overlap": utilisation(overlapped),
+        "final_eval_loss": {
+            "plain": plain["final_eval_loss"],
+            "overlap": overlapped["final_eval_loss"],
+        },
+        "fingerprints_agree": plain["fingerprints_agree"] and overlapped["fingerprints_agree"],
+    }
+    print(markdown(report))
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_out}")
+    return report

@@ -1,0 +1,70 @@
+"""``sparseloco bench overlap``'s arithmetic on ``up`` summaries (the runs themselves are real
+processes; ``test_network_run.py`` covers ``up --overlap`` end to end)."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.cli import parse
+from node.research.bench.utilisation import link_rate, markdown, utilisation
+
+
+def summary(durations: list[float], train: dict[str, list[float]], moved: int) -> dict:
+    """An ``up`` summary: per round its duration, every node's training seconds, bytes."""
+    rounds = []
+    for r, duration in enumerate(durations):
+        timings = {node: {"train": seconds[r]} for node, seconds in train.items()}
+        rounds.append(
+            {
+                "round": r,
+                "duration_s": duration,
+                "timings": timings,
+                "bytes_up": moved * len(train) // 4,
+                "bytes_down": moved * len(train) * 3 // 4,
+            }
+        )
+    return {"rounds": rounds}
+
+
+def test_utilisation_is_training_over_the_steady_rounds_wall_time() -> None:
+    # Round 0 (slow start) and the last round are left out: 2 steady rounds of 10 s.
+    result = summary([30.0, 10.0, 10.0, 3.0], {"a": [1, 8, 6, 1], "b": [1, 4, 4, 1]}, 4000)
+    u = utilisation(result)
+    assert u["wall_s"] == 20.0 and u["rounds"] == 2
+    assert u["per_node"] == {"a": 0.7, "b": 0.4}
+    assert u["utilisation"] == pytest.approx(0.55)
+    assert u["round_s"] == 10.0 and u["train_s"] == pytest.approx(5.5)
+
+
+def test_the_cap_makes_transfers_take_the_chosen_share_of_training() -> None:
+    result = summary([9.0, 9.0, 9.0, 9.0], {"a": [2, 2, 2, 2], "b": [2, 2, 2, 2]}, 4000)
+    # 4000 bytes per node and round, 2 s of training: 2000 B/s makes them take 2 s.
+    assert link_rate(result, 1.0) == 2000.0
+    assert link_rate(result, 0.5) == 4000.0
+
+
+def test_too_few_rounds_are_refused() -> None:
+    with pytest.raises(ValueError, match="at least 3"):
+        utilisation(summary([5.0, 5.0], {"a": [1, 1]}, 10))
+
+
+def test_the_table_names_every_schedule() -> None:
+    u = utilisation(summary([9, 9, 9, 9], {"a": [3, 3, 3, 3]}, 10))
+    text = markdown(
+        {
+            "rate_bytes_s": 1000.0,
+            "link_share": 1.0,
+            **dict.fromkeys(("uncapped", "plain", "overlap"), u),
+        }
+    )
+    assert "8.0 kbit/s" in text
+    assert [line.split("|")[1].strip() for line in text.splitlines()[4:]] == [
+        "uncapped",
+        "plain",
+        "overlap",
+    ]
+
+
+def test_the_command_takes_its_documented_flags() -> None:
+    args = parse(["bench", "overlap", "--nodes", "3", "--preset", "small", "--link-share", "1"])
+    assert (args.nodes, args.preset, args.link_share, args.variant) == (3, "small", 1.0, "eager")

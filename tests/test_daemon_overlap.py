@@ -1,0 +1,116 @@
+"""Overlap in the daemon (``node.daemon.overlap``): round r+1 trains while round r's payloads
+travel, against the in-memory fakes and the real round machine.
+
+What must hold is what holds without overlap: every node ends each round on the same θ (the
+one-node reference computes it straight through the worker), every payload is gathered (its
+base is θ_{r-1}, which the coordinator checks), a crash loses nothing, and the error-feedback
+account balances.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from node.compute.state import load_state
+from node.daemon.faults import Faults
+from protocol.messages import Exclusion, Mass
+from support.daemon_harness import (
+    Crash,
+    crash_at,
+    reference_fingerprints,
+    run_config,
+    until,
+    worker,
+)
+
+pytestmark = pytest.mark.asyncio
+
+
+def assert_mass_balanced(mass: Mass | None) -> None:
+    assert isinstance(mass, Mass)
+    assert abs(mass.computed - mass.sent - mass.held) <= 1e-5 * max(1.0, mass.scale)
+
+
+@pytest.mark.parametrize("variant", ["delayed", "eager"])
+async def test_one_node_runs_the_whole_run_bit_for_bit(harness, variant: str) -> None:
+    run = run_config(overlap=variant, rounds=4)
+    h = harness(run)
+    assert await h.daemon("node-0").run(handle_signals=False) == 0
+    expected = reference_fingerprints(run)
+    if variant == "delayed":  # (eager, alone, guesses the aggregate exactly: its own update)
+        assert expected != reference_fingerprints(run_config(rounds=4))
+    for r in range(run.rounds):
+        report = h.reports(r)["node-0"]
+        assert report.fingerprint == expected[r]
+        assert [e.node_id for e in h.manifest(r).manifest.gather] == ["node-0"]
+        assert {"train", "encode", "upload", "download", "decode", "save"} <= set(report.timings)
+        assert_mass_balanced(report.mass)
+    state = load_state(h.state_dir("node-0"), worker(run).shapes)
+    assert state is not None and state.round == run.rounds and state.phase == "idle"
+    assert state.fingerprint == expected[-1]
+
+
+async def test_payloads_are_trained_from_the_theta_before_the_aggregate_in_flight(
+    harness,
+) -> None:
+    run = run_config(overlap="eager", rounds=4)
+    h = harness(run)
+    first, second = h.start(h.daemon("node-0")), h.start(h.daemon("node-1"))
+    assert await first == 0 and await second == 0
+    for r in range(run.rounds):
+        signed = h.manifest(r).manifest
+        reports = h.reports(r)
+        assert {e.node_id for e in signed.gather} == {"node-0", "node-1"}, signed.excluded
+        assert reports["node-0"].fingerprint == reports["node-1"].fingerprint
+        if r >= 2:  # round r's base: θ_{r-1}, the fingerprint reported after round r-2
+            assert signed.base_fingerprint == h.reports(r - 2)["node-0"].fingerprint
+
+
+@pytest.mark.parametrize("point", ["after_train", "mid_upload", "after_submit", "mid_apply"])
+async def test_a_crash_anywhere_in_an_overlapped_round_loses_nothing(harness, point: str) -> None:
+    run = run_config(overlap="eager", rounds=4)
+    h = harness(run)
+    with pytest.raises(Crash):
+        await h.daemon("node-0", faults=crash_at(2, point)).run(handle_signals=False)
+    assert await h.daemon("node-0").run(handle_signals=False) == 0
+    expected = reference_fingerprints(run)
+    assert [h.reports(r)["node-0"].fingerprint for r in range(run.rounds)] == expected
+
+
+async def test_a_round_missed_while_training_the_next_keeps_the_contribution(harness) -> None:
+    run = run_config(overlap="eager", rounds=3)
+    h = harness(run)
+    # Round 1's payload waits 5 s before its upload (beside round 2's training).
+    task = h.start(h.daemon("node-0", Faults(slow={1: 5.0})))
+    await until(lambda: 5.0 in h.clock.sleeping, "node-0 to straggle")
+    h.coord.advance(1001)  # round 1's deadline passes; it closes without node-0
+    assert await task == 0
+    closed = h.manifest(1).manifest
+    assert closed.gather == [] and closed.excluded == {"node-0": Exclusion.MISSED_DEADLINE}
+    missed = h.reports(1)["node-0"].mass
+    assert missed is not None and missed.sent == 0.0 and missed.computed != 0.0
+    assert_mass_balanced(missed)  # everything computed is held: ĉ went back into e
+    for r in (0, 2):
+        mass = h.reports(r)["node-0"].mass
+        assert mass is not None and mass.sent != 0.0
+        assert_mass_balanced(mass)
+    assert [e.node_id for e in h.manifest(2).manifest.gather] == ["node-0"]
+
+
+async def test_a_diverged_node_resyncs_and_ends_bit_identical(harness, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="sparseloco.node")
+    h = harness(run_config(overlap="eager", rounds=5, min_nodes=3))
+    nodes = ["node-0", "node-1", "node-2"]
+    tasks = [
+        h.start(h.daemon(n, Faults(corrupt={0}) if n == "node-2" else Faults())) for n in nodes
+    ]
+    for task in tasks:
+        assert await task == 0
+    # θ_1 of node-2 is wrong: its round-2 payload (trained from θ_1) is refused, and it sees
+    # the divergence when round 2's manifest names θ_1's majority fingerprint.
+    assert h.manifest(2).manifest.excluded.get("node-2") == Exclusion.WRONG_BASE
+    assert any("event=resynced node=node-2" in m for m in caplog.messages)
+    last = h.reports(h.run.rounds - 1)
+    assert set(last) == set(nodes) and len({r.fingerprint for r in last.values()}) == 1
