@@ -74,9 +74,10 @@ class RunConfig(BaseModel):
     #: Overlap communication with compute: round r trains from θ_{r-1}, without round r-1's
     #: aggregate, which is applied once round r's training ends (one round of delay), so a
     #: round's transfers run while the next round trains. "delayed" starts that training from
-    #: θ_{r-1} itself; "eager" from θ_{r-1} with the node's own round r-1 update applied
-    #: locally, its estimate of the aggregate still in flight. θ_r, what every node applies
-    #: and agrees on, is the same in both; only where the local training starts differs.
+    #: θ_{r-1} itself; "eager" from θ_{r-1} minus the node's estimate of the step round r-1's
+    #: aggregate will take (its own update for a 1/G share, the previous aggregate's step for
+    #: the rest). What every node applies and agrees on is the same in both; only where each
+    #: node's local training starts differs.
     overlap: Literal["off", "delayed", "eager"] = "off"
     # Inner optimiser
     inner_lr: float = Field(1e-3, gt=0.0)

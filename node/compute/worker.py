@@ -129,6 +129,9 @@ class Worker:
         #: Fingerprint of θ before the last aggregate was applied, if it was known then: under
         #: overlap, the base of the round the node applies next.
         self.previous_fingerprint: str | None = None
+        #: (eager overlap) The step the last aggregate took, α·A, and how many peers it had.
+        self.last_step: dict[str, torch.Tensor] | None = None
+        self.last_gathered = 0
         #: Files of the local state being written behind (``node.compute.state``): every method
         #: that changes θ waits for θ's, training waits for AdamW's.
         self.writes = Writes()
@@ -170,6 +173,7 @@ class Worker:
         self.local_steps = state.local_steps
         self._fingerprint = None
         self.previous_fingerprint = None
+        self.last_step = None
 
     # -- one round -------------------------------------------------------------------------------
 
@@ -181,14 +185,14 @@ class Worker:
         return (self.local_steps + 1) / (warm + 1)
 
     def train_and_compress(
-        self, round_: int | None = None, guess: Mapping[str, torch.Tensor] | None = None
+        self, round_: int | None = None, offset: Mapping[str, torch.Tensor] | None = None
     ) -> TrainResult:
         """Steps 1-5: H inner steps from θ, pseudo-gradient, error feedback, encode.
 
         ``round_`` is the round trained (its data, schedule and payload header): by default the
         one after θ's, ``self.round``; with overlap it is one later (θ lacks the aggregate still
-        in flight). ``guess`` (eager overlap) is the node's own previous ĉ, the stand-in for
-        that aggregate: training then starts from θ - α·guess and the pseudo-gradient is taken
+        in flight). ``offset`` (eager overlap, ``eager_offset``) is the estimate of that
+        aggregate's step: training then starts from θ - offset and the pseudo-gradient is taken
         from there, while the payload's base stays θ's fingerprint.
 
         Afterwards the model holds θ again and ``error`` has the sent part subtracted.
@@ -200,11 +204,9 @@ class Worker:
         base = self.fingerprint()
         # Training runs on a copy; θ stays in ``start``, untouched, and is handed back below.
         start = {n: p.data for n, p in self.model.named_parameters()}
-        alpha = self.run.alpha
         with torch.no_grad():
             for n, p in self.model.named_parameters():
-                g = guess[n] if guess is not None else None
-                p.data = p.data.clone() if g is None else torch.sub(p.data, g, alpha=alpha)
+                p.data = p.data.clone() if offset is None else torch.sub(p.data, offset[n])
         H = self.run.inner_steps
         losses = []
         try:
@@ -237,10 +239,10 @@ class Worker:
             self._hand_back(start, base)
             raise
         delta = self._hand_back(start, base)  # bit for bit θ: its fingerprint holds
-        if guess is not None:
+        if offset is not None:
             with torch.no_grad():
                 for n, d in delta.items():
-                    d.sub_(guess[n], alpha=alpha)  # from θ - α·guess, where training started
+                    d.sub_(offset[n])  # from θ - offset, where training started
         t1 = time.perf_counter()
         feed_error(self.error, delta, self.run.beta)
         computed = total(self.error)
@@ -310,12 +312,35 @@ class Worker:
         """
         self.writes.theta.wait()
         self.previous_fingerprint = self._fingerprint
+        eager = self.run.overlap == "eager"
+        before = {n: p.clone() for n, p in self.params.items()} if eager else None
         screening = apply_aggregate(
             self.params, payloads, alpha=self.run.alpha, clip=self.run.clip, robust=self.run.robust
         )
+        if before is not None:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    before[n].sub_(p)
+            self.last_step = before
+            self.last_gathered = len(payloads) - len(screening.rejected)
         self._fingerprint = None
         self.round += 1
         return screening.rejected
+
+    def eager_offset(self, own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """(eager overlap) The estimate of the step the aggregate in flight will take, given
+        this node's own part of it (ĉ): its 1/G share of it fresh, the other (G-1)/G as the
+        last aggregate's step, α·A_{r-1} (G: the peers that aggregate had). None without a
+        last aggregate (the first round, or after a restart): training then starts from θ.
+        Computed into the last step's memory, which it consumes."""
+        step, peers = self.last_step, self.last_gathered
+        self.last_step = None
+        if step is None or peers < 1:
+            return None
+        with torch.no_grad():
+            for n, t in step.items():
+                t.mul_((peers - 1) / peers).add_(own[n], alpha=self.run.alpha / peers)
+        return step
 
     def own_recon(self, payload: bytes) -> dict[str, torch.Tensor]:
         """ĉ of this node's own payload, decoded (only needed when a restart lost it)."""
@@ -372,6 +397,7 @@ class Worker:
         self._reset_to(tensors, actual)
         self.round = round_
         self.previous_fingerprint = None
+        self.last_step = None
 
     def reset_to_initial(self) -> None:
         """θ_0 from the run's seed, round 0 (for a replay from the start)."""
@@ -379,6 +405,7 @@ class Worker:
         self._reset_to({n: p.data for n, p in initial.named_parameters()})
         self.round = 0
         self.previous_fingerprint = None
+        self.last_step = None
 
 
 def check_payload_header(payload: Payload, *, run_id: str, round_: int, node_id: str) -> None:

@@ -65,13 +65,13 @@ class Attack:
         self,
         worker: Worker,
         round_: int | None = None,
-        guess: Mapping[str, torch.Tensor] | None = None,
+        offset: Mapping[str, torch.Tensor] | None = None,
     ) -> TrainResult:
         """(compute thread) This round's payload, made hostile (the arguments are
         ``Worker.train_and_compress``'s)."""
         if self.kind == "stale":
-            return self._stale(worker, round_, guess)
-        honest = worker.train_and_compress(round_, guess)
+            return self._stale(worker, round_, offset)
+        honest = worker.train_and_compress(round_, offset)
         before = {n: worker.error[n] + honest.recon[n] for n in honest.recon}  # β·e + Δ
         hostile = self._hostile(worker, honest, before)
         if hostile is None:
@@ -104,7 +104,7 @@ class Attack:
         )  # fmt: skip
 
     def _stale(
-        self, worker: Worker, round_: int | None, guess: Mapping[str, torch.Tensor] | None
+        self, worker: Worker, round_: int | None, offset: Mapping[str, torch.Tensor] | None
     ) -> TrainResult:
         now = {n: t.clone() for n, t in worker.params.items()}
         self.history.append(now)
@@ -112,10 +112,10 @@ class Attack:
         old = self.history[0]
         base = worker.fingerprint()
         if old is now:
-            return worker.train_and_compress(round_, guess)
+            return worker.train_and_compress(round_, offset)
         worker.reset_theta(old)
         try:
-            result = worker.train_and_compress(round_, guess)
+            result = worker.train_and_compress(round_, offset)
         finally:
             worker.reset_theta(now, base)
         return replace(result, base=base)  # it claims today's θ

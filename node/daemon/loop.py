@@ -285,13 +285,13 @@ class NodeDaemon:
         return False
 
     def train(
-        self, round_: int | None = None, guess: Mapping[str, torch.Tensor] | None = None
+        self, round_: int | None = None, offset: Mapping[str, torch.Tensor] | None = None
     ) -> TrainResult:
         """(compute thread) Steps 1-5 (``Worker.train_and_compress``); a hostile node's payload
         instead in the tests that make one."""
         if self.attack is not None:
-            return self.attack.train(self.worker, round_, guess)
-        return self.worker.train_and_compress(round_, guess)
+            return self.attack.train(self.worker, round_, offset)
+        return self.worker.train_and_compress(round_, offset)
 
     async def _participate(self, r: int) -> None:
         """Steps 1-5 and the upload, then the rest of the round. With overlap only steps 1-5:

@@ -3,8 +3,8 @@
 With the run's ``overlap`` on, a node never waits on the network between rounds. One step of the
 round loop, with θ = θ_k and the node's round-k payload pending (trained, maybe not sent yet):
 
-    compute thread  | train round k+1 from θ_k ("eager": from θ_k - α·ĉ_k, its own round-k update
-                    | standing in for the aggregate in flight), compress it
+    compute thread  | train round k+1 from θ_k ("eager": from θ_k minus an estimate of the step
+                    | round k's aggregate will take, ``Worker.eager_offset``), compress it
     event loop      | upload and submit round k's payload once round k is open, wait for round k's
                     | manifest, download its gather set
     then            | verify, decode, apply round k (θ becomes θ_{k+1}), settle and report it
@@ -58,12 +58,12 @@ async def step(d: NodeDaemon) -> None:
     """Train round k+1 while round k's payloads travel, then apply round k and commit k+1."""
     k = d.worker.round
     pending = d.pending if d.pending is not None and d.pending.round == k else None
-    guess = None
+    offset = None
     if d.worker.run.overlap == "eager" and pending is not None:
-        guess = await d.own_recon(pending)
+        offset = await d.compute(d.worker.eager_offset, await d.own_recon(pending))
     travel = asyncio.create_task(communicate(d, pending, k), name=f"round-{k}-transfers")
     try:
-        result = await d.compute(d.train, k + 1, guess)
+        result = await d.compute(d.train, k + 1, offset)
     except Abandoned:
         d.log("training_abandoned")
         await _cancel(travel)

@@ -176,25 +176,26 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
     shapes = {n: tuple(t.shape) for n, t in theta.items()}
     sent = 0
     in_flight: dict[str, Any] | None = None  # with overlap: the aggregate still travelling
-    starts: list[dict[str, torch.Tensor]] | None = None  # eager: each worker's own start
+    offsets: list[dict[str, torch.Tensor] | None] = [None] * len(workers)  # eager: start - θ
     sim.record(0, None)
     for r in range(cfg.rounds):
-        if starts is None:
-            _sync(workers, theta)
-        else:
-            for (model, _), start in zip(workers, starts, strict=True):
-                _sync([(model, None)], start)  # type: ignore[list-item]
+        for worker, offset in zip(workers, offsets, strict=True):
+            start = theta if offset is None else {n: theta[n] - offset[n] for n in theta}
+            _sync([worker], start)
         base = fingerprint(theta)
         train_loss = sim.train_workers(workers, r)
-        payloads = {}
+        payloads, recons = {}, []
         for w, (model, _) in enumerate(workers):
-            origin = theta if starts is None else starts[w]
-            delta = pseudo_gradient(origin, sim.params(model))
+            delta = pseudo_gradient(theta, sim.params(model))
+            if offsets[w] is not None:
+                for n, d in delta.items():
+                    d.sub_(offsets[w][n])  # type: ignore[index]
             feed_error(errors[w], delta, cfg.beta)
-            data, _ = compress(
+            data, recon = compress(
                 errors[w], topk=cfg.topk, tile=cfg.tile, round=r, node_id=f"w{w:03d}", base=base
             )
             sent += len(data)
+            recons.append(recon)
             payloads[f"w{w:03d}"] = read_payload(data, shapes, topk=cfg.topk, tile=cfg.tile)
         if not cfg.overlaps:
             apply_aggregate(theta, payloads, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
@@ -202,24 +203,31 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
             # Round r-1's aggregate travelled while round r trained: it is applied now. The
             # last round's own aggregate follows at once (nothing trains after it).
             last = r == cfg.rounds - 1
+            before = {n: t.clone() for n, t in theta.items()} if in_flight else None
             for due in (in_flight, payloads if last else None):
                 if due is not None:
                     apply_aggregate(theta, due, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
+            if cfg.overlap == "eager" and before is not None and in_flight and not last:
+                offsets = _eager_offsets(before, theta, len(in_flight), recons, cfg.alpha)
             in_flight = None if last else payloads
-            if cfg.overlap == "eager" and not last:
-                starts = [_eager_start(theta, {n: p}, cfg) for n, p in payloads.items()]
         sim.record(r + 1, train_loss)
     return {"bytes_sent_per_worker": sent / cfg.workers}
 
 
-def _eager_start(
-    theta: dict[str, torch.Tensor], own: dict[str, Any], cfg: SimConfig
-) -> dict[str, torch.Tensor]:
-    """Where a worker starts the next round under eager overlap: θ with its own update applied
-    as the stand-in for the aggregate still in flight (the daemon's ``Worker.eager_start``)."""
-    start = {n: t.clone() for n, t in theta.items()}
-    apply_aggregate(start, own, alpha=cfg.alpha, clip=cfg.clip, robust=False)
-    return start
+def _eager_offsets(
+    before: dict[str, torch.Tensor],
+    theta: dict[str, torch.Tensor],
+    peers: int,
+    recons: list[dict[str, torch.Tensor]],
+    alpha: float,
+) -> list[dict[str, torch.Tensor] | None]:
+    """Each worker's estimate of the aggregate in flight, as the daemon's
+    ``Worker.eager_offset``: its own ĉ for a 1/G share, the last aggregate's step for the rest."""
+    step = {n: before[n] - theta[n] for n in theta}
+    return [
+        {n: step[n] * ((peers - 1) / peers) + recon[n] * (alpha / peers) for n in theta}
+        for recon in recons
+    ]
 
 
 def run_diloco(sim: Simulation) -> dict[str, Any]:

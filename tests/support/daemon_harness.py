@@ -181,8 +181,8 @@ def _reference(run: RunConfig, node_id: str) -> list[str]:
         assert pending is not None
         following = None
         if r + 1 < run.rounds:
-            guess = pending.recon if run.overlap == "eager" else None
-            following = w.train_and_compress(r + 1, guess)
+            offset = w.eager_offset(pending.recon) if run.overlap == "eager" else None
+            following = w.train_and_compress(r + 1, offset)
         w.apply({node_id: w.read(pending.payload)})
         out.append(w.fingerprint())
         pending = following
