@@ -25,6 +25,7 @@ Modules, one concept each (it never imports ``node``: the project's layering rul
     signing.py      the Ed25519 manifest key in the state directory
     storage.py      the object-store Protocol and its boto3 implementation (the only botocore
                     import: its errors leave as StorageError)
+    presign.py      presigned URLs (SigV4) in microseconds, used once shown equal to boto3's
     publisher.py    uploads signed manifests, checkpoint sidecars and latest.json, retrying
     retention.py    deletes old payloads and checkpoints from the store
     metrics.py      Prometheus metrics; the run's counters start from the database's totals
@@ -35,6 +36,7 @@ Modules, one concept each (it never imports ``node``: the project's layering rul
                     body and request-head timeouts, aiohttp's connection settings
     handling.py     what every route shares: auth, body validation, query checks, error mapping
     service.py      the ``Coordinator`` every handler shares, and what follows a round's close
+    wakeups.py      long-polls woken a batch per turn of the event loop (a close wakes ~N)
     handlers.py     the aiohttp route handlers, by endpoint name (``dashboard/``: the page at ``/``)
     app.py          ``create_app``: wiring, route registration, background tasks' lifecycle
     preflight.py    checks before anything is written: the port, the object store

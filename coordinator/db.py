@@ -53,7 +53,14 @@ class Database(CheckpointTables):
         self._conn = connect(path, synchronous="FULL" if durable else "NORMAL")
         self._depth = 0
         #: Called after a rollback, so in-memory views of the tables can be rebuilt.
-        self.on_rollback: list[Callable[[], None]] = []
+        self.on_rollback: list[Callable[[], None]] = [self._forget_newest]
+        #: The newest round's row, read once and dropped by every write to the rounds table:
+        #: every request asks for it, and only this connection writes rounds (the token
+        #: commands of other processes never do).
+        self._newest: RoundRow | None = None
+
+    def _forget_newest(self) -> None:
+        self._newest = None
 
     @property
     def changes(self) -> int:
@@ -66,6 +73,10 @@ class Database(CheckpointTables):
     def execute(self, sql: str, params: tuple[object, ...] = ()) -> sqlite3.Cursor:
         """One statement on this connection, for tables another module owns (tokens)."""
         return self._conn.execute(sql, params)
+
+    def executemany(self, sql: str, rows: list[tuple[object, ...]]) -> None:
+        """One statement for each of ``rows``, in one call (the loop runs in SQLite, not here)."""
+        self._conn.executemany(sql, rows)
 
     @contextmanager
     def tx(self) -> Iterator[None]:
@@ -157,11 +168,13 @@ class Database(CheckpointTables):
 
     def current_round(self) -> RoundRow | None:
         """The newest round (the one in progress, or the last closed one when finished)."""
-        return self._round(
-            self._conn.execute(
-                f"SELECT {self._ROUND_COLS} FROM rounds ORDER BY round DESC LIMIT 1"
-            ).fetchone()
-        )
+        if self._newest is None:
+            self._newest = self._round(
+                self._conn.execute(
+                    f"SELECT {self._ROUND_COLS} FROM rounds ORDER BY round DESC LIMIT 1"
+                ).fetchone()
+            )
+        return self._newest
 
     def get_round(self, round_: int) -> RoundRow | None:
         return self._round(
@@ -195,12 +208,14 @@ class Database(CheckpointTables):
     def insert_round(
         self, round_: int, state: RoundState, started_at: float | None, deadline: float | None
     ) -> None:
+        self._newest = None
         self._conn.execute(
             "INSERT INTO rounds(round, state, started_at, deadline) VALUES(?,?,?,?)",
             (round_, state.value, started_at, deadline),
         )
 
     def open_round(self, round_: int, started_at: float, deadline: float) -> bool:
+        self._newest = None
         cur = self._conn.execute(
             "UPDATE rounds SET state=?, started_at=?, deadline=? WHERE round=? AND state=?",
             (RoundState.OPEN.value, started_at, deadline, round_, RoundState.WAITING.value),
@@ -216,6 +231,7 @@ class Database(CheckpointTables):
         settled_at: float | None = None,
     ) -> bool:
         """Mark an open round closed; ``False`` (and no change) if it was not open."""
+        self._newest = None
         cur = self._conn.execute(
             "UPDATE rounds SET state=?, closed_at=?, base_fingerprint=?, signed_manifest=?,"
             " settled_at=? WHERE round=? AND state=?",
@@ -241,6 +257,7 @@ class Database(CheckpointTables):
         return [(int(r[0]), str(r[1])) for r in rows]
 
     def mark_published(self, round_: int) -> None:
+        self._newest = None
         self._conn.execute("UPDATE rounds SET published=1 WHERE round=?", (round_,))
 
     # submissions

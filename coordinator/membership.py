@@ -48,6 +48,8 @@ class Membership:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         #: The members table, by node id, in slot order.
         self._rows: dict[str, MemberRow] = {}
+        #: How many of them are active (kept with every change: a join asks, O(1)).
+        self._active = 0
         #: Moves with every change of a member (the round machine's cache key).
         self.version = 0
         self._load()
@@ -60,14 +62,20 @@ class Membership:
     def _load(self) -> None:
         """(Re)read the members table: at start, and after a rollback undid a write."""
         self._rows = {m.node_id: m for m in self.db.members()}
+        self._active = sum(1 for m in self._rows.values() if m.state == MemberState.ACTIVE)
         self.version += 1
+
+    def _put(self, row: MemberRow) -> None:
+        """Replace (or add) ``row`` in memory, keeping the active count."""
+        old = self._rows.get(row.node_id)
+        was_active = old is not None and old.state == MemberState.ACTIVE
+        self._active += (row.state == MemberState.ACTIVE) - was_active
+        self._rows[row.node_id] = row
 
     def _set(self, node_id: str, state: MemberState, joined: int, gone: int | None) -> None:
         self.db.set_member(node_id, state, joined, gone)
         row = self._rows[node_id]
-        self._rows[node_id] = dataclasses.replace(
-            row, state=state, joined_round=joined, gone_in_round=gone
-        )
+        self._put(dataclasses.replace(row, state=state, joined_round=joined, gone_in_round=gone))
         self.version += 1
 
     def row(self, node_id: str) -> MemberRow | None:
@@ -79,7 +87,7 @@ class Membership:
         return [rule_member(m) for m in self._rows.values()]
 
     def active_count(self) -> int:
-        return sum(1 for m in self._rows.values() if m.state == MemberState.ACTIVE)
+        return self._active
 
     def is_expected(self, node_id: str, round_: int) -> bool:
         """Whether ``node_id`` is a member that must submit to ``round_``."""
@@ -138,14 +146,14 @@ class Membership:
             state = MemberState.FINISHED if finished else MemberState.ACTIVE
             if member is None:
                 slot = self.db.add_member(node_id, joined, client)
-                self._rows[node_id] = MemberRow(node_id, slot, state, joined, None)
+                self._put(MemberRow(node_id, slot, state, joined, None))
             else:
                 slot = member.slot
                 if member.state == MemberState.ACTIVE and member.joined_round <= current:
                     joined = member.joined_round
             self._set(node_id, state, joined, None)
             self.db.bind_instance(node_id, instance)
-            self._rows[node_id] = dataclasses.replace(self._rows[node_id], instance=instance)
+            self._put(dataclasses.replace(self._rows[node_id], instance=instance))
             if not finished:
                 self.last_seen[node_id] = now
         log.info(

@@ -16,6 +16,8 @@ A run has a token per node, so the filter must not cost a search per secret on e
 (a thousand searches per line at a thousand nodes made logging the coordinator's largest cost).
 It groups the secrets by length and, for each length present, cuts the line into every window of
 that length and looks the windows up in a set: the work grows with the line, not the secrets.
+The filter first makes one such pass for the secrets' first characters (as many as the shortest
+secret has), all lengths at once: almost every line holds none, and is then left as it is.
 """
 
 from __future__ import annotations
@@ -97,12 +99,24 @@ class SecretFilter(logging.Filter):
     def __init__(self, secrets: Iterable[str]) -> None:
         super().__init__()
         self.groups = by_length(secrets)
+        #: How many first characters of every secret ``heads`` holds (the shortest's length).
+        self.head_chars = min(self.groups, default=0)
+        self.heads = frozenset(
+            secret[: self.head_chars] for group in self.groups.values() for secret in group
+        )
+
+    def may_hold(self, text: str) -> bool:
+        """Whether ``text`` may hold a secret: some window of it starts one (never a wrong
+        no, so a line that fails this needs no masking)."""
+        n = self.head_chars
+        return not self.heads.isdisjoint(text[i : i + n] for i in range(len(text) - n + 1))
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        clean = mask(message, self.groups)
-        if clean != message:
-            record.msg, record.args = clean, None
+        if self.may_hold(message):
+            clean = mask(message, self.groups)
+            if clean != message:
+                record.msg, record.args = clean, None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:

@@ -2,17 +2,16 @@
 
 ``coordinator.app`` builds one per app and keeps it under the ``COORDINATOR`` key;
 ``coordinator.handlers`` reads it from the request. It also owns the long-polls (waiting for a
-round to close, or for a waiting round to open), what follows a close (wake them, count it,
-publish, prune), what follows a token revocation made by the operator's command (the member is
-out, the round stops waiting), and the answer every node fetches after a close: the manifest
-with its presigned download URLs, built once per round and served as the same bytes to every
-reader until its URLs near half their lifetime (``manifest_body``).
+round to close, or for a waiting round to open; woken in batches, ``coordinator.wakeups``),
+what follows a close (wake them, count it, publish, prune), what follows a token revocation
+made by the operator's command (the member is out, the round stops waiting), and the answer
+every node fetches after a close: the manifest with its presigned download URLs, built once per
+round and served as the same bytes to every reader until its URLs near half their lifetime
+(``manifest_body``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from coordinator.signing import ManifestSigner
 from coordinator.storage import ObjectStore
 from coordinator.tokens import TokenBook
 from coordinator.verify import CheckpointVerifier
+from coordinator.wakeups import Wakeups
 from protocol.messages import ManifestView, RoundState, SignedManifest
 
 #: Rounds whose manifest answer is kept (the newest; catching-up nodes read older ones once).
@@ -55,9 +55,10 @@ class Coordinator:
     verifier: CheckpointVerifier
     #: Group commit of the database; ``None`` when every commit syncs itself (tests).
     sync: GroupSync | None = None
-    waiters: dict[int, asyncio.Event] = field(default_factory=dict)
+    #: Long-polls of a round's manifest, by round, released when it closes.
+    waiters: Wakeups = field(default_factory=Wakeups)
     #: Long-polls of a waiting round, by round, released when it opens (or is no longer newest).
-    open_waiters: dict[int, asyncio.Event] = field(default_factory=dict)
+    open_waiters: Wakeups = field(default_factory=Wakeups)
     stopping: bool = False
     #: round -> (the manifest answer's bytes, until when (monotonic) they may be served)
     manifests: OrderedDict[int, tuple[bytes, float]] = field(default_factory=OrderedDict)
@@ -95,9 +96,7 @@ class Coordinator:
             return
         self.metrics.closed(closed)
         for signed in closed:
-            event = self.waiters.pop(signed.manifest.round, None)
-            if event is not None:
-                event.set()
+            self.waiters.release(signed.manifest.round)
         self.wake_opened()
         self.publisher.kick()
         self.retention.kick()
@@ -111,36 +110,31 @@ class Coordinator:
 
     async def wait_closed(self, round_: int, timeout: float) -> None:
         """Return when ``round_`` closes, the server stops, or after ``timeout`` seconds."""
-        if self.stopping or timeout <= 0:
-            return
-        event = self.waiters.setdefault(round_, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+        if not self.stopping:
+            await self.waiters.wait(round_, timeout)
 
     async def wait_opened(self, round_: int, timeout: float) -> None:
         """Return when waiting round ``round_`` opens, the server stops, or after ``timeout``."""
-        if self.stopping or timeout <= 0:
-            return
-        event = self.open_waiters.setdefault(round_, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+        if not self.stopping:
+            await self.open_waiters.wait(round_, timeout)
 
     def wake_opened(self) -> None:
         """Release the long-polls of rounds that are no longer waiting (call after any change
         that may open a round: a join, a tick, a close)."""
-        if not self.open_waiters:
+        rounds = self.open_waiters.keys()
+        if not rounds:
             return
         number = self.machine.round_number()
         waiting = self.machine.round_view_state() == RoundState.WAITING
-        for round_ in list(self.open_waiters):
+        for round_ in rounds:
             if round_ != number or not waiting:
-                self.open_waiters.pop(round_).set()
+                self.open_waiters.release(round_)
 
     def release_waiters(self) -> None:
         """The server is stopping: answer every long-poll now, and any new one at once."""
         self.stopping = True
-        for event in (*self.waiters.values(), *self.open_waiters.values()):
-            event.set()
+        self.waiters.release_all()
+        self.open_waiters.release_all()
 
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)

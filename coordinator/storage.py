@@ -13,6 +13,10 @@ parses every request in Python, on a thread that holds the interpreter lock whil
 waits), and a round makes one per node. So ``head`` presigns and sends it itself, with the
 same timeout and a few tries on the same transient errors.
 
+Presigned URLs (an upload grant, a manifest's downloads, that HEAD) are signed by
+``coordinator.presign`` once it has shown, when the store is built, that it gives exactly the
+URLs boto3 gives for this endpoint; boto3 signs them otherwise. Both are local computation.
+
 This is the only module that imports boto3 or botocore: every error of theirs leaves ``S3Store``
 as ``coordinator.errors.StorageError`` (with the store's error code in ``.code``).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +38,9 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from coordinator.errors import StorageError, TooLarge
+from coordinator.presign import SigV4Presigner, matches_botocore
+
+log = logging.getLogger("sparseloco.coordinator.storage")
 
 #: Seconds for one store request (connect and read) before it counts as failed.
 STORE_TIMEOUT_S = 20.0
@@ -45,6 +53,10 @@ NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound"})
 HEAD_ATTEMPTS = 3
 HEAD_RETRY_S = 0.2
 _HEAD_TRANSIENT = frozenset({429, 500, 502, 503, 504})
+#: Seconds a HEAD's presigned URL is valid (it is sent at once).
+HEAD_EXPIRY_S = 60
+#: The key the presigner is checked against boto3 with (characters a key may hold).
+PROBE_KEY = "presign-check/run 1/00000/node_a-~+%.bin"
 
 
 @dataclass(frozen=True)
@@ -115,32 +127,65 @@ class S3Store:
                 retries={"max_attempts": 3, "mode": "standard"},
             ),
         )
-
-    def presign_put(self, key: str, size: int, sha256_hex: str) -> tuple[str, dict[str, str]]:
-        checksum = sha256_b64(sha256_hex)
-        url = self._client.generate_presigned_url(
-            "put_object",
-            Params={
-                "Bucket": self.bucket,
-                "Key": key,
-                "ContentLength": size,
-                "ChecksumSHA256": checksum,
-                "IfNoneMatch": "*",
-            },
-            ExpiresIn=self.expiry_s,
+        presigner = SigV4Presigner(
+            endpoint_url=endpoint_url,
+            bucket=bucket,
+            access_key=access_key,
+            secret_key=secret_key,
+            region=region,
         )
-        headers = {
+        #: The fast signer, or ``None`` when it does not sign as boto3 does for this endpoint.
+        self._presigner = presigner if self._agrees(presigner) else None
+
+    @staticmethod
+    def _headers_put(size: int, checksum: str) -> dict[str, str]:
+        """The headers a presigned PUT binds: size, checksum, and write-once."""
+        return {
             "Content-Length": str(size),
             "x-amz-checksum-sha256": checksum,
             "If-None-Match": "*",
         }
-        return url, headers
 
-    def presign_get(self, key: str) -> str:
+    def _boto_url(self, operation: str, params: dict[str, Any], expires_s: int) -> str:
+        """boto3's presigned URL of ``operation`` on this bucket."""
         url: str = self._client.generate_presigned_url(
-            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=self.expiry_s
+            operation, Params={"Bucket": self.bucket, **params}, ExpiresIn=expires_s
         )
         return url
+
+    def _agrees(self, presigner: SigV4Presigner) -> bool:
+        """Whether ``presigner`` gives boto3's URL for each kind of request made here."""
+        key, checksum = PROBE_KEY, sha256_b64("00" * 32)
+        put: dict[str, Any] = {"Key": key, "ContentLength": 1, "ChecksumSHA256": checksum}
+        put["IfNoneMatch"] = "*"
+        head = {"Key": key, "ChecksumMode": "ENABLED"}
+        cases: list[tuple[str, dict[str, Any], str, dict[str, str] | None, int]] = [
+            ("put_object", put, "PUT", self._headers_put(1, checksum), self.expiry_s),
+            ("get_object", {"Key": key}, "GET", None, self.expiry_s),
+            ("head_object", head, "HEAD", {"x-amz-checksum-mode": "ENABLED"}, HEAD_EXPIRY_S),
+        ]
+        for operation, params, method, headers, expires_s in cases:
+            url = self._boto_url(operation, params, expires_s)
+            if not matches_botocore(presigner, url, method, key, expires_s, headers):
+                log.warning(
+                    "event=presign_fallback reason=%s",
+                    f"the SigV4 signer disagrees with boto3 on {operation}; boto3 signs",
+                )
+                return False
+        return True
+
+    def presign_put(self, key: str, size: int, sha256_hex: str) -> tuple[str, dict[str, str]]:
+        checksum = sha256_b64(sha256_hex)
+        headers = self._headers_put(size, checksum)
+        if self._presigner is not None:
+            return self._presigner.presign("PUT", key, self.expiry_s, headers), headers
+        params = {"Key": key, "ContentLength": size, "ChecksumSHA256": checksum}
+        return self._boto_url("put_object", {**params, "IfNoneMatch": "*"}, self.expiry_s), headers
+
+    def presign_get(self, key: str) -> str:
+        if self._presigner is not None:
+            return self._presigner.presign("GET", key, self.expiry_s)
+        return self._boto_url("get_object", {"Key": key}, self.expiry_s)
 
     async def _call(self, what: str, method: str, **kwargs: Any) -> Any:
         """Run client ``method`` in a thread; any botocore error becomes ``StorageError``.
@@ -172,9 +217,12 @@ class S3Store:
             # One session per event loop (a test may run the store under several loops).
             timeout = aiohttp.ClientTimeout(total=STORE_TIMEOUT_S)
             self._http, self._http_loop = aiohttp.ClientSession(timeout=timeout), loop
-        params = {"Bucket": self.bucket, "Key": key, "ChecksumMode": "ENABLED"}
-        url = self._client.generate_presigned_url("head_object", Params=params, ExpiresIn=60)
         headers = {"x-amz-checksum-mode": "ENABLED"}
+        if self._presigner is not None:
+            url = self._presigner.presign("HEAD", key, HEAD_EXPIRY_S, headers)
+        else:
+            params = {"Key": key, "ChecksumMode": "ENABLED"}
+            url = self._boto_url("head_object", params, HEAD_EXPIRY_S)
         for attempt in range(HEAD_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(HEAD_RETRY_S * (1 + random.random()) * attempt)

@@ -129,11 +129,10 @@ class TokenTable:
 
     def note_used(self, used: Mapping[str, float]) -> None:
         """Record when each token (by digest) was last used; not a change anyone waits for."""
-        for token_digest, when in used.items():
-            self.db.execute(
-                "UPDATE tokens SET last_used=MAX(COALESCE(last_used, 0), ?) WHERE hash=?",
-                (when, token_digest),
-            )
+        self.db.executemany(
+            "UPDATE tokens SET last_used=MAX(COALESCE(last_used, 0), ?) WHERE hash=?",
+            [(when, token_digest) for token_digest, when in used.items()],
+        )
 
     def seed(self, config_tokens: Mapping[str, str], now: float) -> None:
         """Add the config's tokens by the rule in the module docstring; log what was skipped."""

@@ -1,0 +1,143 @@
+"""The SigV4 presigner (``coordinator.presign``): boto3's URLs, character for character, and a
+store that really accepts them.
+
+- for endpoints of several shapes (SeaweedFS on a port, AWS, R2, a default port, a base path)
+  and keys with characters that must be encoded, the presigner gives exactly boto3's URL for
+  the same request at the same second, for each kind the coordinator hands out (PUT bound to
+  size, checksum and write-once; GET; HEAD asking for the checksum);
+- ``S3Store`` uses it only when that holds when it is built, and boto3 otherwise;
+- against the session's SeaweedFS store: a presigned PUT stores the payload once (a second is
+  refused), its GET reads it back, and ``head`` sees its size and checksum.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from typing import Any
+
+import aiohttp
+import boto3
+import pytest
+from botocore.config import Config
+
+from coordinator import storage
+from coordinator.presign import SigV4Presigner, matches_botocore, signed_at
+from coordinator.storage import S3Store, sha256_b64
+from node.cluster.seaweed import EmbeddedStore
+
+ENDPOINTS = [
+    ("http://127.0.0.1:8333", "us-east-1"),
+    ("https://s3.eu-west-1.amazonaws.com", "eu-west-1"),
+    ("https://account.r2.cloudflarestorage.com", "auto"),
+    ("http://127.0.0.1:80", "us-east-1"),
+    ("https://objects.example.com/base/", "us-east-1"),
+]
+KEYS = ["runs/run-1/rounds/00012/n00007.bin", "runs/r 1/00000/nöde_a-~+%.bin"]
+
+
+def boto_client(endpoint: str, region: str) -> Any:
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="AKIDEXAMPLE/1",
+        aws_secret_access_key="wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
+        region_name=region,
+        config=Config(signature_version="s3v4"),
+    )
+
+
+@pytest.mark.parametrize(("endpoint", "region"), ENDPOINTS)
+@pytest.mark.parametrize("key", KEYS)
+def test_presigner_gives_boto3s_urls(endpoint: str, region: str, key: str) -> None:
+    client = boto_client(endpoint, region)
+    signer = SigV4Presigner(
+        endpoint_url=endpoint,
+        bucket="sparseloco",
+        access_key="AKIDEXAMPLE/1",
+        secret_key="wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
+        region=region,
+    )
+    checksum = sha256_b64(hashlib.sha256(b"payload").hexdigest())
+    put = client.generate_presigned_url(
+        "put_object",
+        Params={
+            "Bucket": "sparseloco",
+            "Key": key,
+            "ContentLength": 7,
+            "ChecksumSHA256": checksum,
+            "IfNoneMatch": "*",
+        },
+        ExpiresIn=900,
+    )
+    headers = {"Content-Length": "7", "x-amz-checksum-sha256": checksum, "If-None-Match": "*"}
+    assert matches_botocore(signer, put, "PUT", key, 900, headers)
+    get = client.generate_presigned_url(
+        "get_object", Params={"Bucket": "sparseloco", "Key": key}, ExpiresIn=600
+    )
+    assert matches_botocore(signer, get, "GET", key, 600)
+    assert not matches_botocore(signer, get, "GET", key, 601)  # a different request differs
+    head = client.generate_presigned_url(
+        "head_object",
+        Params={"Bucket": "sparseloco", "Key": key, "ChecksumMode": "ENABLED"},
+        ExpiresIn=60,
+    )
+    assert matches_botocore(signer, head, "HEAD", key, 60, {"x-amz-checksum-mode": "ENABLED"})
+    # The signing key is kept per day; a URL of another day is signed with that day's key.
+    later = signer.presign("GET", key, 600, now=signed_at(get) + 86400)
+    assert "X-Amz-Date=" in later and later != get
+
+
+def make_store(endpoint: str = "http://127.0.0.1:8333") -> S3Store:
+    return S3Store(
+        endpoint_url=endpoint,
+        bucket="sparseloco",
+        access_key="AKIDEXAMPLE",
+        secret_key="secret-key-example",
+        expiry_s=900,
+    )
+
+
+def test_store_signs_with_boto3_when_the_presigner_disagrees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert make_store()._presigner is not None
+    monkeypatch.setattr(storage, "matches_botocore", lambda *args, **kwargs: False)
+    store = make_store()
+    assert store._presigner is None
+    url, headers = store.presign_put("runs/r/0/n.bin", 7, hashlib.sha256(b"x").hexdigest())
+    assert url.startswith("http://127.0.0.1:8333/sparseloco/runs/r/0/n.bin?")
+    assert "X-Amz-Signature=" in url and headers["If-None-Match"] == "*"
+    assert "X-Amz-Expires=900" in store.presign_get("runs/r/0/n.bin")
+
+
+@pytest.mark.asyncio
+async def test_presigned_urls_work_against_seaweedfs(store: EmbeddedStore) -> None:
+    endpoint = store.endpoint
+    s3 = S3Store(
+        endpoint_url=endpoint.endpoint_url,
+        bucket=endpoint.bucket,
+        access_key=endpoint.access_key,
+        secret_key=endpoint.secret_key,
+        region=endpoint.region,
+    )
+    assert s3._presigner is not None  # the fast signer is the one under test
+    payload = b"presigned by coordinator.presign"
+    sha = hashlib.sha256(payload).hexdigest()
+    key = "presign-test/run 1/00000/n~0+a.bin"
+    url, headers = s3.presign_put(key, len(payload), sha)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.put(url, data=payload, headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+            async with http.put(url, data=payload, headers=headers) as resp:
+                assert resp.status == 412  # write-once
+            async with http.get(s3.presign_get(key)) as resp:
+                assert resp.status == 200 and await resp.read() == payload
+        info = await s3.head(key)
+        assert info is not None and info.size == len(payload)
+        assert info.sha256_b64 in (None, base64.b64encode(bytes.fromhex(sha)).decode())
+        assert await s3.head(key + ".missing") is None
+    finally:
+        await s3.delete_keys([key])
+        await s3.close()
