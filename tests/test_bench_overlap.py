@@ -33,6 +33,7 @@ def test_utilisation_is_training_over_the_steady_rounds_wall_time() -> None:
     assert u["wall_s"] == 20.0 and u["rounds"] == 2
     assert u["per_node"] == {"a": 0.7, "b": 0.4}
     assert u["utilisation"] == pytest.approx(0.55)
+    assert u["slowest"] == pytest.approx(0.7)  # a trained longest in both rounds
     assert u["round_s"] == 10.0 and u["train_s"] == pytest.approx(5.5)
 
 

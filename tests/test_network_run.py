@@ -36,7 +36,7 @@ def _run(rounds: int, min_nodes: int, inner_steps: int = 5, overlap: str = "off"
         inner_steps=inner_steps,
         batch_size=4,
         min_nodes=min_nodes,
-        overlap=overlap,  # type: ignore[arg-type]
+        overlap=overlap,
         timing=TIMING,
     )
 

@@ -14,10 +14,12 @@ node processes on loopback):
 3. **overlap** (``eager`` unless told otherwise) with the same cap.
 
 Utilisation = Σ training seconds / Σ round durations over the steady rounds, per node, then the
-mean over nodes. A round's duration is the coordinator's, from open to close; rounds follow each
-other, so the durations of consecutive rounds add up to the wall time from the first one's open
-to the last one's close. Round 0 (compiled codec loops loading in every process; under overlap
-nothing in flight yet) and the last round (nothing left to overlap with) are left out.
+mean over nodes; and the same for the node that trained longest in each round (the one the round
+waits for: nodes sharing a machine's cores do not train equally fast). A round's duration is the
+coordinator's, from open to close; rounds follow each other, so the durations of consecutive
+rounds add up to the wall time from the first one's open to the last one's close. Round 0
+(compiled codec loops loading in every process; under overlap nothing in flight yet) and the
+last round (nothing left to overlap with) are left out.
 """
 
 from __future__ import annotations
@@ -44,14 +46,18 @@ def utilisation(result: dict[str, Any]) -> dict[str, Any]:
     rounds = steady(result)
     wall = sum(e["duration_s"] or 0.0 for e in rounds)
     trained: dict[str, float] = {}
+    slowest = 0.0  # the node that trained longest each round: the one the round waits for
     for entry in rounds:
-        for node, timings in entry["timings"].items():
-            trained[node] = trained.get(node, 0.0) + timings.get("train", 0.0)
+        times = {node: t.get("train", 0.0) for node, t in entry["timings"].items()}
+        for node, seconds in times.items():
+            trained[node] = trained.get(node, 0.0) + seconds
+        slowest += max(times.values(), default=0.0)
     if wall <= 0 or not trained:
         raise ValueError("no steady rounds with timings: run at least 3 rounds")
     per_node = {node: t / wall for node, t in sorted(trained.items())}
     return {
         "utilisation": statistics.fmean(per_node.values()),
+        "slowest": slowest / wall,
         "per_node": per_node,
         "wall_s": wall,
         "rounds": len(rounds),
@@ -80,13 +86,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"link cap: {rate * 8 / 1e3:.1f} kbit/s each way per node"
         f" (transfers ≈ {report['link_share']:g} × training)",
         "",
-        "| schedule | utilisation | round s | training s per round |",
-        "|---|---:|---:|---:|",
+        "| schedule | utilisation, mean of nodes | slowest node | round s | training s |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name in ("uncapped", "plain", "overlap"):
         u = report[name]
         lines.append(
-            f"| {name} | {u['utilisation']:.3f} | {u['round_s']:.2f} | {u['train_s']:.2f} |"
+            f"| {name} | {u['utilisation']:.3f} | {u['slowest']:.3f} | {u['round_s']:.2f}"
+            f" | {u['train_s']:.2f} |"
         )
     return "\n".join(lines)
 
