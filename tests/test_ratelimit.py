@@ -93,3 +93,15 @@ def test_the_node_takes_its_caps_as_flags_or_environment(tmp_path, monkeypatch) 
     assert settings.upload_limit == 12.5e6 and settings.download_limit == 125e6
     with pytest.raises(ConfigError, match=r"--upload-limit \(or SPARSELOCO_NODE_UPLOAD_LIMIT\)"):
         load_settings(**base, upload_limit="fast")
+
+
+@pytest.mark.asyncio
+async def test_a_slow_cap_throttles_a_transfer_smaller_than_a_chunk() -> None:
+    # 10 kB/s: a 40 kB payload after an idle spell takes about 4 s, not nothing (the bucket
+    # holds a quarter second of traffic, never a whole chunk).
+    clock = Manual()
+    bw = Bandwidth(10_000, clock=clock, sleep=clock.sleep)
+    async for _ in bw.chunks(b"x" * 40_000):
+        pass
+    assert bw.capacity == 2_500
+    assert clock.t == pytest.approx((40_000 - 2_500) / 10_000, rel=1e-3)

@@ -59,7 +59,9 @@ class Bandwidth:
         if rate <= 0:
             raise ValueError("rate must be positive")
         self.rate = rate
-        self.capacity = max(float(CHUNK), rate * BURST_S)
+        # Never more than BURST_S of traffic, however slow the link: a bucket of one CHUNK on a
+        # 80 kbit/s cap would let a 60 KB payload through unthrottled.
+        self.capacity = rate * BURST_S
         self._clock = clock
         self._sleep = sleep
         self._tokens = self.capacity
@@ -87,7 +89,7 @@ class Bandwidth:
     async def chunks(self, data: bytes) -> AsyncIterator[bytes]:
         """``data`` in pieces, each let through at the bucket's pace (an upload's body)."""
         view = memoryview(data)
-        step = min(CHUNK, int(self.capacity))
+        step = max(1, min(CHUNK, int(self.capacity)))
         for start in range(0, len(view), step):
             piece = view[start : start + step]
             await self.take(len(piece))
