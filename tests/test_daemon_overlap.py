@@ -9,13 +9,16 @@ account balances.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import signal
 
 import pytest
 
 from node.compute.state import load_state
 from node.daemon.faults import Faults
-from protocol.messages import Exclusion, Mass
+from protocol.messages import Exclusion, Mass, MemberState
 from support.daemon_harness import (
     Crash,
     crash_at,
@@ -133,3 +136,30 @@ async def test_a_diverged_node_resyncs_and_ends_bit_identical(harness, caplog) -
     assert any("event=resynced node=node-2" in m for m in caplog.messages)
     last = h.reports(h.run.rounds - 1)
     assert set(last) == set(nodes) and len({r.fingerprint for r in last.values()}) == 1
+
+
+async def test_sigterm_while_the_next_round_trains_leaves_and_resumes(harness) -> None:
+    run = run_config(overlap="eager", rounds=3, inner_steps=400)
+    h = harness(run)
+    daemon = h.daemon("node-0")
+    task = asyncio.create_task(daemon.run(handle_signals=True))
+    # Round 0 trained and committed; round 1 trains beside round 0's transfers.
+    await until(
+        lambda: daemon._worker is not None and daemon._worker.local_steps > 410, "round 1 training"
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(task, 60) == 0
+    assert h.coord.db.member("node-0").state == MemberState.LEFT
+    state = load_state(h.state_dir("node-0"), worker(run).shapes)
+    assert state is not None and (state.round, state.phase) == (0, "submitting")
+    # Started again, it finishes the run. The rounds open while it was away closed without
+    # it (it left); its round-0 payload was either in round 0 or went back into e.
+    assert await h.daemon("node-0").run(handle_signals=False) == 0
+    for r in range(run.rounds):
+        m = h.manifest(r).manifest
+        assert [e.node_id for e in m.gather] == ["node-0"] or m.excluded == {"node-0": "left"}
+        if m.gather:
+            assert_mass_balanced(h.reports(r)["node-0"].mass)
+    assert [e.node_id for e in h.manifest(run.rounds - 1).manifest.gather] == ["node-0"]
+    final = load_state(h.state_dir("node-0"), worker(run).shapes)
+    assert final is not None and (final.round, final.phase) == (run.rounds, "idle")

@@ -100,8 +100,8 @@ def test_every_term_is_linear_so_utilisation_does_not_depend_on_size() -> None:
 def test_measured_defaults_match_the_readme_numbers() -> None:
     a = Assumptions()
     assert a.bits_per_param == 0.1465  # README benchmark 1, EF-like, k=64
-    # README benchmark 10, "after A": the parts on the round's path add up to the total.
-    assert a.cpu_work_ns == pytest.approx(5.2 + 33.1 + 10.8 + 0.0 + 5.2 + 49.0 + 1.3 + 1.1)
+    # README benchmark 10, the quiet rerun: the parts on the round's path add up to the total.
+    assert a.cpu_work_ns == pytest.approx(0.6 + 4.9 + 7.1 + 0.0 + 3.6 + 9.7 + 1.7 + 0.9)
     assert (a.peers, a.inner_steps, a.gpus, a.mfu) == (16, 30, 8, 0.40)
 
 

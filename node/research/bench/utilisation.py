@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from node.cluster.up import UpConfig, up
+from node.research.bench.round_bench import phase_table
 
 log = logging.getLogger("sparseloco.bench.overlap")
 
@@ -139,6 +140,15 @@ def run(
         "uncapped": utilisation(calibration),
         "plain": utilisation(plain),
         "overlap": utilisation(overlapped),
+        # Median seconds per phase (``bench round``'s table) of each run, for the diagnosis.
+        "phases": {
+            name: phase_table(result)
+            for name, result in (
+                ("uncapped", calibration),
+                ("plain", plain),
+                ("overlap", overlapped),
+            )
+        },
         "final_eval_loss": {
             "plain": plain["final_eval_loss"],
             "overlap": overlapped["final_eval_loss"],
