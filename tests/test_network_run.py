@@ -315,3 +315,32 @@ def test_up_with_overlap_on_capped_links(tmp_path) -> None:
     for r in result["rounds"]:
         assert sorted(r["gather"]) == ["node-0", "node-1", "node-2"], r["excluded"]
         assert len(set(r["fingerprints"].values())) == 1
+
+
+def test_up_trains_the_llama_style_model(tmp_path) -> None:
+    """``sparseloco up --preset llama``: the LLaMA-style model through the whole system."""
+    out = tmp_path / "up.json"
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "sparseloco"),
+            "up",
+            "--preset",
+            "llama",
+            "--nodes",
+            "2",
+            "--rounds",
+            "2",
+            "--dir",
+            str(tmp_path / "run"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["run"]["model"] == "llama_tiny"
+    assert result["fingerprints_agree"] is True
+    assert [sorted(r["gather"]) for r in result["rounds"]] == [["node-0", "node-1"]] * 2

@@ -118,7 +118,7 @@ def test_inner_step_rejects_non_finite_loss() -> None:
     model = build_model(TINY, seed=0)
     opt = make_adamw(model, CFG)
     with torch.no_grad():
-        model.norm_f.weight.fill_(float("nan"))
+        dict(model.named_parameters())["norm_f.weight"].fill_(float("nan"))
     before = [p.clone() for p in model.parameters()]
     x = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(FloatingPointError, match="step 4"):

@@ -12,8 +12,9 @@ Two properties matter to the rest of the system, beyond "it trains":
   ``F.linear`` on the embedding weight, not a second parameter): the codec tiles exactly those
   shapes.
 
-Sizes come from ``PRESETS`` ("tiny" for tests up to "1b" for real GPUs); ``param_count`` computes
-a config's size by arithmetic, so nobody has to allocate a billion parameters to learn it.
+Sizes come from ``PRESETS`` ("tiny" for tests up to "1b" for real GPUs, and the LLaMA-style
+``llama_*`` of ``node.compute.llama``); ``param_count`` computes a config's size by arithmetic, so
+nobody has to allocate a billion parameters to learn it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,12 @@ INIT_STD = 0.02
 
 
 class ModelConfig(BaseModel):
-    """Shape of the transformer. Dimensions are multiples of 64 so the codec's tiles divide them."""
+    """Shape of the transformer. Dimensions are multiples of 64 so the codec's tiles divide them.
+
+    ``arch`` "gpt" is this module's byte-level GPT; "llama" is ``node.compute.llama`` (RMSNorm,
+    rotary positions, SwiGLU of width ``ffn_dim``, ``n_kv_heads`` key/value heads, a tied or
+    separate output head). The fields after ``arch`` are the LLaMA ones.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -44,6 +50,14 @@ class ModelConfig(BaseModel):
     n_heads: int = Field(gt=0)
     ctx_len: int = Field(gt=0)
     mlp_ratio: int = Field(default=4, gt=0)
+    arch: Literal["gpt", "llama"] = "gpt"
+    #: Key/value heads (grouped-query attention); None: as many as ``n_heads``.
+    n_kv_heads: int | None = Field(default=None, gt=0)
+    #: SwiGLU width; None: 8/3 of d_model rounded up to a multiple of 64.
+    ffn_dim: int | None = Field(default=None, gt=0)
+    tie_embeddings: bool = True
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
@@ -63,12 +77,45 @@ class ModelConfig(BaseModel):
                 f"d_model={self.d_model} must be divisible by n_heads={self.n_heads};"
                 f" use e.g. n_heads={nearest}"
             )
+        if self.arch == "llama":
+            self._check_llama()
+        elif self.n_kv_heads is not None or self.ffn_dim is not None or not self.tie_embeddings:
+            raise ValueError("n_kv_heads, ffn_dim and tie_embeddings=false need arch='llama'")
         return self
+
+    def _check_llama(self) -> None:
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head width {self.head_dim} must be even for rotary positions")
+        for field, value in (("ffn_dim", self.ffn), ("n_kv_heads * head width", self.kv_dim)):
+            if value % 64:
+                raise ValueError(
+                    f"{field}={value} must be a multiple of 64 (codec tiles are up to 64 wide);"
+                    f" use e.g. {max(64, -(-value // 64) * 64)}"
+                )
 
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width."""
+        if self.arch == "gpt":
+            return self.mlp_ratio * self.d_model
+        return self.ffn_dim or -(-8 * self.d_model // 3 // 64) * 64
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -84,6 +131,34 @@ PRESETS: dict[str, ModelConfig] = {
     "large": ModelConfig(d_model=1024, n_layers=28, n_heads=16, ctx_len=1024),
     # ~1.01B.
     "1b": ModelConfig(d_model=2048, n_layers=20, n_heads=16, ctx_len=2048),
+    # LLaMA-style (node.compute.llama). Tests and CPU runs, bytes as tokens:
+    "llama_tiny": ModelConfig(arch="llama", d_model=64, n_layers=2, n_heads=2, ctx_len=64),
+    "llama_small": ModelConfig(
+        arch="llama", d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=128
+    ),
+    # ~520M, the class of the SparseLoCo paper's 512 M LLaMA runs (a 32,768-entry BPE vocabulary).
+    "llama_512m": ModelConfig(
+        arch="llama",
+        vocab_size=32768,
+        d_model=1280,
+        n_layers=22,
+        n_heads=20,
+        ffn_dim=3456,
+        tie_embeddings=False,
+        ctx_len=2048,
+    ),
+    # ~0.97B with grouped-query attention (8 key/value heads).
+    "llama_1b": ModelConfig(
+        arch="llama",
+        vocab_size=32768,
+        d_model=2048,
+        n_layers=18,
+        n_heads=16,
+        n_kv_heads=8,
+        ffn_dim=5504,
+        tie_embeddings=False,
+        ctx_len=2048,
+    ),
 }
 
 
@@ -99,7 +174,11 @@ def get_preset(name: str) -> ModelConfig:
 
 def param_count(cfg: ModelConfig) -> int:
     """Number of parameters ``build_model(cfg)`` would have, computed without allocating them."""
-    d, hidden = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+    d, hidden = cfg.d_model, cfg.ffn
+    if cfg.arch == "llama":
+        per_layer = 2 * d + 2 * d * d + 2 * d * cfg.kv_dim + 3 * d * hidden
+        heads = 1 if cfg.tie_embeddings else 2
+        return heads * cfg.vocab_size * d + cfg.n_layers * per_layer + d
     per_block = (
         2 * d  # two LayerNorm weights
         + 3 * d * d  # fused q, k, v
@@ -157,12 +236,42 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class GPT(nn.Module):
-    """Byte-level decoder-only transformer; the output head is tied to ``tok_emb``."""
+class LanguageModel(nn.Module):
+    """What both architectures share: ``cfg``, token ids (B, T) in, logits (B, T, V) out, the
+    loss, and which matrices feed the residual stream (initialised smaller with depth)."""
+
+    residual: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+
+    def check_input(self, idx: Tensor) -> None:
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, time), got {tuple(idx.shape)}")
+        if idx.shape[1] > self.cfg.ctx_len:
+            raise ValueError(
+                f"sequence length {idx.shape[1]} exceeds the model's ctx_len={self.cfg.ctx_len}"
+            )
+
+    def reset_buffers(self) -> None:
+        """Fill computed buffers after ``to_empty`` (none here)."""
+
+    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy in nats over all (B, T) positions."""
+        logits = self(idx)
+        # Cross-entropy in fp32 even under bf16 autocast: log-softmax in bf16 loses enough
+        # precision to show in the loss curve.
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class GPT(LanguageModel):
+    """Byte-level decoder-only transformer; the output head is tied to ``tok_emb``."""
+
+    residual = ("attn.proj.weight", "mlp.proj.weight")
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.ctx_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -170,48 +279,48 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         """Map token ids ``idx`` (int64, (B, T), T <= ctx_len) to logits of shape (B, T, V)."""
-        if idx.dim() != 2:
-            raise ValueError(f"idx must have shape (batch, time), got {tuple(idx.shape)}")
+        self.check_input(idx)
         t = idx.shape[1]
-        if t > self.cfg.ctx_len:
-            raise ValueError(f"sequence length {t} exceeds the model's ctx_len={self.cfg.ctx_len}")
         pos = torch.arange(t, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
         return F.linear(self.norm_f(x), self.tok_emb.weight)
 
-    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy in nats over all (B, T) positions."""
-        logits = self(idx)
-        # Cross-entropy in fp32 even under bf16 autocast: log-softmax over 256 classes in bf16
-        # loses enough precision to show in the loss curve.
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
-
-def _init_weights(model: GPT, generator: torch.Generator) -> None:
+def _init_weights(model: LanguageModel, generator: torch.Generator) -> None:
     """Fill every parameter in ``named_parameters`` order from ``generator`` (GPT-2 scheme)."""
     residual_std = INIT_STD / math.sqrt(2 * model.cfg.n_layers)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:  # LayerNorm gains
+            if p.dim() == 1:  # norm gains
                 p.fill_(1.0)
-            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            elif name.endswith(model.residual):
                 p.normal_(0.0, residual_std, generator=generator)
             else:
                 p.normal_(0.0, INIT_STD, generator=generator)
 
 
-def build_model(cfg: ModelConfig, *, seed: int) -> GPT:
-    """Build a ``GPT`` on the CPU whose weights depend only on ``cfg`` and ``seed``.
+def model_class(cfg: ModelConfig) -> type[LanguageModel]:
+    """The module class of ``cfg.arch``."""
+    if cfg.arch == "llama":
+        from node.compute.llama import Llama
+
+        return Llama
+    return GPT
+
+
+def build_model(cfg: ModelConfig, *, seed: int) -> LanguageModel:
+    """Build the model of ``cfg`` on the CPU, its weights depending only on ``cfg`` and ``seed``.
 
     The modules are created on the meta device and then filled from a local generator, so the
     global RNG is left untouched and the default (discarded) initialisation costs nothing.
     Move the result with ``.to(device)``.
     """
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = model_class(cfg)(cfg)
     model.to_empty(device="cpu")
+    model.reset_buffers()
     _init_weights(model, torch.Generator(device="cpu").manual_seed(seed))
     return model
 
@@ -233,7 +342,7 @@ def autocast(device: torch.device | str) -> contextlib.AbstractContextManager[An
 
 
 @torch.no_grad()
-def evaluate(model: GPT, batches: Iterable[tuple[Tensor, Tensor]]) -> float:
+def evaluate(model: LanguageModel, batches: Iterable[tuple[Tensor, Tensor]]) -> float:
     """Mean next-token cross-entropy (nats) over every token of every ``(x, y)`` batch.
 
     Batches are weighted by their token count, so ragged batches average correctly. The model is

@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from node.compute.model import GPT, autocast
+from node.compute.model import LanguageModel, autocast
 
 
 class InnerOptimConfig(BaseModel):
@@ -96,7 +96,7 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 
 def inner_step(
-    model: GPT,
+    model: LanguageModel,
     opt: torch.optim.Optimizer,
     x: Tensor,
     y: Tensor,

@@ -11,6 +11,7 @@ any value, and ``up`` has its own defaults for ``--nodes`` and ``--rounds``.
 | small | small (0.44 M) | 30 | 12 | 3 | 5 | a longer local run |
 | bench | small (0.44 M) | 30 | 12 | 4 | 30 | the CPU quality benchmark (``bench quality``) |
 | base | base (10.8 M) | 5 | 4 | 4 | 6 | ``bench round`` at a size where the payload path shows |
+| llama | llama_tiny (0.1 M, LLaMA-style) | 10 | 8 | 2 | 3 | the LLaMA-style model in seconds |
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ PRESETS: dict[str, RunPreset] = {
     "small": RunPreset(model="small", inner_steps=30, batch_size=12, workers=3, rounds=5),
     "bench": RunPreset(model="small", inner_steps=30, batch_size=12, workers=4, rounds=30),
     "base": RunPreset(model="base", inner_steps=5, batch_size=4, workers=4, rounds=6),
+    "llama": RunPreset(model="llama_tiny", inner_steps=10, batch_size=8, workers=2, rounds=3),
 }
 
 

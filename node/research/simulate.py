@@ -25,7 +25,7 @@ import torch
 from pydantic import Field, ValidationError, model_validator
 
 from node.compute.data import ByteCorpus, load_corpus
-from node.compute.model import GPT, build_model, count_parameters, evaluate, get_preset
+from node.compute.model import LanguageModel, build_model, count_parameters, evaluate, get_preset
 from node.compute.optim import InnerOptimConfig, inner_step, make_adamw
 from node.compute.outer import apply_aggregate, compress, feed_error, pseudo_gradient
 from node.compute.presets import get_run_preset
@@ -35,6 +35,9 @@ from protocol.fingerprint import fingerprint
 from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.simulate")
+
+#: One worker's model and its inner optimiser.
+Replica = tuple[LanguageModel, torch.optim.Optimizer]
 
 Algo = Literal["sparseloco", "diloco", "ddp"]
 
@@ -120,7 +123,7 @@ class Simulation:
         self.curve: list[list[float]] = []
         self.train_curve: list[list[float]] = []
 
-    def params(self, model: GPT) -> dict[str, torch.Tensor]:
+    def params(self, model: LanguageModel) -> dict[str, torch.Tensor]:
         return {n: p.data for n, p in model.named_parameters()}
 
     def batch(self, worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +144,7 @@ class Simulation:
             self.progress(round_, loss)
         return loss
 
-    def train_workers(self, workers: list[tuple[GPT, torch.optim.Optimizer]], round_: int) -> float:
+    def train_workers(self, workers: list[Replica], round_: int) -> float:
         """H inner steps on every worker from its current parameters; mean last-step loss."""
         losses = []
         H = self.cfg.inner_steps
@@ -153,15 +156,15 @@ class Simulation:
             losses.append(loss)
         return sum(losses) / len(losses)
 
-    def replicas(self) -> list[tuple[GPT, torch.optim.Optimizer]]:
-        out: list[tuple[GPT, torch.optim.Optimizer]] = []
+    def replicas(self) -> list[Replica]:
+        out: list[Replica] = []
         for _ in range(self.cfg.workers):
             m = build_model(self.model_cfg, seed=self.cfg.seed)
             out.append((m, make_adamw(m, self.optim_cfg)))
         return out
 
 
-def _sync(workers: list[tuple[GPT, torch.optim.Optimizer]], theta: dict[str, torch.Tensor]) -> None:
+def _sync(workers: list[Replica], theta: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for model, _ in workers:
             for n, p in model.named_parameters():

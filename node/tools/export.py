@@ -48,7 +48,7 @@ def verify_checkpoint(data: bytes, info: CheckpointInfo, run: RunConfig) -> None
     import torch
     from safetensors.torch import load as load_safetensors
 
-    from node.compute.model import GPT, get_preset
+    from node.compute.model import get_preset, model_class
     from protocol.fingerprint import fingerprint
 
     try:
@@ -56,7 +56,8 @@ def verify_checkpoint(data: bytes, info: CheckpointInfo, run: RunConfig) -> None
     except Exception as exc:  # safetensors raises several types for bad bytes
         raise CheckpointError(f"checkpoint of round {info.round} is unreadable: {exc}") from exc
     with torch.device("meta"):
-        model = GPT(get_preset(run.model))
+        cfg = get_preset(run.model)
+        model = model_class(cfg)(cfg)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     got = {n: tuple(t.shape) for n, t in tensors.items()}
     if got != expected or any(t.dtype != torch.float32 for t in tensors.values()):

@@ -68,14 +68,14 @@ def model_shapes(preset_or_shapes: str | Shapes) -> dict[str, tuple[int, ...]]:
     the meta device), or ``shapes``."""
     if not isinstance(preset_or_shapes, str):
         return {n: tuple(s) for n, s in preset_or_shapes.items()}
-    from node.compute.model import GPT, ModelConfig, get_preset
+    from node.compute.model import ModelConfig, get_preset, model_class
 
     if preset_or_shapes in BENCH_MODELS:
         cfg = ModelConfig(**BENCH_MODELS[preset_or_shapes])
     else:
         cfg = get_preset(preset_or_shapes)
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = model_class(cfg)(cfg)
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
