@@ -98,7 +98,8 @@ def add_export(sub: argparse._SubParsersAction) -> None:
         help="download the run's newest checkpoint as a verified safetensors file",
         description="Fetches the newest committed checkpoint through the coordinator, checks"
         " its sha256, its shapes against the run's model and its fingerprint against the one"
-        " the nodes agreed on, and writes OUT/model.safetensors and OUT/run.json.",
+        " the nodes agreed on, and writes OUT/model.safetensors and OUT/run.json; for a"
+        " LLaMA-style model OUT is also a Hugging Face transformers model (config.json).",
     )
     connection_flags(p)
     p.add_argument("--out", required=True, help="folder for model.safetensors and run.json")

@@ -11,14 +11,15 @@ through the presigned GET, and keeps it only if every check holds:
 
 Writes ``model.safetensors`` and ``run.json`` (run id, round, fingerprint, sha256, and the full
 run config: the model preset and everything needed to rebuild the model) into ``--out``,
-atomically, so a failed export never leaves a half-written model behind.
+atomically, so a failed export never leaves a half-written model behind. For a LLaMA-style model
+the folder is a Hugging Face ``transformers`` model (``node.tools.hf``: ``config.json``, the same
+tensors under ``LlamaForCausalLM``'s names), which ``AutoModelForCausalLM.from_pretrained``
+loads; its tokens are bytes (ids 0-255) until runs train on tokenised shards.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from node.daemon.retry import RetryPolicy
 from node.daemon.tls import connector
 from node.daemon.transfer import HttpTransfers
 from node.errors import CheckpointError, CoordinatorError, Refused
+from node.tools.hf import write_atomically, write_hf
 from protocol.messages import CheckpointInfo, StatusView
 from protocol.runconfig import RunConfig
 
@@ -72,19 +74,6 @@ def verify_checkpoint(data: bytes, info: CheckpointInfo, run: RunConfig) -> None
         )
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 async def export(
     coordinator: str, token: str, out: Path, *, ca_cert: Path | None = None
 ) -> Exported:
@@ -114,8 +103,9 @@ async def export(
     out.mkdir(parents=True, exist_ok=True)
     model = out / "model.safetensors"
     manifest = out / "run.json"
-    _write_atomically(model, data)
+    layout = _write_model(data, status.run, status.run_id, out, info)
     document = {
+        "format": layout,
         "run_id": status.run_id,
         "round": info.round,
         "fingerprint": info.fingerprint,
@@ -126,5 +116,21 @@ async def export(
         "note": "θ at the start of this round, i.e. after applying every round before it",
         "run": status.run.model_dump(mode="json"),
     }
-    _write_atomically(manifest, (json.dumps(document, indent=2) + "\n").encode())
+    write_atomically(manifest, (json.dumps(document, indent=2) + "\n").encode())
     return Exported(model, manifest, info)
+
+
+def _write_model(data: bytes, run: RunConfig, run_id: str, out: Path, info: CheckpointInfo) -> str:
+    """The verified checkpoint into ``out``: for a LLaMA-style model as a ``transformers``
+    directory (``node.tools.hf``), else the file as it is; which of the two."""
+    from safetensors.torch import load as load_safetensors
+
+    from node.compute.model import get_preset
+
+    cfg = get_preset(run.model)
+    if cfg.arch != "llama":
+        write_atomically(out / "model.safetensors", data)
+        return "safetensors"
+    meta = {"run_id": run_id, "round": str(info.round), "fingerprint": info.fingerprint}
+    write_hf(load_safetensors(data), cfg, out, meta)
+    return "transformers"

@@ -1,0 +1,96 @@
+"""LLaMA-style models written for Hugging Face ``transformers`` (``node.tools.hf``): the
+directory loads with ``AutoModelForCausalLM``, computes the logits ours computes and generates."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from node.compute.model import ModelConfig, build_model, get_preset
+from node.errors import CheckpointError
+from node.tools.hf import write_hf
+from protocol.runconfig import RunConfig, Timing
+from support.cluster import Cluster
+
+UNTIED_GQA = ModelConfig(
+    arch="llama",
+    d_model=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=320,
+    tie_embeddings=False,
+    ctx_len=64,
+)
+
+
+@pytest.mark.parametrize("cfg", [get_preset("llama_tiny"), UNTIED_GQA], ids=["tied", "untied-gqa"])
+def test_transformers_loads_the_export_and_agrees_with_our_model(
+    tmp_path: Path, cfg: ModelConfig
+) -> None:
+    ours = build_model(cfg, seed=5).eval()
+    params = {n: p.data for n, p in ours.named_parameters()}
+    write_hf(params, cfg, tmp_path, {"run_id": "test"})
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours(ids)
+        got = theirs(ids).logits
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+    generated = theirs.generate(ids[:1, :8], max_new_tokens=8, do_sample=False)
+    assert generated.shape == (1, 16)
+    assert torch.equal(generated[0, :8], ids[0, :8])
+
+
+def test_a_gpt_run_is_refused_with_a_reason(tmp_path: Path) -> None:
+    cfg = get_preset("tiny")
+    params = {n: p.data for n, p in build_model(cfg, seed=0).named_parameters()}
+    with pytest.raises(CheckpointError, match="only LLaMA-style models"):
+        write_hf(params, cfg, tmp_path, {})
+    assert not any(tmp_path.iterdir())
+
+
+def test_sparseloco_export_of_a_llama_run_loads_in_transformers(tmp_path: Path, store) -> None:
+    """A real run (SeaweedFS, coordinator, two nodes) of the LLaMA-style model with a checkpoint,
+    then ``sparseloco export`` as a participant types it: the folder loads and generates."""
+    run = RunConfig(
+        name="hf",
+        model="llama_tiny",
+        rounds=3,
+        inner_steps=3,
+        batch_size=2,
+        min_nodes=2,
+        checkpoint_every=2,
+        retention_rounds=4,
+        timing=Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=30),
+    )
+    cluster = Cluster(tmp_path, store, run, 2)
+    try:
+        cluster.start_coordinator()
+        for name in cluster.tokens:
+            cluster.start_node(name)
+        cluster.wait_finished()
+        out = tmp_path / "model"
+        proc = subprocess.run(
+            [str(Path(sys.executable).parent / "sparseloco"), "export", "--coordinator",
+             cluster.url, "--out", str(out)],
+            env={**os.environ, "SPARSELOCO_NODE_TOKEN": cluster.tokens["node-0"]},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        cluster.stop()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    document = json.loads((out / "run.json").read_text())
+    assert document["format"] == "transformers" and document["round"] == 2
+    model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    prompt = torch.tensor([list(b"To be, or")])
+    generated = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, prompt.shape[1] + 5)
