@@ -10,6 +10,7 @@ Subcommands:
 - ``store``: the embedded S3-compatible store for a run on one machine (``node.tools.commands``);
 - ``doctor``: can this machine take part in that run (``node.tools.doctor``);
 - ``export``: the run's newest checkpoint as a verified safetensors file (``node.tools.export``);
+- ``data prepare``: text into tokenised shards with a manifest (``node.tools.shards``);
 - ``simulate``: SparseLoCo, DiLoCo and DDP in one process;
 - ``bench``: the benchmarks (``node.research.bench.cli``).
 
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 
 from node.research.bench.cli import add_bench
 from node.tools.commands import (
+    add_data,
     add_doctor,
     add_export,
     add_store,
@@ -259,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_store(sub)
     add_doctor(sub)
     add_export(sub)
+    add_data(sub)
     _add_simulate(sub)
     add_bench(sub)
     return parser

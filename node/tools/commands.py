@@ -1,4 +1,5 @@
-"""The ``store``, ``doctor`` and ``export`` subcommands of ``sparseloco``: flags, then the tool.
+"""The ``store``, ``doctor``, ``export`` and ``data`` subcommands of ``sparseloco``: flags, then the
+tool.
 
 ``store`` runs the embedded S3-compatible store (SeaweedFS ``weed mini``) for a run on one
 machine or a private network: every port bound to one address (loopback by default), the admin
@@ -186,4 +187,57 @@ def _cmd_store(args: argparse.Namespace) -> int:
                 raise ConfigError(f"the store exited; see {Path(args.dir) / 'weed.log'}")
     finally:
         store.stop()
+    return 0
+
+
+def add_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="datasets: tokenised shards for runs")
+    data = p.add_subparsers(dest="data", required=True, metavar="{prepare}")
+    q = data.add_parser(
+        "prepare",
+        help="turn text into shards of token ids with a manifest (node.tools.shards)",
+        description="Files, directories or globs (.jsonl: one document per line, --column) into"
+        " fixed-size shards of token ids (bytes, a tokenizer.json, or a byte-level BPE trained"
+        " here), every 20th shard held out for evaluation, with OUT/manifest.json; --upload"
+        " copies them to the object store (credentials from AWS_ACCESS_KEY_ID and"
+        " AWS_SECRET_ACCESS_KEY).",
+    )
+    q.add_argument("inputs", nargs="+", metavar="INPUT")
+    q.add_argument("--out", required=True, help="folder for the shards and manifest.json")
+    q.add_argument("--column", default="text", help="the text field of .jsonl/.parquet rows")
+    q.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to use as it is")
+    q.add_argument("--train-bpe", type=int, metavar="VOCAB", help="train a byte-level BPE")
+    q.add_argument("--shard-tokens", type=int, default=1 << 20, help="ids per shard")
+    q.add_argument("--upload", action="store_true", help="copy to the object store")
+    q.add_argument("--endpoint-url", help="the store's S3 endpoint (with --upload)")
+    q.add_argument("--bucket", help="the store's bucket (with --upload)")
+    q.add_argument("--prefix", default="", help="key prefix of the run's objects")
+    q.set_defaults(func=_cmd_data_prepare)
+
+
+def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    if args.upload and not (args.endpoint_url and args.bucket):
+        raise ConfigError("--upload needs --endpoint-url and --bucket")
+    from node.tools.shards import prepare, upload
+
+    out = Path(args.out)
+    manifest = prepare(
+        args.inputs,
+        out,
+        column=args.column,
+        tokenizer=args.tokenizer,
+        train_vocab=args.train_bpe,
+        shard_tokens=args.shard_tokens,
+    )
+    held = sum(1 for s in manifest.shards if s.split == "eval")
+    print(
+        f"dataset {manifest.dataset_id}: {manifest.total_tokens:,} tokens in"
+        f" {len(manifest.shards)} shards ({held} held out for evaluation),"
+        f" {manifest.tokenizer.kind} vocabulary of {manifest.tokenizer.vocab_size:,}; {out}"
+    )
+    if args.upload:
+        root = upload(
+            out, manifest, endpoint=args.endpoint_url, bucket=args.bucket, prefix=args.prefix
+        )
+        print(f"uploaded to s3://{args.bucket}/{root}/")
     return 0
