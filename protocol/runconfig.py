@@ -125,8 +125,14 @@ class RunConfig(BaseModel):
         return self
 
     def canonical(self) -> bytes:
-        """The config as canonical JSON bytes (sorted keys, no spaces): what the run id hashes."""
-        return canonical_json(self.model_dump(mode="json"))
+        """The config as canonical JSON bytes (sorted keys, no spaces): what the run id hashes.
+
+        ``overlap`` was a boolean before its variants existed; "off" and "delayed" are written
+        as that boolean still, so a run that does not use "eager" keeps the id it had then."""
+        document = self.model_dump(mode="json")
+        if document["overlap"] in ("off", "delayed"):
+            document["overlap"] = document["overlap"] == "delayed"
+        return canonical_json(document)
 
     @property
     def run_id(self) -> str:
