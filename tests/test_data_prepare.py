@@ -12,10 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer
 
+from node.compute.data import open_corpus
+from node.compute.worker import Worker
+from node.errors import DataError
 from node.tools.shards import DatasetManifest, prepare, read_shard
 from protocol.errors import ConfigError
+from protocol.runconfig import RunConfig
 
 CORPUS = Path(__file__).resolve().parent.parent / "node" / "corpus"
 SPARSELOCO = Path(sys.executable).parent / "sparseloco"
@@ -99,3 +104,46 @@ def test_the_command_uploads_a_dataset_to_the_store(tmp_path: Path, store, s3) -
     assert keys == {s.name for s in m.shards} | {"tokenizer.json", "manifest.json"}
     body = s3.get_object(Bucket=ep.bucket, Key=f"{root}/manifest.json")["Body"].read()
     assert DatasetManifest.model_validate_json(body).dataset_id == m.dataset_id
+
+
+@pytest.fixture(scope="module")
+def bpe_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bpe")
+    prepare([str(CORPUS / "hamlet_gut.txt")], out, train_vocab=1024, shard_tokens=4000)
+    return out
+
+
+def test_training_windows_come_from_train_shards_and_evaluation_from_held_out_ones(
+    bpe_dataset: Path,
+) -> None:
+    m = DatasetManifest.model_validate_json((bpe_dataset / "manifest.json").read_text())
+    corpus = open_corpus(bpe_dataset, ctx_len=64, vocab_size=4096)
+    bounds: dict[str, list[tuple[int, int]]] = {}
+    at = 0
+    for s in m.shards:
+        bounds[s.split] = [*bounds.get(s.split, []), (at, at + s.tokens)]
+        at += s.tokens
+    assert corpus.eval_ranges and all(
+        any(a <= s and e <= b for a, b in bounds["eval"]) for s, e in corpus.eval_ranges
+    )
+    # Training blocks may span adjacent training shards, never a held-out one.
+    assert all(e <= a or b <= s for s, e in corpus.train_ranges for a, b in bounds["eval"])
+    x, y = corpus.train_batch(worker=0, n_workers=2, step=0, batch_size=4, seed=0)
+    assert x.shape == (4, 64) and int(x.max()) < 1024 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_a_dataset_larger_than_the_model_vocabulary_is_refused(bpe_dataset: Path) -> None:
+    with pytest.raises(DataError, match="1,024 entries, the model's 256"):
+        open_corpus(bpe_dataset, ctx_len=64, vocab_size=256)
+
+
+def test_a_llama_node_trains_a_round_on_bpe_shards(bpe_dataset: Path) -> None:
+    run = RunConfig(model="llama_bpe4k", rounds=2, inner_steps=2, batch_size=2)
+    w = Worker(
+        run, run_id=run.run_id, node_id="n0", slot=0, data=str(bpe_dataset),
+        eval_batches=1, eval_batch_size=2,
+    )  # fmt: skip
+    before = w.evaluate()
+    result = w.train_and_compress()
+    w.apply({"n0": w.read(result.payload)})
+    assert w.round == 1 and 0 < before < 9.0  # ln(4096) ≈ 8.3 for an untrained model

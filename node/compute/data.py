@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import os
 from pathlib import Path
 
@@ -100,12 +101,16 @@ class ByteCorpus:
 
     def __init__(
         self,
-        data: bytes,
+        data: bytes | Tensor,
         *,
         ctx_len: int,
         block_size: int = DEFAULT_BLOCK_SIZE,
         eval_every: int = DEFAULT_EVAL_EVERY,
+        held: list[tuple[int, int]] | None = None,
     ) -> None:
+        """``data``: bytes, or a 1-D tensor of token ids; ``held``: for token ids, the
+        ``(start, end)`` ranges held out for evaluation (a dataset's eval shards), in place of
+        every ``eval_every``-th block."""
         if ctx_len < 1:
             raise ValueError(f"ctx_len must be positive, got {ctx_len}")
         if block_size < ctx_len + 1:
@@ -120,12 +125,27 @@ class ByteCorpus:
         self.ctx_len = ctx_len
         self.block_size = block_size
         self.eval_every = eval_every
-        self._data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+        if isinstance(data, Tensor):
+            self._data: Tensor | None = data if data.numel() else None
+        else:
+            self._data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+        size = len(data)
 
         # Only blocks long enough for one window count; the last, partial block may not be.
-        starts = [s for s in range(0, len(data), block_size) if len(data) - s >= ctx_len + 1]
-        blocks = [(s, min(s + block_size, len(data))) for s in starts]
-        held_out = [i % eval_every == eval_every - 1 for i in range(len(blocks))]
+        starts = [s for s in range(0, size, block_size) if size - s >= ctx_len + 1]
+        blocks = [(s, min(s + block_size, size)) for s in starts]
+        if held is not None:
+            # Blocks never straddle a held-out range's edge: cut at every edge.
+            edges = sorted({0, size, *(x for r in held for x in r)})
+            blocks = [
+                (s, min(s + block_size, hi))
+                for lo, hi in itertools.pairwise(edges)
+                for s in range(lo, hi, block_size)
+                if hi - s >= ctx_len + 1
+            ]
+            held_out = [any(a <= s < b for a, b in held) for s, _ in blocks]
+        else:
+            held_out = [i % eval_every == eval_every - 1 for i in range(len(blocks))]
         if len(blocks) >= 2 and not any(held_out):
             held_out[-1] = True  # a corpus under eval_every blocks still gets an eval block
         self.eval_ranges: list[tuple[int, int]] = [
@@ -226,3 +246,31 @@ class ByteCorpus:
         gen = torch.Generator().manual_seed(_stream_seed(seed, worker, n_workers, step))
         ranks = torch.randint(0, total, (batch_size,), generator=gen, dtype=torch.int64)
         return self._windows(self._starts_at(key, ranks))
+
+
+def open_corpus(
+    spec: str | os.PathLike[str] | None, *, ctx_len: int, vocab_size: int
+) -> ByteCorpus:
+    """The training data ``spec`` names: a folder made by ``sparseloco data prepare`` (it holds a
+    ``manifest.json``: its shards, checked against the manifest, its eval shards held out), or
+    text for ``load_corpus``, whose bytes are the tokens."""
+    if spec is not None and (Path(spec) / "manifest.json").is_file():
+        from node.tools.shards import DatasetManifest, read_shard
+
+        root = Path(spec)
+        manifest = DatasetManifest.model_validate_json((root / "manifest.json").read_bytes())
+        if manifest.tokenizer.vocab_size > vocab_size:
+            raise DataError(
+                f"{root}: the dataset's vocabulary has {manifest.tokenizer.vocab_size:,} entries,"
+                f" the model's {vocab_size:,}; choose a model preset with a larger vocabulary"
+            )
+        parts, held, at = [], [], 0
+        for shard in manifest.shards:
+            parts.append(
+                torch.from_numpy(read_shard(root / shard.name, manifest, shard).astype("int32"))
+            )
+            if shard.split == "eval":
+                held.append((at, at + shard.tokens))
+            at += shard.tokens
+        return ByteCorpus(torch.cat(parts), ctx_len=ctx_len, held=held or None)
+    return ByteCorpus(load_corpus(spec), ctx_len=ctx_len)

@@ -136,6 +136,16 @@ PRESETS: dict[str, ModelConfig] = {
     "llama_small": ModelConfig(
         arch="llama", d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=128
     ),
+    # ~2.1M with a 4,096-entry vocabulary: CPU runs on BPE shards (``sparseloco data prepare``).
+    "llama_bpe4k": ModelConfig(
+        arch="llama",
+        vocab_size=4096,
+        d_model=192,
+        n_layers=4,
+        n_heads=3,
+        ffn_dim=512,
+        ctx_len=256,
+    ),
     # ~520M, the class of the SparseLoCo paper's 512 M LLaMA runs (a 32,768-entry BPE vocabulary).
     "llama_512m": ModelConfig(
         arch="llama",

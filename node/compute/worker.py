@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from node.compute.data import ByteCorpus, load_corpus
+from node.compute.data import open_corpus
 from node.compute.model import build_model, evaluate, get_preset
 from node.compute.optim import InnerOptimConfig, inner_step, make_adamw
 from node.compute.outer import add_back, apply_aggregate, compress, feed_error
@@ -111,7 +111,9 @@ class Worker:
         self.slot = slot
         self.model_cfg = get_preset(run.model)
         self.model = build_model(self.model_cfg, seed=run.seed)
-        self.corpus = ByteCorpus(load_corpus(data), ctx_len=self.model_cfg.ctx_len)
+        self.corpus = open_corpus(
+            data, ctx_len=self.model_cfg.ctx_len, vocab_size=self.model_cfg.vocab_size
+        )
         self.eval_set = self.corpus.eval_batches(eval_batches, eval_batch_size)
         self.optim_cfg = InnerOptimConfig(
             lr=run.inner_lr,

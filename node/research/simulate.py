@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, ValidationError, model_validator
 
-from node.compute.data import ByteCorpus, load_corpus
+from node.compute.data import open_corpus
 from node.compute.model import LanguageModel, build_model, count_parameters, evaluate, get_preset
 from node.compute.optim import InnerOptimConfig, inner_step, make_adamw
 from node.compute.outer import apply_aggregate, compress, feed_error, pseudo_gradient
@@ -115,7 +115,9 @@ class Simulation:
     def __init__(self, cfg: SimConfig, progress: Callable[[int, float], None] | None = None):
         self.cfg = cfg
         self.model_cfg = get_preset(cfg.model)
-        self.corpus = ByteCorpus(load_corpus(cfg.data), ctx_len=self.model_cfg.ctx_len)
+        self.corpus = open_corpus(
+            cfg.data, ctx_len=self.model_cfg.ctx_len, vocab_size=self.model_cfg.vocab_size
+        )
         self.eval_set = self.corpus.eval_batches(cfg.eval_batches, cfg.eval_batch_size)
         self.global_model = build_model(self.model_cfg, seed=cfg.seed)
         self.optim_cfg = cfg.inner_optim()
