@@ -72,8 +72,13 @@ SHORT_OVERLAP = replace(
 
 
 def test_short_chaos_scenario_with_overlap(tmp_path, store) -> None:
-    """The same faults with round r+1 training while round r's payloads travel."""
+    """The same faults with round r+1 training while round r's payloads travel.
+
+    Under overlap a node sends round r's payload the moment round r opens (it was trained
+    beside round r-1), so node-1, killed as round 2 opens, may or may not have sent it first:
+    what must hold is every invariant, the loss bound (both checked by ``chaos_test``), the
+    straggler excluded, and node-1 back in the run after its restart."""
     result = chaos_test(SHORT_OVERLAP, tmp_path, store)
     assert result["rounds_closed"] == RUN.rounds
     assert result["excluded"].get(8, {}).get("node-0") == "missed deadline"
-    assert "node-1" not in result["gather"][2]
+    assert "node-1" in result["gather"][RUN.rounds - 1]
