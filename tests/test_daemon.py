@@ -20,9 +20,10 @@ import pytest
 from node.compute.state import load_state
 from node.daemon.faults import Faults
 from protocol.keys import payload_key
-from protocol.messages import Exclusion, Mass, MemberState
+from protocol.messages import Exclusion, MemberState
 from support.daemon_harness import (
     Crash,
+    assert_mass_balanced,
     crash_at,
     reference_fingerprints,
     run_config,
@@ -31,13 +32,6 @@ from support.daemon_harness import (
 )
 
 pytestmark = pytest.mark.asyncio
-
-
-def assert_mass_balanced(report_mass: Mass | None) -> None:
-    assert isinstance(report_mass, Mass)
-    assert abs(report_mass.computed - report_mass.sent - report_mass.held) <= 1e-5 * max(
-        1.0, report_mass.scale
-    )
 
 
 async def test_one_node_runs_the_whole_run_bit_for_bit(harness) -> None:

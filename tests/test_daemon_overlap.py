@@ -18,9 +18,10 @@ import pytest
 
 from node.compute.state import load_state
 from node.daemon.faults import Faults
-from protocol.messages import Exclusion, Mass, MemberState
+from protocol.messages import Exclusion, MemberState
 from support.daemon_harness import (
     Crash,
+    assert_mass_balanced,
     crash_at,
     reference_fingerprints,
     run_config,
@@ -29,11 +30,6 @@ from support.daemon_harness import (
 )
 
 pytestmark = pytest.mark.asyncio
-
-
-def assert_mass_balanced(mass: Mass | None) -> None:
-    assert isinstance(mass, Mass)
-    assert abs(mass.computed - mass.sent - mass.held) <= 1e-5 * max(1.0, mass.scale)
 
 
 @pytest.mark.parametrize("variant", ["delayed", "eager"])

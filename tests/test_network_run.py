@@ -280,35 +280,25 @@ def test_a_second_process_with_the_same_token_is_refused(cluster_factory) -> Non
     assert "event=run_finished rounds=2 members_finished=2" in coordinator_log
 
 
+def _sparseloco_up(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """``sparseloco up FLAGS --dir ... --json ...`` through the console script, as a user types
+    it; the finished process and the summary it wrote."""
+    out = tmp_path / "up.json"
+    command = [str(Path(sys.executable).parent / "sparseloco"), "up", *flags]
+    command += ["--dir", str(tmp_path / "run"), "--json", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
 def test_up_with_overlap_on_capped_links(tmp_path) -> None:
     """``sparseloco up --overlap`` with bandwidth caps, through the console script as the
     README shows it: every node in every gather set (each payload trained from the θ before
     the aggregate in flight, as the coordinator checks), one θ on all nodes after each round."""
-    out = tmp_path / "up.json"
-    proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "sparseloco"),
-            "up",
-            "--nodes",
-            "3",
-            "--rounds",
-            "4",
-            "--overlap",
-            "--upload-limit",
-            "400kbit",
-            "--download-limit",
-            "400kbit",
-            "--dir",
-            str(tmp_path / "run"),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    _, result = _sparseloco_up(
+        tmp_path, "--nodes", "3", "--rounds", "4", "--overlap",
+        "--upload-limit", "400kbit", "--download-limit", "400kbit",
+    )  # fmt: skip
     assert result["run"]["overlap"] == "eager"
     assert result["fingerprints_agree"] is True
     assert [r["round"] for r in result["rounds"]] == [0, 1, 2, 3]
@@ -319,28 +309,7 @@ def test_up_with_overlap_on_capped_links(tmp_path) -> None:
 
 def test_up_trains_the_llama_style_model(tmp_path) -> None:
     """``sparseloco up --preset llama``: the LLaMA-style model through the whole system."""
-    out = tmp_path / "up.json"
-    proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "sparseloco"),
-            "up",
-            "--preset",
-            "llama",
-            "--nodes",
-            "2",
-            "--rounds",
-            "2",
-            "--dir",
-            str(tmp_path / "run"),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    _, result = _sparseloco_up(tmp_path, "--preset", "llama", "--nodes", "2", "--rounds", "2")
     assert result["run"]["model"] == "llama_tiny"
     assert result["fingerprints_agree"] is True
     assert [sorted(r["gather"]) for r in result["rounds"]] == [["node-0", "node-1"]] * 2

@@ -26,7 +26,7 @@ from node.compute.worker import TrainResult, Worker
 from node.daemon.faults import Faults
 from node.daemon.loop import NodeDaemon
 from node.daemon.settings import NodeSettings
-from protocol.messages import RoundReport, SignedManifest
+from protocol.messages import Mass, RoundReport, SignedManifest
 from protocol.runconfig import RunConfig, Timing
 from support.fake_coordinator import FakeCoordinator
 from support.fake_store import FakeClock, FakeStore
@@ -202,3 +202,9 @@ def harness(tmp_path: Path) -> Iterator[Callable[[RunConfig], Harness]]:
     yield make
     for h in made:
         h.close()
+
+
+def assert_mass_balanced(mass: Mass | None) -> None:
+    """The error-feedback account of a report closes: computed = sent + held."""
+    assert isinstance(mass, Mass)
+    assert abs(mass.computed - mass.sent - mass.held) <= 1e-5 * max(1.0, mass.scale)
