@@ -146,7 +146,7 @@ def test_a_theta_file_of_another_state_is_refused(tmp_path) -> None:
 
 def test_mass_sums_match_a_float64_reference(monkeypatch) -> None:
     """``total`` and ``abs_total`` against summing a float64 copy (chunk edges included)."""
-    import node.compute.worker as worker_module
+    import node.compute.mass as worker_module
 
     monkeypatch.setattr(worker_module, "ABS_CHUNK", 7)
     gen = torch.Generator().manual_seed(3)

@@ -11,9 +11,8 @@ the compute thread, when it is made; ĉ (what the payload carries, densely) come
 encoder and is used as is for the error-feedback account and step 9, and the own payload is
 decoded only when ĉ was lost with a restart. Training works on a copy of θ_r and θ_r itself is
 put back by handing the parameters their old memory (one copy of θ a round, not two), and the
-pseudo-gradient is computed into the memory training used. The mass sums of the account run in
-numpy's float64 pairwise summation over fp32 data (torch's float64 sum of fp32 data measured 8x
-slower here).
+pseudo-gradient is computed into the memory training used. The mass sums of the account are
+``node.compute.mass``'s.
 """
 
 from __future__ import annotations
@@ -25,12 +24,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from node.compute.data import open_corpus
+from node.compute.mass import abs_total, total
 from node.compute.model import build_model, evaluate, get_preset
 from node.compute.optim import InnerOptimConfig, inner_step, make_adamw
 from node.compute.outer import add_back, apply_aggregate, compress, feed_error
@@ -63,32 +62,6 @@ class TrainResult:
     scale: float = 0.0
     #: Σe right after compression: what the round kept (before step 9 may add ĉ back).
     held: float = 0.0
-
-
-#: Entries whose absolute values are taken at a time by ``abs_total`` (a 4 MB scratch buffer).
-ABS_CHUNK = 1 << 20
-
-
-def _flat(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().reshape(-1).numpy()
-
-
-def total(tensors: Mapping[str, torch.Tensor]) -> float:
-    """Σ of every entry, accumulated in float64 (no float64 copy of the data)."""
-    return float(sum(float(_flat(t).sum(dtype=np.float64)) for t in tensors.values()))
-
-
-def abs_total(tensors: Mapping[str, torch.Tensor]) -> float:
-    """Σ|entry| in float64, through one reused scratch buffer of ``ABS_CHUNK`` entries."""
-    out = 0.0
-    scratch = np.empty(ABS_CHUNK, dtype=np.float32)
-    for t in tensors.values():
-        flat = _flat(t)
-        for i in range(0, flat.size, ABS_CHUNK):
-            part = scratch[: min(ABS_CHUNK, flat.size - i)]
-            np.abs(flat[i : i + ABS_CHUNK], out=part)
-            out += float(part.sum(dtype=np.float64))
-    return out
 
 
 class Worker:
