@@ -29,12 +29,13 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from node.compute.data import open_corpus
+from node.compute.inner import InnerLoop
 from node.compute.mass import abs_total, total
 from node.compute.model import build_model, evaluate, get_preset
-from node.compute.optim import InnerOptimConfig, inner_step, make_adamw
+from node.compute.optim import InnerOptimConfig, make_adamw
 from node.compute.outer import add_back, apply_aggregate, compress, feed_error
 from node.compute.state import NodeState, Writes, adam_tensors, restore_adam
-from node.errors import Abandoned, CheckpointError
+from node.errors import CheckpointError
 from protocol.codec import Payload, decode, read_payload
 from protocol.errors import PayloadError
 from protocol.fingerprint import fingerprint
@@ -94,6 +95,7 @@ class Worker:
             total_steps=run.total_inner_steps,
         )
         self.opt = make_adamw(self.model, self.optim_cfg)
+        self.inner = InnerLoop(run, self.model, self.opt, self.optim_cfg, self.corpus, slot)
         self.error = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.round = 0
@@ -171,7 +173,7 @@ class Worker:
         from there, while the payload's base stays θ's fingerprint.
 
         Afterwards the model holds θ again and ``error`` has the sent part subtracted.
-        Raises ``Abandoned`` (θ and e untouched) if ``stop`` is set between inner steps.
+        Raises ``node.errors.Abandoned`` (θ and e untouched) if ``stop`` is set between inner steps.
         """
         trained_round = self.round if round_ is None else round_
         t0 = time.perf_counter()
@@ -182,32 +184,13 @@ class Worker:
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 p.data = p.data.clone() if offset is None else torch.sub(p.data, offset[n])
-        H = self.run.inner_steps
-        losses = []
         try:
-            for h in range(H):
-                if self.stop.is_set():
-                    raise Abandoned()
-                step = trained_round * H + h
-                x, y = self.corpus.train_batch(
-                    worker=self.slot % self.run.data_slots,
-                    n_workers=self.run.data_slots,
-                    step=step,
-                    batch_size=self.run.batch_size,
-                    seed=self.run.seed,
-                )
-                losses.append(
-                    inner_step(
-                        self.model,
-                        self.opt,
-                        x,
-                        y,
-                        step=step,
-                        cfg=self.optim_cfg,
-                        lr_scale=self.lr_scale(trained_round),
-                    )
-                )
-                self.local_steps += 1
+            losses = self.inner.train(
+                trained_round,
+                lr_scale=lambda: self.lr_scale(trained_round),
+                stop=self.stop,
+                on_step=self._count_step,
+            )
         except BaseException:
             # θ goes back to θ_round; e was not touched yet. The AdamW moments keep the steps
             # taken: they are local and never shared, so that loses nothing.
@@ -247,6 +230,9 @@ class Worker:
             scale=scale,
             held=held,
         )
+
+    def _count_step(self) -> None:
+        self.local_steps += 1
 
     def _hand_back(self, start: Mapping[str, torch.Tensor], fp: str) -> dict[str, torch.Tensor]:
         """Give the parameters θ_r's memory (``start``) back; the pseudo-gradient
