@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 #: Hex digits of the sha256 of the canonical config kept as the run id.
 RUN_ID_HEX = 16
+#: A dataset id: the sha256 of a prepared dataset's canonical manifest (``protocol.dataset``).
+DATASET_ID_PATTERN = r"^sha256:[0-9a-f]{64}$"
 
 
 class Timing(BaseModel):
@@ -102,6 +104,9 @@ class RunConfig(BaseModel):
     #: Nodes measure the held-out loss of θ after the first round, after the last one and
     #: after every round R with (R + 1) a multiple of this (``evaluates``); 1: every round.
     eval_every: int = Field(10, ge=1)
+    #: The prepared dataset every node trains on, by id (``sparseloco data prepare`` prints
+    #: it); nodes stream their own shards of it from the store. None: each node's local data.
+    dataset: str | None = Field(None, pattern=DATASET_ID_PATTERN)
     timing: Timing = Timing()
 
     @field_validator("overlap", mode="before")
@@ -128,10 +133,13 @@ class RunConfig(BaseModel):
         """The config as canonical JSON bytes (sorted keys, no spaces): what the run id hashes.
 
         ``overlap`` was a boolean before its variants existed; "off" and "delayed" are written
-        as that boolean still, so a run that does not use "eager" keeps the id it had then."""
+        as that boolean still, so a run that does not use "eager" keeps the id it had then; a
+        run without a ``dataset`` leaves the key out, for the same reason."""
         document = self.model_dump(mode="json")
         if document["overlap"] in ("off", "delayed"):
             document["overlap"] = document["overlap"] == "delayed"
+        if document["dataset"] is None:
+            del document["dataset"]  # likewise for runs on local data
         return canonical_json(document)
 
     @property

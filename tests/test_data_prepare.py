@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from node.compute.data import open_corpus
+from node.compute.stream import ShardStream
 from node.compute.worker import Worker
 from node.errors import DataError
 from node.tools.shards import DatasetManifest, prepare, read_shard
@@ -97,7 +98,7 @@ def test_the_command_uploads_a_dataset_to_the_store(tmp_path: Path, store, s3) -
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = DatasetManifest.model_validate_json((tmp_path / "ds" / "manifest.json").read_text())
-    root = f"runs/x/datasets/{m.dataset_id}"
+    root = f"runs/x/datasets/{m.dataset_id.removeprefix('sha256:')}"
     assert f"s3://{ep.bucket}/{root}/" in proc.stdout
     listed = s3.list_objects_v2(Bucket=ep.bucket, Prefix=root + "/")
     keys = {o["Key"][len(root) + 1 :] for o in listed.get("Contents", [])}
@@ -113,23 +114,32 @@ def bpe_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_training_windows_come_from_train_shards_and_evaluation_from_held_out_ones(
+def _inside(row: torch.Tensor, ids: np.ndarray) -> bool:
+    """Whether ``row`` occurs as a contiguous run of ``ids``."""
+    hay = torch.from_numpy(ids.astype(np.int64))
+    return bool(hay.unfold(0, row.numel(), 1).eq(row).all(1).any())
+
+
+def test_training_windows_come_from_the_slots_own_shards_and_evaluation_from_held_out_ones(
     bpe_dataset: Path,
 ) -> None:
     m = DatasetManifest.model_validate_json((bpe_dataset / "manifest.json").read_text())
     corpus = open_corpus(bpe_dataset, ctx_len=64, vocab_size=4096)
-    bounds: dict[str, list[tuple[int, int]]] = {}
-    at = 0
-    for s in m.shards:
-        bounds[s.split] = [*bounds.get(s.split, []), (at, at + s.tokens)]
-        at += s.tokens
-    assert corpus.eval_ranges and all(
-        any(a <= s and e <= b for a, b in bounds["eval"]) for s, e in corpus.eval_ranges
-    )
-    # Training blocks may span adjacent training shards, never a held-out one.
-    assert all(e <= a or b <= s for s, e in corpus.train_ranges for a, b in bounds["eval"])
-    x, y = corpus.train_batch(worker=0, n_workers=2, step=0, batch_size=4, seed=0)
-    assert x.shape == (4, 64) and int(x.max()) < 1024 and torch.equal(x[:, 1:], y[:, :-1])
+    assert isinstance(corpus, ShardStream)
+    shard_ids = {s.name: read_shard(bpe_dataset / s.name, m, s) for s in m.shards}
+    for slot in (0, 1):
+        mine = {s.name for s in m.slot_shards(slot, 2, 65)}
+        assert mine and all(m.shards[0].name != n for n in mine)  # shard 0 is held out
+        for step in (0, 7, 123):
+            x, y = corpus.train_batch(worker=slot, n_workers=2, step=step, batch_size=4, seed=0)
+            assert x.shape == (4, 64) and int(x.max()) < 1024 and torch.equal(x[:, 1:], y[:, :-1])
+            shard = corpus.shard_at(worker=slot, n_workers=2, step=step, batch_size=4)
+            assert shard.name in mine
+            rows = torch.cat([x, y[:, -1:]], 1)  # each window whole: x and y's last id
+            assert all(_inside(r, shard_ids[shard.name]) for r in rows)
+    held = [shard_ids[s.name] for s in m.shards if s.split == "eval"]
+    for x, _ in corpus.eval_batches(2, 4):
+        assert all(any(_inside(r, ids) for ids in held) for r in x)
 
 
 def test_a_dataset_larger_than_the_model_vocabulary_is_refused(bpe_dataset: Path) -> None:

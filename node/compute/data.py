@@ -24,11 +24,13 @@ import hashlib
 import itertools
 import os
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from node.errors import DataError
+from protocol.dataset import MANIFEST_FILE, DatasetManifest, parse_manifest
 
 #: The bundled demo corpus, ``node/corpus/``.
 CORPUS_DIR = Path(__file__).parent.parent / "corpus"
@@ -85,7 +87,7 @@ def load_corpus(spec: str | os.PathLike[str] | None) -> bytes:
     return _read_files(files)
 
 
-def _stream_seed(*numbers: int) -> int:
+def stream_seed(*numbers: int) -> int:
     """A 63-bit generator seed from integers, stable across platforms and Python versions."""
     digest = hashlib.blake2b(":".join(map(str, numbers)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
@@ -243,34 +245,52 @@ class ByteCorpus:
             )
         key = (worker, n_workers)
         total = int(self._starts_table(key)[1][-1])
-        gen = torch.Generator().manual_seed(_stream_seed(seed, worker, n_workers, step))
+        gen = torch.Generator().manual_seed(stream_seed(seed, worker, n_workers, step))
         ranks = torch.randint(0, total, (batch_size,), generator=gen, dtype=torch.int64)
         return self._windows(self._starts_at(key, ranks))
 
 
+class Corpus(Protocol):
+    """What training and evaluation read: ``ByteCorpus``, or a prepared dataset's shards
+    (``node.compute.stream.ShardStream``)."""
+
+    ctx_len: int
+
+    def tokens_per_batch(self, batch_size: int) -> int: ...
+
+    def eval_batches(self, n_batches: int, batch_size: int) -> list[tuple[Tensor, Tensor]]: ...
+
+    def train_batch(
+        self, *, worker: int, n_workers: int, step: int, batch_size: int, seed: int
+    ) -> tuple[Tensor, Tensor]: ...
+
+
 def open_corpus(
-    spec: str | os.PathLike[str] | None, *, ctx_len: int, vocab_size: int
-) -> ByteCorpus:
+    spec: str | os.PathLike[str] | Corpus | None, *, ctx_len: int, vocab_size: int
+) -> Corpus:
     """The training data ``spec`` names: a folder made by ``sparseloco data prepare`` (it holds a
-    ``manifest.json``: its shards, checked against the manifest, its eval shards held out), or
-    text for ``load_corpus``, whose bytes are the tokens."""
-    if spec is not None and (Path(spec) / "manifest.json").is_file():
-        from node.tools.shards import DatasetManifest, read_shard
+    ``manifest.json``: its shards, streamed a shard at a time, its eval shards held out), text
+    for ``load_corpus``, whose bytes are the tokens, or a corpus already open (returned as is)."""
+    if spec is not None and not isinstance(spec, str | os.PathLike):
+        return spec
+    if spec is not None and (Path(spec) / MANIFEST_FILE).is_file():
+        from node.compute.stream import ShardStream
 
         root = Path(spec)
-        manifest = DatasetManifest.model_validate_json((root / "manifest.json").read_bytes())
-        if manifest.tokenizer.vocab_size > vocab_size:
-            raise DataError(
-                f"{root}: the dataset's vocabulary has {manifest.tokenizer.vocab_size:,} entries,"
-                f" the model's {vocab_size:,}; choose a model preset with a larger vocabulary"
-            )
-        parts, held, at = [], [], 0
-        for shard in manifest.shards:
-            parts.append(
-                torch.from_numpy(read_shard(root / shard.name, manifest, shard).astype("int32"))
-            )
-            if shard.split == "eval":
-                held.append((at, at + shard.tokens))
-            at += shard.tokens
-        return ByteCorpus(torch.cat(parts), ctx_len=ctx_len, held=held or None)
+        try:
+            manifest = parse_manifest((root / MANIFEST_FILE).read_bytes())
+        except ValueError as exc:
+            raise DataError(f"{root / MANIFEST_FILE} is not a dataset manifest: {exc}") from exc
+        check_vocabulary(manifest, vocab_size, where=str(root))
+        return ShardStream(root, manifest, ctx_len=ctx_len)
     return ByteCorpus(load_corpus(spec), ctx_len=ctx_len)
+
+
+def check_vocabulary(manifest: DatasetManifest, vocab_size: int, *, where: str) -> None:
+    """A dataset's ids must all be inside the model's vocabulary (``DataError`` if not)."""
+    if manifest.tokenizer.vocab_size > vocab_size:
+        raise DataError(
+            f"{where}: the dataset's vocabulary has {manifest.tokenizer.vocab_size:,} entries,"
+            f" the model's {vocab_size:,}; choose a model preset with a larger vocabulary"
+            " (llama_bpe4k has 4,096)"
+        )

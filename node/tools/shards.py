@@ -32,52 +32,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.dataset import (
+    MANIFEST_FILE,
+    TOKENIZER_FILE,
+    DatasetManifest,
+    ShardInfo,
+    TokenizerInfo,
+    dataset_key,
+)
 from protocol.errors import ConfigError
-from protocol.runconfig import canonical_json
 
 #: Every this-many-th shard (the 1st, the 21st, ...) is held out for evaluation.
 EVAL_EVERY = 20
 EOT = "<|endoftext|>"
-
-
-class ShardInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    tokens: int = Field(ge=1)
-    sha256: str
-    split: Literal["train", "eval"]
-
-
-class TokenizerInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["bytes", "bpe"]
-    vocab_size: int = Field(ge=1)
-    #: sha256 of tokenizer.json; None for bytes.
-    sha256: str | None = None
-    eot_id: int = Field(ge=0)
-
-
-class DatasetManifest(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    version: Literal[1] = 1
-    tokenizer: TokenizerInfo
-    dtype: Literal["uint16", "uint32"]
-    shard_tokens: int = Field(ge=1)
-    shards: list[ShardInfo]
-    sources: list[str]
-
-    @property
-    def dataset_id(self) -> str:
-        return "sha256:" + hashlib.sha256(canonical_json(self.model_dump(mode="json"))).hexdigest()
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(s.tokens for s in self.shards)
 
 
 def input_files(inputs: Sequence[str]) -> list[Path]:
@@ -257,11 +225,12 @@ def upload(out: Path, manifest: DatasetManifest, *, endpoint: str, bucket: str, 
     """Copy the prepared folder to the store under ``{prefix}/datasets/{id}/``; the key prefix."""
     import boto3
 
-    root = "/".join(p for p in (prefix.strip("/"), "datasets", manifest.dataset_id) if p)
     s3 = boto3.client("s3", endpoint_url=endpoint)
     names = [s.name for s in manifest.shards]
     if manifest.tokenizer.kind == "bpe":
-        names.append("tokenizer.json")
-    for name in [*names, "manifest.json"]:  # the manifest last: its presence means complete
-        s3.upload_file(os.fspath(out / name), bucket, f"{root}/{name}")
-    return root
+        names.append(TOKENIZER_FILE)
+    for name in [*names, MANIFEST_FILE]:  # the manifest last: its presence means complete
+        s3.upload_file(
+            os.fspath(out / name), bucket, dataset_key(prefix, manifest.dataset_id, name)
+        )
+    return dataset_key(prefix, manifest.dataset_id, "").rstrip("/")
