@@ -25,6 +25,7 @@ from aiohttp import web
 
 from coordinator.checkpoints import CheckpointBook
 from coordinator.config import CoordinatorConfig
+from coordinator.datasets import DatasetBook
 from coordinator.db import Database
 from coordinator.durability import GroupSync
 from coordinator.handlers import HANDLERS
@@ -194,6 +195,7 @@ def create_app(
         ),
         tokens=tokens,
         verifier=CheckpointVerifier(store),
+        datasets=DatasetBook(store, config.run.dataset, prefix=storage.prefix),
         sync=GroupSync(db) if group_commit else None,
     )
     app = web.Application(

@@ -35,12 +35,16 @@ from coordinator.openapi import openapi_document
 from coordinator.service import COORDINATOR, Coordinator
 from coordinator.status import build_status
 from coordinator.storage import ObjectInfo, sha256_b64
+from protocol.dataset import MANIFEST_FILE
 from protocol.keys import payload_key, probe_key
 from protocol.messages import (
     Ack,
     CheckpointList,
     CheckpointUpload,
     CheckpointView,
+    DatasetFiles,
+    DatasetFilesRequest,
+    DatasetView,
     JoinRequest,
     JoinResponse,
     ProbeGrant,
@@ -276,6 +280,32 @@ async def checkpoints(request: web.Request) -> web.Response:
     return ok(CheckpointList(checkpoints=views))
 
 
+async def dataset(request: web.Request) -> web.Response:
+    """The run's dataset id and a presigned GET of its manifest (``coordinator.datasets``)."""
+    coord = request.app[COORDINATOR]
+    node_of(request)
+    book = coord.datasets
+    await book.manifest()
+    assert book.dataset is not None  # manifest() answered 404 otherwise
+    return ok(
+        DatasetView(
+            dataset=book.dataset,
+            manifest_url=coord.store.presign_get(book.key(MANIFEST_FILE)),
+            manifest_size=book.manifest_size,
+            expires_in_s=float(coord.config.server.presign_expiry_s),
+        )
+    )
+
+
+async def dataset_files(request: web.Request) -> web.Response:
+    """Presigned GETs for files the dataset's manifest lists, and only those."""
+    coord = request.app[COORDINATOR]
+    node_of(request)
+    body = await read_body(request, DatasetFilesRequest)
+    urls = await coord.datasets.urls(body.names)
+    return ok(DatasetFiles(urls=urls, expires_in_s=float(coord.config.server.presign_expiry_s)))
+
+
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document())
 
@@ -342,6 +372,8 @@ async def probe(request: web.Request) -> web.Response:
 
 HANDLERS: dict[str, Handler] = {
     "probe": probe,
+    "dataset": dataset,
+    "dataset_files": dataset_files,
     "join": join,
     "heartbeat": heartbeat,
     "leave": leave,

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from coordinator.app import create_app, s3_store
 from coordinator.config import CoordinatorConfig, ServerConfig
+from coordinator.datasets import check_dataset
 from coordinator.limits import server_settings
 from coordinator.preflight import check_store, listen_socket
 from coordinator.service import COORDINATOR
@@ -102,6 +103,7 @@ async def serve(config: CoordinatorConfig) -> None:
             run_id=config.run_id,
         )
         app = create_app(config, store=store)
+        await check_dataset(app[COORDINATOR].datasets)
     except BaseException:
         sock.close()
         raise

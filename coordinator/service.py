@@ -20,6 +20,7 @@ from aiohttp import web
 
 from coordinator.checkpoints import CheckpointBook
 from coordinator.config import CoordinatorConfig
+from coordinator.datasets import DatasetBook
 from coordinator.durability import GroupSync
 from coordinator.machine import RoundMachine
 from coordinator.metrics import CoordinatorMetrics
@@ -53,6 +54,8 @@ class Coordinator:
     retention: Retention
     tokens: TokenBook
     verifier: CheckpointVerifier
+    #: The run's prepared dataset (``RunConfig.dataset``), if it names one.
+    datasets: DatasetBook
     #: Group commit of the database; ``None`` when every commit syncs itself (tests).
     sync: GroupSync | None = None
     #: Long-polls of a round's manifest, by round, released when it closes.

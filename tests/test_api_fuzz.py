@@ -48,6 +48,8 @@ from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
 from coordinator.limits import server_settings
 from node.cluster.seaweed import EmbeddedStore
+from node.tools.shards import prepare as prepare_dataset
+from node.tools.shards import upload
 from protocol.runconfig import RunConfig, Timing
 from support.api import FP_A, make_config, token
 
@@ -125,11 +127,20 @@ def prepare(url: str) -> None:
 
 @pytest.fixture
 def live(store: EmbeddedStore, tmp_path: Path) -> Iterator[str]:
+    # The run names a dataset, so the dataset endpoints have files to presign (and refuse).
+    prefix = f"fuzz-{uuid.uuid4().hex[:8]}"
+    corpus = Path(__file__).parent.parent / "node" / "corpus" / "tempest_gut.txt"
+    dataset = prepare_dataset([str(corpus)], tmp_path / "data", shard_tokens=4000)
+    e = store.endpoint
+    upload(
+        tmp_path / "data", dataset, endpoint=e.endpoint_url, bucket=e.bucket, prefix=prefix,
+        credentials=(e.access_key, e.secret_key),
+    )  # fmt: skip
     config = make_config(
         store,
         tmp_path / "state",
-        RUN,
-        prefix=f"fuzz-{uuid.uuid4().hex[:8]}",
+        RUN.model_copy(update={"dataset": dataset.dataset_id}),
+        prefix=prefix,
         manifest_wait_max_s=0.2,  # an open round's long-poll must not stall the run
         # One client sends everything, far faster than any node: the rates are not under test.
         auth_failures_burst=1_000_000,

@@ -12,6 +12,7 @@ any value, and ``up`` has its own defaults for ``--nodes`` and ``--rounds``.
 | bench | small (0.44 M) | 30 | 12 | 4 | 30 | the CPU quality benchmark (``bench quality``) |
 | base | base (10.8 M) | 5 | 4 | 4 | 6 | ``bench round`` at a size where the payload path shows |
 | llama | llama_tiny (0.1 M, LLaMA-style) | 10 | 8 | 2 | 3 | the LLaMA-style model in seconds |
+| llama_bpe | llama_bpe4k (2.6 M, 4,096 ids) | 10 | 8 | 2 | 3 | data from ``--train-bpe 4096`` |
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ PRESETS: dict[str, RunPreset] = {
     "bench": RunPreset(model="small", inner_steps=30, batch_size=12, workers=4, rounds=30),
     "base": RunPreset(model="base", inner_steps=5, batch_size=4, workers=4, rounds=6),
     "llama": RunPreset(model="llama_tiny", inner_steps=10, batch_size=8, workers=2, rounds=3),
+    "llama_bpe": RunPreset(model="llama_bpe4k", inner_steps=10, batch_size=8, workers=2, rounds=3),
 }
 
 

@@ -133,14 +133,21 @@ class ShardStream:
             self._resident.move_to_end(info.name)
             return self._resident[info.name]
         path = self.root / info.name
-        if not path.is_file():
-            if self.fetch is None:
-                raise DataError(
-                    f"shard {info.name} of the dataset is missing from {self.root}"
-                    " (a prepared folder must hold every shard its manifest lists)"
-                )
-            self.fetch([info], wait=True)
-        ids = torch.from_numpy(load_shard(path, self.manifest, info).astype(np.int32))
+        for attempt in (0, 1):
+            if not path.is_file():
+                if self.fetch is None:
+                    raise DataError(
+                        f"shard {info.name} of the dataset is missing from {self.root}"
+                        " (a prepared folder must hold every shard its manifest lists)"
+                    )
+                self.fetch([info], wait=True)
+            try:
+                ids = torch.from_numpy(load_shard(path, self.manifest, info).astype(np.int32))
+                break
+            except DataError:
+                if self.fetch is None or attempt:
+                    raise
+                path.unlink(missing_ok=True)  # damaged, or gone meanwhile: fetch it again
         self._resident[info.name] = ids
         while len(self._resident) > RESIDENT:
             self._resident.popitem(last=False)

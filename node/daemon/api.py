@@ -27,6 +27,8 @@ from protocol.messages import (
     CheckpointInfo,
     CheckpointUpload,
     CheckpointView,
+    DatasetFiles,
+    DatasetView,
     JoinResponse,
     ManifestView,
     RoundReport,
@@ -64,6 +66,14 @@ class CoordinatorApi(Protocol):
 
     async def checkpoints(self) -> list[CheckpointView]:
         """Every committed checkpoint still in the store with a presigned GET, newest first."""
+        ...
+
+    async def dataset(self) -> DatasetView:
+        """The run's prepared dataset (``RunConfig.dataset``): a presigned GET of its manifest."""
+        ...
+
+    async def dataset_files(self, names: list[str]) -> DatasetFiles:
+        """Presigned GETs for files the dataset's manifest lists."""
         ...
 
 

@@ -38,6 +38,9 @@ from protocol.messages import (
     CheckpointList,
     CheckpointUpload,
     CheckpointView,
+    DatasetFiles,
+    DatasetFilesRequest,
+    DatasetView,
     ErrorBody,
     JoinRequest,
     JoinResponse,
@@ -240,6 +243,15 @@ class CoordinatorClient:
     async def probe(self, size: int, sha256: str) -> ProbeGrant:
         """A presigned PUT and GET of a throwaway object (``sparseloco doctor``)."""
         return _as(ProbeGrant, await self._call("probe", ProbeRequest(size=size, sha256=sha256)))
+
+    async def dataset(self) -> DatasetView:
+        """The run's dataset id and a presigned GET of its manifest."""
+        return _as(DatasetView, await self._call("dataset"))
+
+    async def dataset_files(self, names: list[str]) -> DatasetFiles:
+        """Presigned GETs for files of the run's dataset."""
+        out = await self._call("dataset_files", DatasetFilesRequest(names=names))
+        return _as(DatasetFiles, out)
 
     async def status(self, rounds: int | None = None) -> StatusView:
         params = {"rounds": str(rounds)} if rounds is not None else None

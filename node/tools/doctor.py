@@ -162,6 +162,45 @@ class Doctor:
         member = "expected in this round" if view.expected else "accepted"
         self.add("token", "ok", f"{member}; round {view.round} is {view.state.value}")
         await self._store(api, http)
+        if self.status is not None and self.status.run.dataset is not None:
+            await self._dataset(api, http, self.status.run.dataset)
+
+    async def _dataset(
+        self, api: CoordinatorClient, http: aiohttp.ClientSession, dataset: str
+    ) -> None:
+        """The run's dataset: its manifest reachable through the store, the one the run names,
+        and its vocabulary inside the model's."""
+        from node.compute.data import check_vocabulary
+        from node.compute.model import get_preset
+        from protocol.dataset import dataset_hex, parse_manifest
+
+        transfers = HttpTransfers(http, TransferTimeouts(connect_s=10, transfer_s=120))
+        try:
+            view = await api.dataset()
+            data = await transfers.get(
+                view.manifest_url, size=view.manifest_size, sha256=dataset_hex(dataset)
+            )
+            manifest = parse_manifest(data, dataset)
+            assert self.status is not None
+            check_vocabulary(manifest, get_preset(self.status.run.model).vocab_size, where=dataset)
+        except (
+            CoordinatorError,
+            TransferError,
+            RetriesExhausted,
+            SparseLoCoError,
+            ValueError,
+        ) as exc:
+            fix = "the run's operator must upload it: sparseloco data prepare ... --upload"
+            self.add("dataset", "FAIL", f"the run's dataset is not usable: {exc}", fix)
+            return
+        per_shard = max(manifest.files().values())
+        self.add(
+            "dataset",
+            "ok",
+            f"{dataset[:19]}...: {manifest.total_tokens:,} {manifest.tokenizer.kind} tokens in"
+            f" {len(manifest.shards)} shards; this node keeps a few of them on disk"
+            f" (up to {_bytes(per_shard)} each)",
+        )
 
     async def _store(self, api: CoordinatorClient, http: aiohttp.ClientSession) -> None:
         data = os.urandom(PROBE_BYTES)

@@ -42,6 +42,7 @@ from protocol.dataset import (
     dataset_key,
 )
 from protocol.errors import ConfigError
+from protocol.runconfig import canonical_json
 
 #: Every this-many-th shard (the 1st, the 21st, ...) is held out for evaluation.
 EVAL_EVERY = 20
@@ -221,16 +222,32 @@ def read_shard(path: Path, manifest: DatasetManifest, info: ShardInfo) -> np.nda
     return ids
 
 
-def upload(out: Path, manifest: DatasetManifest, *, endpoint: str, bucket: str, prefix: str) -> str:
-    """Copy the prepared folder to the store under ``{prefix}/datasets/{id}/``; the key prefix."""
+def upload(
+    out: Path,
+    manifest: DatasetManifest,
+    *,
+    endpoint: str,
+    bucket: str,
+    prefix: str,
+    credentials: tuple[str, str] | None = None,
+) -> str:
+    """Copy the prepared folder to the store under ``{prefix}/datasets/{hex}/``; the key
+    prefix. ``credentials`` (access key, secret key): else boto3's usual sources."""
     import boto3
 
-    s3 = boto3.client("s3", endpoint_url=endpoint)
+    keys = {}
+    if credentials is not None:
+        keys = {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]}
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys)
     names = [s.name for s in manifest.shards]
     if manifest.tokenizer.kind == "bpe":
         names.append(TOKENIZER_FILE)
-    for name in [*names, MANIFEST_FILE]:  # the manifest last: its presence means complete
-        s3.upload_file(
-            os.fspath(out / name), bucket, dataset_key(prefix, manifest.dataset_id, name)
-        )
-    return dataset_key(prefix, manifest.dataset_id, "").rstrip("/")
+    for name in names:
+        key = dataset_key(prefix, manifest.dataset_id, name)
+        s3.upload_file(os.fspath(out / name), bucket, key)
+    # The manifest last (its presence means complete), as its canonical JSON: the bytes whose
+    # sha256 is the dataset id, so a node can check the file itself against the id.
+    canonical = canonical_json(manifest.model_dump(mode="json"))
+    key = dataset_key(prefix, manifest.dataset_id, MANIFEST_FILE)
+    s3.put_object(Bucket=bucket, Key=key, Body=canonical)
+    return dataset_key(prefix, manifest.dataset_id, "")

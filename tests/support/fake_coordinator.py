@@ -30,6 +30,8 @@ from protocol.messages import (
     CheckpointInfo,
     CheckpointUpload,
     CheckpointView,
+    DatasetFiles,
+    DatasetView,
     JoinResponse,
     ManifestView,
     RoundReport,
@@ -273,3 +275,11 @@ class FakeApi:
             CheckpointView(info=info, url=self.c.store.presign_get(info.key))
             for info in self.c.book.listed()
         ]
+
+    async def dataset(self) -> DatasetView:
+        await self._reach()
+        raise CoordinatorError(404, "no_dataset", "the fake coordinator's runs use local data")
+
+    async def dataset_files(self, names: list[str]) -> DatasetFiles:
+        await self._reach()
+        raise CoordinatorError(404, "no_dataset", "the fake coordinator's runs use local data")
