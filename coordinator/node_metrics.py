@@ -8,8 +8,9 @@ by ``node``:
 - gauges of the newest report: ``sparseloco_node_train_loss``, ``sparseloco_node_eval_loss``,
   ``sparseloco_node_step_seconds`` (training time / H), ``sparseloco_node_phase_seconds``
   (``phase`` label: train, encode, upload, wait, download, decode, aggregate_apply, save, eval),
-  ``sparseloco_node_transfer_bytes_per_second`` (``direction``: up, down), and
-  ``sparseloco_node_last_round``;
+  ``sparseloco_node_transfer_bytes_per_second`` (``direction``: up, down),
+  ``sparseloco_node_tokens_per_second`` and ``sparseloco_node_mfu`` (of the inner steps; MFU
+  only from nodes on a device of known peak), and ``sparseloco_node_last_round``;
 - counters over the whole run: ``sparseloco_node_bytes`` (``direction``) and
   ``sparseloco_node_retries``.
 
@@ -54,6 +55,16 @@ class NodeMetrics:
             "Payload bytes per second of the node's newest upload and download",
             ["node", "direction"], registry=registry,
         )  # fmt: skip
+        self.tokens_per_s = Gauge(
+            "sparseloco_node_tokens_per_second",
+            "Tokens per second of the inner steps in the node's newest round",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.mfu = Gauge(
+            "sparseloco_node_mfu",
+            "Model FLOPs utilisation of the inner steps in the node's newest round",
+            labels, registry=registry,
+        )  # fmt: skip
         self.last_round = Gauge(
             "sparseloco_node_last_round", "The newest round the node reported", labels,
             registry=registry,
@@ -78,6 +89,10 @@ class NodeMetrics:
             self.train_loss.labels(node=node).set(report.train_loss)
         if report.eval_loss is not None:
             self.eval_loss.labels(node=node).set(report.eval_loss)
+        if report.tokens_per_s is not None:
+            self.tokens_per_s.labels(node=node).set(report.tokens_per_s)
+        if report.mfu is not None:
+            self.mfu.labels(node=node).set(report.mfu)
         t = report.timings
         for phase, seconds in t.items():
             self.phase_seconds.labels(node=node, phase=phase).set(seconds)

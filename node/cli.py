@@ -55,7 +55,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inner-steps", type=int, help="H, inner steps per round")
     p.add_argument("--rounds", type=int)
     p.add_argument("--batch-size", type=int, help="sequences per inner step per worker")
-    p.add_argument("--data", help="text file, directory or glob (default: bundled demo corpus)")
+    p.add_argument(
+        "--data",
+        help="text file, directory or glob, or a folder made by `sparseloco data prepare`"
+        " (default: bundled demo corpus)",
+    )
     p.add_argument("--topk", type=int, help="kept entries per 64x64 tile (default 64)")
     p.add_argument("--tile", type=int, help="tile edge (default 64)")
     p.add_argument("--beta", type=float, help="error-feedback decay (default 0.95)")
@@ -133,9 +137,15 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument(
-        "--preset", default="tiny", help="run shape: tiny (default), small, bench or base"
+        "--preset",
+        default="tiny",
+        help="run shape: tiny (default), small, bench, base, llama, llama_bpe",
     )
-    p.add_argument("--data", help="text file, directory or glob (default: bundled corpus)")
+    p.add_argument(
+        "--data",
+        help="text file, directory or glob, or a folder made by `sparseloco data prepare`"
+        " (uploaded to the run's store; the nodes stream it) (default: bundled corpus)",
+    )
     p.add_argument("--dir", dest="run_dir", help="run folder (default: runs/up-<time>)")
     p.add_argument("--round-timeout", type=float, default=120.0, help="seconds per round")
     p.add_argument(
@@ -148,6 +158,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--upload-limit", help="cap every node's uploads, e.g. 100Mbit (per second)")
     p.add_argument("--download-limit", help="cap every node's downloads, e.g. 100Mbit")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the nodes' inner steps run: cpu (the default), auto or cuda:N for all, or a"
+        " list the nodes take in turn, e.g. cuda:0,cuda:0,cpu",
+    )
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the summary here")
     p.set_defaults(func=_cmd_up)
 
@@ -170,9 +186,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
             overlap=args.overlap,
             upload_limit=args.upload_limit,
             download_limit=args.download_limit,
+            device=args.device,
         )
     except ValidationError as exc:
         raise config_error(exc, _flag) from exc
+    if any(cfg.node_device(i).startswith("cuda") for i in range(cfg.nodes)):
+        from node.compute.placement import resolve_device
+
+        for i in range(cfg.nodes):
+            resolve_device(cfg.node_device(i))  # DeviceError before anything starts
     with UpView(cfg.rounds, cfg.nodes) as view:
         result = up(cfg, on_status=view.update)
     view.summary(result)
@@ -200,6 +222,11 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", help="local state folder (or SPARSELOCO_NODE_STATE_DIR)")
     p.add_argument("--data", help="text file, directory or glob (default: bundled corpus)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--device",
+        help="where the inner steps run: auto (the first GPU if there is one, else the CPU;"
+        " the default), cpu or cuda:N (or SPARSELOCO_NODE_DEVICE); θ stays on the CPU",
+    )
     for way in ("upload", "download"):
         p.add_argument(
             f"--{way}-limit",
@@ -218,9 +245,14 @@ def _cmd_node(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         data=args.data,
         threads=args.threads,
+        device=args.device,
         upload_limit=args.upload_limit,
         download_limit=args.download_limit,
     )
+    from node.compute.placement import resolve_device
+
+    device = resolve_device(settings.device)  # DeviceError now, not after joining
+    log.info("event=device device=%s requested=%s", device, settings.device)
     from node.daemon.serve import run_node
 
     return run_node(settings)

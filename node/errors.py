@@ -19,6 +19,8 @@ Library errors (aiohttp, safetensors, the file system) are translated where they
     ├── ResyncError (RuntimeError)           resynchronising did not help, repeatedly: the node
     │                                        stops instead of looping resync, replay, diverge
     ├── StoreStartError (RuntimeError)       the embedded object store did not start
+    ├── DeviceError (RuntimeError)           the training device asked for is not on this machine
+    ├── RanksError (RuntimeError)            a node's torchrun processes lost each other
     └── UpError (RuntimeError)               a part of ``sparseloco up`` failed
 
     Abandoned (Exception)                    not an error: training stopped between inner steps
@@ -82,6 +84,16 @@ class Refused(SparseLoCoError, RuntimeError):
 class ResyncError(SparseLoCoError, RuntimeError):
     """θ diverged at the same round (or earlier) right after each of several resyncs in a row:
     the node cannot follow its peers, and says so instead of resynchronising forever."""
+
+
+class DeviceError(SparseLoCoError, RuntimeError):
+    """The training device asked for (``--device cuda:1``) is not there: no CUDA build of torch,
+    no GPU visible, or fewer GPUs than the index; the message says what torch sees."""
+
+
+class RanksError(SparseLoCoError, RuntimeError):
+    """The processes of a multi-process node (torchrun) lost each other: one died or hung in a
+    collective, or the setup cannot be split over them; the message names the phase."""
 
 
 class StoreStartError(SparseLoCoError, RuntimeError):

@@ -268,6 +268,23 @@ class RoundReport(Message):
     retries: Count = Field(
         0, description="failed attempts at the coordinator or the store since the last report"
     )
+    tokens_per_s: float | None = Field(
+        None,
+        strict=True,
+        allow_inf_nan=False,
+        ge=0,
+        le=1e12,
+        description="tokens per second of the round's inner steps on this node",
+    )
+    mfu: float | None = Field(
+        None,
+        strict=True,
+        allow_inf_nan=False,
+        ge=0,
+        le=100,
+        description="model FLOPs utilisation of the inner steps (of the device's peak bf16"
+        " FLOP/s); absent on the CPU or a device of unknown peak",
+    )
 
 
 class Ack(Message):
@@ -335,6 +352,37 @@ class StatusView(Message):
     members: list[MemberView]
     rounds: list[RoundSummary] = Field(description="recent rounds, newest last")
     checkpoint: CheckpointInfo | None = None
+
+
+#: Most dataset files one request may ask for.
+MAX_DATASET_FILES = 64
+DatasetFileName = Annotated[
+    str, StringConstraints(pattern=r"^(shards/[0-9]{5,9}\.bin|tokenizer\.json)$")
+]
+
+
+class DatasetView(Message):
+    """The run's dataset: its id and a presigned GET of its manifest (``protocol.dataset``).
+    The node checks the manifest it downloads hashes to ``dataset``, the id its run config
+    names, before it trusts a byte of it."""
+
+    dataset: str
+    manifest_url: str
+    manifest_size: int = Field(gt=0, description="bytes of the manifest (its canonical JSON)")
+    expires_in_s: float
+
+
+class DatasetFilesRequest(Message):
+    """Files of the run's dataset a node wants to download (its shards, the tokenizer)."""
+
+    names: list[DatasetFileName] = Field(min_length=1, max_length=MAX_DATASET_FILES)
+
+
+class DatasetFiles(Message):
+    """A presigned GET for each file asked for (each file's size and sha256 are the manifest's)."""
+
+    urls: dict[str, str]
+    expires_in_s: float
 
 
 class ErrorBody(Message):

@@ -213,7 +213,7 @@ def _finished_status() -> dict[str, Any]:
             "excluded": {},
             "fingerprints": {"node-0": FP, "node-1": FP, HOSTILE_NODE: FP_OTHER},
             "reports": {
-                "node-0": _report(FP, 4.5),
+                "node-0": {**_report(FP, 4.5), "tokens_per_s": 51234.6, "mfu": 0.4123},
                 "node-1": _report(FP, 4.5),
                 HOSTILE_NODE: _report(FP_OTHER, 4.75),
             },
@@ -300,6 +300,7 @@ async def test_hostile_strings_show_as_text(browser: WebDriver, canned: Any) -> 
     )
     assert page["counter"] == "round 2 of 2"
     assert page["members"][1][:2] == [HOSTILE_NODE, "timed out"]
+    assert [row[5] for row in page["members"]] == ["51,235 · MFU 41.2 %", "–"]
     newest, oldest = page["rounds"]
     assert page["gathers"] == [["node-0", HOSTILE_NODE], ["node-0"]]
     assert oldest[EXCLUDED].splitlines() == [

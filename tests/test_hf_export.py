@@ -11,14 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from node.compute.model import ModelConfig, build_model, get_preset
 from node.errors import CheckpointError
 from node.tools.hf import write_hf
+from node.tools.shards import train_bpe
 from protocol.runconfig import RunConfig, Timing
 from support.cluster import Cluster
 
+CORPUS = Path(__file__).resolve().parent.parent / "node" / "corpus"
 UNTIED_GQA = ModelConfig(
     arch="llama",
     d_model=128,
@@ -60,7 +62,9 @@ def test_a_gpt_run_is_refused_with_a_reason(tmp_path: Path) -> None:
 
 def test_sparseloco_export_of_a_llama_run_loads_in_transformers(tmp_path: Path, store) -> None:
     """A real run (SeaweedFS, coordinator, two nodes) of the LLaMA-style model with a checkpoint,
-    then ``sparseloco export`` as a participant types it: the folder loads and generates."""
+    then ``sparseloco export`` as a participant types it: the model and its (byte) tokenizer
+    load and generate text. A ``--tokenizer`` larger than the model's vocabulary is refused
+    before anything is written."""
     run = RunConfig(
         name="hf",
         model="llama_tiny",
@@ -79,18 +83,32 @@ def test_sparseloco_export_of_a_llama_run_loads_in_transformers(tmp_path: Path, 
             cluster.start_node(name)
         cluster.wait_finished()
         out = tmp_path / "model"
+        env = {**os.environ, "SPARSELOCO_NODE_TOKEN": cluster.tokens["node-0"]}
+        sparseloco = str(Path(sys.executable).parent / "sparseloco")
+        export = [sparseloco, "export", "--coordinator", cluster.url]
         proc = subprocess.run(
-            [str(Path(sys.executable).parent / "sparseloco"), "export", "--coordinator",
-             cluster.url, "--out", str(out)],
-            env={**os.environ, "SPARSELOCO_NODE_TOKEN": cluster.tokens["node-0"]},
-            capture_output=True, text=True, timeout=120,
+            [*export, "--out", str(out)], env=env, capture_output=True, text=True, timeout=120
+        )
+        bpe = tmp_path / "bpe512.json"
+        train_bpe([CORPUS / "lear_gut.txt"], "text", 512).save(str(bpe))
+        refused = subprocess.run(
+            [*export, "--out", str(tmp_path / "refused"), "--tokenizer", str(bpe)],
+            env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     finally:
         cluster.stop()
     assert proc.returncode == 0, proc.stderr[-2000:]
     document = json.loads((out / "run.json").read_text())
     assert document["format"] == "transformers" and document["round"] == 2
+    assert document["tokenizer"] == "bytes (ids 0-255)"
     model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
-    prompt = torch.tensor([list(b"To be, or")])
-    generated = model.generate(prompt, max_new_tokens=5, do_sample=False)
-    assert generated.shape == (1, prompt.shape[1] + 5)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("To be, or", return_tensors="pt")
+    assert prompt.input_ids[0].tolist() == list(b"To be, or")
+    generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] <= prompt.input_ids.shape[1] + 5
+    text = tokenizer.decode(generated[0])
+    assert isinstance(text, str) and text.startswith("To be, or")
+    assert refused.returncode != 0
+    assert "512 entries" in refused.stderr and "vocabulary of 256" in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()

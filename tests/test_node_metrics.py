@@ -23,6 +23,8 @@ REPORT = {
     "bytes_down": 6000,
     "timings": {"train": 2.0, "upload": 0.5, "download": 0.25, "eval": 0.1},
     "retries": 3,
+    "tokens_per_s": 51200.0,
+    "mfu": 0.375,
 }
 
 
@@ -48,6 +50,8 @@ async def test_reports_become_per_node_series_that_survive_a_restart(
         'sparseloco_node_bytes_total{direction="up",node="n0"} 3000.0',
         'sparseloco_node_retries_total{node="n0"} 3.0',
         'sparseloco_node_last_round{node="n0"} 0.0',
+        'sparseloco_node_tokens_per_second{node="n0"} 51200.0',
+        'sparseloco_node_mfu{node="n0"} 0.375',
     )
     for line in expected:
         assert line in lines, line

@@ -142,8 +142,23 @@
     document.title = `${status.state} · round ${status.round} of ${run.rounds} · sparseloco`;
   }
 
+  // Each node's newest training speed: tokens/s (and MFU where its device's peak is known).
+  function speeds(status) {
+    const out = new Map();
+    for (const r of status.rounds || []) {
+      for (const [node, report] of Object.entries(r.reports || {})) {
+        if (typeof report.tokens_per_s !== "number") continue;
+        const mfu =
+          typeof report.mfu === "number" ? ` · MFU ${(100 * report.mfu).toFixed(1)} %` : "";
+        out.set(node, `${Math.round(report.tokens_per_s).toLocaleString("en")}${mfu}`);
+      }
+    }
+    return out;
+  }
+
   function renderMembers(status) {
     const members = status.members || [];
+    const speed = speeds(status);
     const rows = members.map((m) =>
       h(
         "tr",
@@ -153,6 +168,7 @@
         h("td", { class: "num" }, String(m.slot)),
         h("td", { class: "num" }, `round ${m.joined_round}`),
         h("td", { class: "num" }, m.state === "active" ? age(m.last_seen_s) : "–"),
+        h("td", { class: "num speed" }, speed.get(m.node_id) || "–"),
       ),
     );
     $("members").tBodies[0].replaceChildren(...rows);

@@ -2,7 +2,9 @@
 
 Starts, in order, the embedded object store (SeaweedFS ``weed mini``), a coordinator process
 and N node processes, each a real process talking HTTP on loopback exactly as on the internet;
-trains on the bundled demo corpus; shows live progress from the coordinator's status endpoint;
+trains on the bundled demo corpus (or ``--data``: text each node reads, or a folder made by
+``sparseloco data prepare``, which is uploaded to the store and streamed from there by the
+nodes, a shard at a time); shows live progress from the coordinator's status endpoint;
 and stops everything again in reverse order, on success, on error and on Ctrl-C. Everything
 (store data, coordinator database, node states, logs) lands in one run folder.
 
@@ -29,9 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.cluster.process import Process
 from node.cluster.seaweed import EmbeddedStore, StoreEndpoint
+from node.compute.data import check_vocabulary
+from node.compute.model import get_preset
 from node.compute.presets import get_run_preset
 from node.daemon.ratelimit import parse_rate
-from node.errors import UpError
+from node.daemon.settings import check_device_spec
+from node.errors import DataError, UpError
+from node.tools.shards import upload
+from protocol.dataset import MANIFEST_FILE, DatasetManifest, parse_manifest
 from protocol.messages import RoundState, StatusView
 from protocol.routes import MAX_STATUS_ROUNDS
 from protocol.runconfig import RunConfig, Timing
@@ -59,6 +66,20 @@ class UpConfig(BaseModel):
     #: Every node's upload and download caps (``--upload-limit``, ``--download-limit``).
     upload_limit: str | None = None
     download_limit: str | None = None
+    #: Where each node's inner steps run: one device for all (auto, cpu, cuda:N), or a
+    #: comma-separated list the nodes take in turn (``cuda:0,cuda:0,cpu``).
+    device: str = "cpu"
+    #: torch (and numba) threads per node.
+    threads: int = Field(1, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _devices(cls, value: str) -> str:
+        return ",".join(check_device_spec(spec.strip()) for spec in value.split(","))
+
+    def node_device(self, i: int) -> str:
+        """The device of node ``i``."""
+        return self.device.split(",")[i % (self.device.count(",") + 1)]
 
     @field_validator("upload_limit", "download_limit")
     @classmethod
@@ -121,9 +142,10 @@ def coordinator_toml(
     return "\n".join(lines)
 
 
-def _quiet_env() -> dict[str, str]:
-    """One compute thread per process: N nodes share a few cores without oversubscribing."""
-    return dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def _quiet_env(threads: int = 1) -> dict[str, str]:
+    """Few compute threads per process (one by default): N nodes share a few cores."""
+    n = str(threads)
+    return dict(os.environ, OMP_NUM_THREADS=n, NUMBA_NUM_THREADS=n, PYTHONUNBUFFERED="1")
 
 
 def start_coordinator(
@@ -170,15 +192,22 @@ def start_node(
     data: str | None,
     extra_env: dict[str, str] | None = None,
     limits: tuple[str | None, str | None] = (None, None),
+    device: str = "cpu",
+    threads: int = 1,
+    ranks: int = 1,
 ) -> Process:
+    """A node process; with ``ranks`` > 1 one node of that many processes under torchrun
+    (``node.daemon.ranks``)."""
     args = [sys.executable, "-m", "node", "node", "--coordinator", url]
-    args += ["--state-dir", str(state_dir), "--threads", "1"]
+    if ranks > 1:
+        args[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    args += ["--state-dir", str(state_dir), "--threads", str(threads), "--device", device]
     if data:
         args += ["--data", data]
     for way, limit in zip(("upload", "download"), limits, strict=True):
         if limit is not None:
             args += [f"--{way}-limit", limit]
-    env = _quiet_env()
+    env = _quiet_env(threads)
     env.pop("SPARSELOCO_FAULTS", None)
     env.pop("SPARSELOCO_ATTACK", None)
     env.update(extra_env or {})
@@ -212,6 +241,11 @@ def summarize(status: StatusView) -> dict[str, Any]:
                 "bytes_down": sum(r.bytes_down for r in summary.reports.values()),
                 "duration_s": summary.duration_s,
                 "timings": {n: r.timings for n, r in summary.reports.items() if r.timings},
+                "throughput": {
+                    n: {"tokens_per_s": r.tokens_per_s, "mfu": r.mfu}
+                    for n, r in summary.reports.items()
+                    if r.tokens_per_s is not None
+                },
             }
         )
     # Nodes evaluate on the run's schedule (``RunConfig.eval_every``; the last round always):
@@ -232,12 +266,22 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> dict[str, Any]:
-    """Run the whole local training run and return its summary."""
+def up(
+    cfg: UpConfig,
+    on_status: Callable[[StatusView], None] | None = None,
+    *,
+    run_overrides: dict[str, Any] | None = None,
+    node_env: dict[str, str] | None = None,
+    node_threads: list[int] | None = None,
+) -> dict[str, Any]:
+    """Run the whole local run; its summary. ``run_overrides`` replace run config values,
+    ``node_env`` adds to every node's environment, ``node_threads[i]`` is node i's threads."""
     shape = get_run_preset(cfg.preset).shape()
+    dataset = prepared_dataset(cfg.data, shape["model"])
     run_dir = cfg.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     run = RunConfig(
+        dataset=None if dataset is None else dataset.dataset_id,
         name="up",
         rounds=cfg.rounds,
         min_nodes=cfg.nodes,
@@ -252,11 +296,24 @@ def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> 
         **({} if cfg.eval_every is None else {"eval_every": cfg.eval_every}),
         **({} if cfg.overlap is None else {"overlap": cfg.overlap}),
     )
+    if run_overrides:
+        run = RunConfig.model_validate({**run.model_dump(), **run_overrides})
     store = EmbeddedStore(run_dir / "store")
     procs: list[Process] = []
     t0 = time.monotonic()
     try:
         endpoint = store.start()
+        if dataset is not None and cfg.data is not None:
+            # The nodes stream their shards from the store, as they would over the internet.
+            upload(
+                Path(cfg.data),
+                dataset,
+                endpoint=endpoint.endpoint_url,
+                bucket=endpoint.bucket,
+                prefix="",
+                credentials=(endpoint.access_key, endpoint.secret_key),
+            )
+            log.info("event=dataset_uploaded dataset=%s", dataset.dataset_id)
         tokens = {f"node-{i}": secrets.token_urlsafe(18) for i in range(cfg.nodes)}
         config_path = run_dir / "coordinator.toml"
         config_path.write_text(
@@ -280,10 +337,13 @@ def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> 
                 token,
                 run_dir / "nodes" / name,
                 run_dir / "logs" / f"{name}.log",
-                cfg.data,
+                None if dataset is not None else cfg.data,
+                extra_env=node_env,
                 limits=(cfg.upload_limit, cfg.download_limit),
+                device=cfg.node_device(i),
+                threads=node_threads[i] if node_threads else cfg.threads,
             )
-            for name, token in tokens.items()
+            for i, (name, token) in enumerate(tokens.items())
         ]
         procs += nodes
         status = _watch(url, nodes, on_status)
@@ -300,6 +360,24 @@ def up(cfg: UpConfig, on_status: Callable[[StatusView], None] | None = None) -> 
         for proc in reversed(procs):
             proc.stop()
         store.stop()
+
+
+def prepared_dataset(data: str | None, model: str) -> DatasetManifest | None:
+    """The manifest of ``data`` when it is a folder made by ``sparseloco data prepare`` (the
+    run then names it, and the nodes stream it from the store), checked against ``model``'s
+    vocabulary; None for text (each node reads it locally)."""
+    if data is None or not (Path(data) / MANIFEST_FILE).is_file():
+        return None
+    path = Path(data) / MANIFEST_FILE
+    try:
+        manifest = parse_manifest(path.read_bytes())
+    except ValueError as exc:
+        raise UpError(f"{path} is not a dataset manifest: {exc}") from exc
+    try:
+        check_vocabulary(manifest, get_preset(model).vocab_size, where=data)
+    except DataError as exc:
+        raise UpError(f"{exc}; e.g. --preset llama_bpe") from exc
+    return manifest
 
 
 def _watch(

@@ -12,14 +12,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from node.compute.data import ByteCorpus
+from node.compute.data import Corpus
 from node.compute.model import LanguageModel
 from node.compute.optim import InnerOptimConfig, inner_step
 from node.errors import Abandoned
 from protocol.runconfig import RunConfig
+
+if TYPE_CHECKING:
+    from node.compute.ranks import Ranks
 
 
 @dataclass
@@ -30,9 +34,12 @@ class InnerLoop:
     model: LanguageModel
     opt: torch.optim.Optimizer
     cfg: InnerOptimConfig
-    corpus: ByteCorpus
+    corpus: Corpus
     #: The node's data slot (``slot % run.data_slots`` picks its stream).
     slot: int
+    #: The node's processes under torchrun (``node.compute.ranks``): this one trains on its
+    #: rows of each batch and averages gradients with the others. None: a single process.
+    ranks: Ranks | None = None
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(x, y)`` batch of global inner step ``step``: a pure function of the step."""
@@ -65,8 +72,20 @@ class InnerLoop:
                 raise Abandoned()
             step = round_ * H + h
             x, y = self.batch(step)
+            sync = None
+            if self.ranks is not None:
+                x, y, sync = self.ranks.share(x), self.ranks.share(y), self.ranks.sync
             losses.append(
-                inner_step(self.model, self.opt, x, y, step=step, cfg=self.cfg, lr_scale=lr_scale())
+                inner_step(
+                    self.model,
+                    self.opt,
+                    x,
+                    y,
+                    step=step,
+                    cfg=self.cfg,
+                    lr_scale=lr_scale(),
+                    grad_sync=sync,
+                )
             )
             if on_step is not None:
                 on_step()

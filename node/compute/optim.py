@@ -13,6 +13,7 @@ everyone else (schedule drift after restarts was a recurring bug in the producti
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -73,9 +74,12 @@ def make_adamw(model: torch.nn.Module, cfg: InnerOptimConfig) -> torch.optim.Ada
 
     Norm gains (1-D) are not decayed: pulling them towards 0 only fights the normalisation. The
     group order (decayed, then not) and the parameter order inside each group follow
-    ``named_parameters``, so the state layout is the same on every node.
+    ``named_parameters``, so the state layout is the same on every node. On CUDA the fused
+    kernel runs (one launch for all parameters); on the CPU the default implementation, whose
+    bytes the tests pin.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    on_cuda = bool(params) and all(p.is_cuda for p in params)
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -86,6 +90,7 @@ def make_adamw(model: torch.nn.Module, cfg: InnerOptimConfig) -> torch.optim.Ada
         betas=cfg.betas,
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
+        fused=True if on_cuda else None,  # None: torch's default, as before
     )
 
 
@@ -104,6 +109,7 @@ def inner_step(
     step: int,
     cfg: InnerOptimConfig,
     lr_scale: float = 1.0,
+    grad_sync: Callable[[LanguageModel, Tensor], Tensor] | None = None,
 ) -> float:
     """One inner training step at global step ``step``; returns the batch loss in nats.
 
@@ -111,7 +117,9 @@ def inner_step(
     AdamW state is fresh mid-run), runs forward (bf16 autocast on CUDA) and backward, clips the
     global gradient norm to ``cfg.grad_clip``, steps and clears the gradients. A non-finite loss
     raises ``FloatingPointError`` before the step, so a diverged batch never poisons the weights
-    or the AdamW moments.
+    or the AdamW moments. ``grad_sync`` (a node of several processes, ``node.compute.ranks``)
+    runs after backward, before the clip: it averages the gradients over the processes and
+    returns the loss of the node's whole batch, so every process clips and steps alike.
     """
     device = next(model.parameters()).device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -119,6 +127,8 @@ def inner_step(
     with autocast(device):
         loss = model.loss(x, y)
     loss.backward()
+    if grad_sync is not None:
+        loss = grad_sync(model, loss)
     value = loss.item()
     if not math.isfinite(value):
         opt.zero_grad(set_to_none=True)

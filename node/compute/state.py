@@ -362,17 +362,23 @@ def _read(path: Path, key: str | None = "sparseloco") -> tuple[dict[str, Any], d
 
 
 def adam_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The AdamW moments and step counts as a flat name -> tensor mapping."""
+    """The AdamW moments and step counts as a flat name -> tensor mapping, on the CPU.
+
+    An optimiser on a GPU has its state copied over (so a state file is the same whatever the
+    device, and a write behind never reads memory the next round's steps change); on the CPU
+    the tensors are the optimiser's own, as before (the next training waits for their write).
+    """
     out: dict[str, torch.Tensor] = {}
     for i, entry in opt.state_dict()["state"].items():
         for key, value in entry.items():
             t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            out[f"{i}.{key}"] = t
+            out[f"{i}.{key}"] = t.detach().cpu()
     return out
 
 
 def restore_adam(opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Load moments saved by ``adam_tensors`` into ``opt`` (same parameter layout)."""
+    """Load moments saved by ``adam_tensors`` into ``opt`` (same parameter layout); torch puts
+    each on its parameter's device (CPU files into a GPU optimiser, and back)."""
     state_dict = opt.state_dict()
     restored: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():

@@ -9,10 +9,11 @@ Nothing is computed twice on the way of a round: θ's fingerprint is computed on
 θ and kept until θ changes (every caller asks ``fingerprint()``); the payload is hashed once, in
 the compute thread, when it is made; ĉ (what the payload carries, densely) comes from the
 encoder and is used as is for the error-feedback account and step 9, and the own payload is
-decoded only when ĉ was lost with a restart. Training works on a copy of θ_r and θ_r itself is
-put back by handing the parameters their old memory (one copy of θ a round, not two), and the
-pseudo-gradient is computed into the memory training used. The mass sums of the account are
-``node.compute.mass``'s.
+decoded only when ĉ was lost with a restart. Where the inner steps run, and how θ_r gets there
+and the pseudo-gradient back, is ``node.compute.placement``'s: on the CPU in place (training works
+on a copy of θ_r, θ_r's memory is handed back, one copy of θ a round), on a GPU in a copy of the
+model there; θ, e, the codec and the aggregation stay on the CPU either way, so nodes on any
+device stay bit-identical. The mass sums of the account are ``node.compute.mass``'s.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from node.compute.data import open_corpus
+from node.compute.data import Corpus, open_corpus
 from node.compute.inner import InnerLoop
 from node.compute.mass import abs_total, total
-from node.compute.model import build_model, evaluate, get_preset
+from node.compute.model import build_model, get_preset
 from node.compute.optim import InnerOptimConfig, make_adamw
 from node.compute.outer import add_back, apply_aggregate, compress, feed_error
+from node.compute.placement import Placement, resolve_device
 from node.compute.state import NodeState, Writes, adam_tensors, restore_adam
+from node.compute.throughput import Meter, Throughput
 from node.errors import CheckpointError
 from protocol.codec import Payload, decode, read_payload
 from protocol.errors import PayloadError
@@ -63,6 +66,8 @@ class TrainResult:
     scale: float = 0.0
     #: Σe right after compression: what the round kept (before step 9 may add ĉ back).
     held: float = 0.0
+    #: Tokens per second of the inner steps and their MFU (``node.compute.throughput``).
+    throughput: Throughput | None = None
 
 
 class Worker:
@@ -75,10 +80,14 @@ class Worker:
         run_id: str,
         node_id: str,
         slot: int,
-        data: str | None = None,
+        data: str | Corpus | None = None,
         eval_batches: int = 4,
         eval_batch_size: int = 8,
+        device: str | torch.device = "cpu",
+        separate: bool = False,
     ) -> None:
+        """``device``: where the inner steps run (``auto``, ``cpu``, ``cuda:N``); ``separate``
+        trains in a copy of the model even on the CPU (the device path, for tests)."""
         self.run = run
         self.run_id = run_id
         self.node_id = node_id
@@ -94,8 +103,12 @@ class Worker:
             warmup_steps=run.warmup_steps,
             total_steps=run.total_inner_steps,
         )
-        self.opt = make_adamw(self.model, self.optim_cfg)
-        self.inner = InnerLoop(run, self.model, self.opt, self.optim_cfg, self.corpus, slot)
+        self.placement = Placement(self.model, resolve_device(device), separate=separate)
+        train_model = self.placement.train_model
+        self.opt = make_adamw(train_model, self.optim_cfg)
+        self.inner = InnerLoop(run, train_model, self.opt, self.optim_cfg, self.corpus, slot)
+        self.meter = Meter(self.model_cfg, self.placement.device)
+        self.tokens_per_step = run.batch_size * self.model_cfg.ctx_len
         self.error = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.round = 0
@@ -179,24 +192,25 @@ class Worker:
         t0 = time.perf_counter()
         self.writes.adam.wait()  # the moments of the previous round are on disk
         base = self.fingerprint()
-        # Training runs on a copy; θ stays in ``start``, untouched, and is handed back below.
-        start = {n: p.data for n, p in self.model.named_parameters()}
-        with torch.no_grad():
-            for n, p in self.model.named_parameters():
-                p.data = p.data.clone() if offset is None else torch.sub(p.data, offset[n])
+        # Training runs on a copy of θ (or θ - offset); θ itself stays as it is.
+        self.placement.begin(offset)
         try:
+            t_inner = time.perf_counter()
             losses = self.inner.train(
                 trained_round,
                 lr_scale=lambda: self.lr_scale(trained_round),
                 stop=self.stop,
                 on_step=self._count_step,
             )
+            self.placement.synchronize()
+            inner_s = time.perf_counter() - t_inner
         except BaseException:
-            # θ goes back to θ_round; e was not touched yet. The AdamW moments keep the steps
-            # taken: they are local and never shared, so that loses nothing.
-            self._hand_back(start, base)
+            # θ is θ_round; e was not touched yet. The AdamW moments keep the steps taken:
+            # they are local and never shared, so that loses nothing.
+            self.placement.abandon()
             raise
-        delta = self._hand_back(start, base)  # bit for bit θ: its fingerprint holds
+        delta = self.placement.finish()  # θ - θ_trained; θ is bit for bit θ_round
+        self._fingerprint = base
         if offset is not None:
             with torch.no_grad():
                 for n, d in delta.items():
@@ -229,23 +243,11 @@ class Worker:
             computed=computed,
             scale=scale,
             held=held,
+            throughput=self.meter.measure(len(losses) * self.tokens_per_step, inner_s),
         )
 
     def _count_step(self) -> None:
         self.local_steps += 1
-
-    def _hand_back(self, start: Mapping[str, torch.Tensor], fp: str) -> dict[str, torch.Tensor]:
-        """Give the parameters θ_r's memory (``start``) back; the pseudo-gradient
-        ``θ_r - θ_trained``, computed into the memory the training used (the same fp32
-        subtraction as ``node.compute.outer.pseudo_gradient``)."""
-        delta = {}
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                trained = p.data
-                p.data = start[name]
-                delta[name] = torch.sub(start[name], trained, out=trained)
-        self._fingerprint = fp
-        return delta
 
     def reset_theta(self, theta: Mapping[str, torch.Tensor], fp: str | None = None) -> None:
         """Set θ to ``theta`` (``fp``: its fingerprint, if known). For the tests' hostile nodes
@@ -319,7 +321,7 @@ class Worker:
         return total(self.error)
 
     def evaluate(self) -> float:
-        return evaluate(self.model, self.eval_set)
+        return self.placement.evaluate(self.eval_set)
 
     def corrupt(self) -> None:
         """Flip the lowest bit of one parameter (fault injection: a silently diverged node)."""

@@ -11,5 +11,6 @@ offers and restores checkpoints, ``retry`` bounds every retry, ``settings`` is t
 and ``faults`` the chaos suite's fault injection. ``join`` joins the run and settles the
 manifest key to trust (``pinning``: the invite's fingerprint, the key pinned in the state dir);
 ``tls`` is how the coordinator is reached safely (CA bundle, plain HTTP only to loopback unless
-allowed, untrusted certificates refused).
+allowed, untrusted certificates refused). ``ranks`` runs one node as several processes under
+torchrun (rank 0 is the daemon, the others help with the inner steps).
 """

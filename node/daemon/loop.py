@@ -31,6 +31,7 @@ import contextlib
 import functools
 import logging
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -38,11 +39,13 @@ from typing import Any, TypeVar
 import aiohttp
 import torch
 
+from node.compute.data import Corpus
 from node.compute.worker import TrainResult, Worker
 from node.daemon import overlap
 from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
 from node.daemon.attacks import Attack
 from node.daemon.checkpoints import CheckpointSync
+from node.daemon.dataset import open_waiting
 from node.daemon.faults import Faults
 from node.daemon.join import join, rejoin
 from node.daemon.pending import PendingRound, restore, save_idle, save_submitting
@@ -92,6 +95,7 @@ class NodeDaemon:
         #: A hostile node for the tests (``SPARSELOCO_ATTACK``); None, always, in real runs.
         self.attack = Attack.from_env()
         self.stopping = asyncio.Event()
+        self.compute_stop = threading.Event()  # the stop request, for a shard download
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.joined: JoinResponse | None = None
         self._worker: Worker | None = None
@@ -118,6 +122,7 @@ class NodeDaemon:
         if not self.stopping.is_set():
             log.info("event=stop_requested node=%s", self.node_id)
             self.stopping.set()
+            self.compute_stop.set()
             if self._worker is not None:
                 self._worker.stop.set()
 
@@ -156,6 +161,17 @@ class NodeDaemon:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
+    async def _open_data(self, joined: JoinResponse) -> Corpus | str | None:
+        """What to train on: the run's dataset from the store (``node.daemon.dataset``), or
+        ``--data``."""
+        if joined.run.dataset is None:
+            return self.settings.data
+        stream, _ = await open_waiting(
+            self.api, self.transfers, joined.run, self.settings.state_dir,
+            local=self.settings.data, stop=self.compute_stop, sleep=self.sleep,
+        )  # fmt: skip
+        return stream
+
     async def run(self, *, handle_signals: bool = True) -> int:
         """Join, take part until the run ends or a stop is requested, leave; the exit status.
 
@@ -173,7 +189,14 @@ class NodeDaemon:
                 self.log("stopped", before="joining")
                 return 0
             self.joined = joined
-            self._worker, self.pending, resumed = await self.compute(restore, self.settings, joined)
+            try:
+                data = await self._open_data(joined)
+                self._worker, self.pending, resumed = await self.compute(
+                    restore, self.settings, joined, data
+                )
+            except Abandoned:  # stopped while the dataset was opened or its eval shards came
+                self.log("stopped", before="training")
+                return 0
             if not resumed:
                 # No usable local state: start from the newest checkpoint if there is one
                 # (else θ_0); the loop replays the manifests since.
@@ -305,7 +328,8 @@ class NodeDaemon:
         pending = PendingRound.trained(r, result)
         await self.compute(save_submitting, self.settings.state_dir, self.worker, pending)
         self.pending = pending
-        self.log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload))
+        speed = result.throughput.log_fields() if result.throughput else {}
+        self.log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload), **speed)
         if self.worker.run.overlaps:
             return
         delay = self.faults.slow_for(r)

@@ -72,7 +72,8 @@ async def step(d: NodeDaemon) -> None:
         await _cancel(travel)
         raise
     d.faults.crash_point(k + 1, "after_train")
-    d.log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload), beside=k)
+    speed = result.throughput.log_fields() if result.throughput else {}
+    d.log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload), beside=k, **speed)
     gathered = await travel
     if gathered is None or d.worker.round != k:
         # Stopped, or θ moved elsewhere (a checkpoint after the round was pruned): round k+1

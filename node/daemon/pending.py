@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from node.compute.data import Corpus
 from node.compute.state import (
     STATE_FILE,
     NodeState,
@@ -67,6 +68,9 @@ class PendingRound:
     #: Σe right after compression (overlap: e moves on before the round is settled).
     held: float | None = None
     train_loss: float | None = None
+    #: Tokens per second of the round's inner steps and their MFU (None: unknown).
+    tokens_per_s: float | None = None
+    mfu: float | None = None
     bytes_up: int = 0
     #: Seconds per phase of this round on this node, for the report.
     timings: dict[str, float] = field(default_factory=dict)
@@ -85,6 +89,8 @@ class PendingRound:
             scale=result.scale,
             held=result.held,
             train_loss=result.train_loss,
+            tokens_per_s=result.throughput.tokens_per_s if result.throughput else None,
+            mfu=result.throughput.mfu if result.throughput else None,
             timings={"train": result.train_s, "encode": result.encode_s},
         )
 
@@ -151,9 +157,12 @@ def resume(
     )
 
 
-def restore(s: NodeSettings, joined: JoinResponse) -> tuple[Worker, PendingRound | None, bool]:
+def restore(
+    s: NodeSettings, joined: JoinResponse, data: Corpus | str | None = None
+) -> tuple[Worker, PendingRound | None, bool]:
     """(compute thread) The worker for ``joined``, restored from the state dir when it holds
-    usable state: the worker, the pending round, and whether state was restored.
+    usable state: the worker, the pending round, and whether state was restored. ``data`` is
+    what it trains on (``NodeDaemon._open_data``).
 
     A torn or damaged state file is set aside (kept as evidence) and the node recovers from the
     object store instead; state of another run or node is refused.
@@ -165,9 +174,10 @@ def restore(s: NodeSettings, joined: JoinResponse) -> tuple[Worker, PendingRound
         run_id=joined.run_id,
         node_id=joined.node_id,
         slot=joined.slot,
-        data=s.data,
+        data=s.data if data is None else data,
         eval_batches=s.eval_batches,
         eval_batch_size=s.eval_batch_size,
+        device=s.device,
     )
     try:
         state = load_state(s.state_dir, worker.shapes)

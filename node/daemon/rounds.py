@@ -128,6 +128,8 @@ class RoundFinisher:
         }
         measured = {
             "train_loss": pending.train_loss if pending else None,
+            "tokens_per_s": pending.tokens_per_s if pending else None,
+            "mfu": pending.mfu if pending else None,
             "eval_loss": eval_loss,
             "timings": pending.timings if pending else {},
             "mass": mass,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -84,6 +85,9 @@ class NodeSettings(ConnectionSettings):
     data: str | None = Field(None, description="text file, directory or glob; default: bundled")
     #: torch intra-op threads for this node's compute (0: torch's default).
     threads: int = Field(0, ge=0)
+    #: Where the inner steps run: ``auto`` (the first GPU if torch sees one, else the CPU),
+    #: ``cpu`` or ``cuda[:N]`` (``node.compute.placement``); θ stays on the CPU either way.
+    device: str = Field("auto", description="auto, cpu or cuda[:N]")
     eval_batches: int = Field(4, ge=1)
     eval_batch_size: int = Field(8, ge=1)
     #: Evaluate the held-out loss every this many rounds (0: never); unset, the run's own
@@ -103,6 +107,11 @@ class NodeSettings(ConnectionSettings):
     upload_limit: float | None = Field(None, gt=0)
     download_limit: float | None = Field(None, gt=0)
 
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        return check_device_spec(value)
+
     @field_validator("upload_limit", "download_limit", mode="before")
     @classmethod
     def _rate(cls, value: Any) -> Any:
@@ -112,6 +121,17 @@ class NodeSettings(ConnectionSettings):
             return parse_rate(value)
         except ConfigError as exc:  # as a validation error, so the message names the flag
             raise ValueError(str(exc)) from None
+
+
+#: What ``--device`` takes (checked without importing torch; resolved at start).
+DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def check_device_spec(value: str) -> str:
+    """``value`` if it names a device the node knows (auto, cpu, cuda, cuda:N); else ValueError."""
+    if not DEVICE_SPEC.fullmatch(value):
+        raise ValueError(f"{value!r} is not a device; give auto, cpu, cuda or cuda:N (e.g. cuda:0)")
+    return value
 
 
 #: The settings an invite fills, by field.

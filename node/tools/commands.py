@@ -100,10 +100,16 @@ def add_export(sub: argparse._SubParsersAction) -> None:
         description="Fetches the newest committed checkpoint through the coordinator, checks"
         " its sha256, its shapes against the run's model and its fingerprint against the one"
         " the nodes agreed on, and writes OUT/model.safetensors and OUT/run.json; for a"
-        " LLaMA-style model OUT is also a Hugging Face transformers model (config.json).",
+        " LLaMA-style model OUT is also a Hugging Face transformers model (config.json) with"
+        " its tokenizer (--tokenizer; the byte tokenizer for a byte-level model).",
     )
     connection_flags(p)
     p.add_argument("--out", required=True, help="folder for model.safetensors and run.json")
+    p.add_argument(
+        "--tokenizer",
+        help="the run's tokenizer: a tokenizer.json, or the folder `sparseloco data prepare`"
+        " wrote (its manifest's sha256 is checked); default for a byte-level model: bytes",
+    )
     p.set_defaults(func=_cmd_export)
 
 
@@ -119,12 +125,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from node.tools.export import export
 
     done = asyncio.run(
-        export(connection.coordinator, token, Path(args.out), ca_cert=connection.ca_cert)
+        export(
+            connection.coordinator,
+            token,
+            Path(args.out),
+            ca_cert=connection.ca_cert,
+            tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+        )
     )
     info = done.info
     print(
         f"exported θ at the start of round {info.round} (fingerprint {info.fingerprint},"
         f" {info.size:,} bytes, verified) to {done.model}; run config in {done.manifest}"
+        + (f"; tokenizer: {done.tokenizer}" if done.tokenizer else "")
     )
     return 0
 
@@ -240,4 +253,8 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
             out, manifest, endpoint=args.endpoint_url, bucket=args.bucket, prefix=args.prefix
         )
         print(f"uploaded to s3://{args.bucket}/{root}/")
+        print(
+            f'a run trains on it with dataset = "{manifest.dataset_id}" in the [run] table of'
+            f" the coordinator's config (its storage.prefix {args.prefix!r}, as here)"
+        )
     return 0

@@ -14,13 +14,20 @@ run config: the model preset and everything needed to rebuild the model) into ``
 atomically, so a failed export never leaves a half-written model behind. For a LLaMA-style model
 the folder is a Hugging Face ``transformers`` model (``node.tools.hf``: ``config.json``, the same
 tensors under ``LlamaForCausalLM``'s names), which ``AutoModelForCausalLM.from_pretrained``
-loads; its tokens are bytes (ids 0-255) until runs train on tokenised shards.
+loads, with a tokenizer that ``AutoTokenizer.from_pretrained`` loads: ``--tokenizer`` (a
+tokenizer.json, or the folder ``sparseloco data prepare`` wrote, whose manifest vouches for its
+tokenizer.json by sha256), else the tokenizer of the dataset the run names (fetched from the
+store, checked against the dataset id), else for a byte-level model (vocabulary 256) the exact
+byte tokenizer.
+The tokenizer is read before anything is fetched and checked against the run's model before
+anything is written (``TokenizerError``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -30,12 +37,23 @@ from node.daemon.retry import RetryPolicy
 from node.daemon.tls import connector
 from node.daemon.transfer import HttpTransfers
 from node.errors import CheckpointError, CoordinatorError, Refused
-from node.tools.hf import write_atomically, write_hf
+from node.tools.hf import (
+    HfTokenizer,
+    TokenizerError,
+    byte_tokenizer,
+    check_tokenizer,
+    load_tokenizer,
+    write_atomically,
+    write_hf,
+)
+from protocol.dataset import MANIFEST_FILE, TOKENIZER_FILE, dataset_hex, parse_manifest
 from protocol.messages import CheckpointInfo, StatusView
 from protocol.runconfig import RunConfig
 
 #: A tool answers quickly: a few tries, then it says the coordinator is not reachable.
 TOOL_POLICY = RetryPolicy(attempts=4, base_s=0.5, max_delay_s=2.0, budget_s=20.0)
+#: Most bytes of a tokenizer.json read from the store.
+MAX_TOKENIZER_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,8 @@ class Exported:
     model: Path
     manifest: Path
     info: CheckpointInfo
+    #: Where the tokenizer came from; None if the folder has none.
+    tokenizer: str | None = None
 
 
 def verify_checkpoint(data: bytes, info: CheckpointInfo, run: RunConfig) -> None:
@@ -75,14 +95,24 @@ def verify_checkpoint(data: bytes, info: CheckpointInfo, run: RunConfig) -> None
 
 
 async def export(
-    coordinator: str, token: str, out: Path, *, ca_cert: Path | None = None
+    coordinator: str,
+    token: str,
+    out: Path,
+    *,
+    ca_cert: Path | None = None,
+    tokenizer: Path | None = None,
 ) -> Exported:
     """Fetch, verify and write the newest checkpoint; ``Refused`` if there is none, the token
     is refused or the TLS certificate is not trusted (``ca_cert`` adds a CA,
-    ``node.daemon.tls``), ``CheckpointError``/``DigestError`` if it does not check out."""
+    ``node.daemon.tls``), ``CheckpointError``/``DigestError`` if it does not check out,
+    ``TokenizerError`` if ``tokenizer`` cannot be read or does not fit the run's model."""
+    given = load_tokenizer(tokenizer) if tokenizer is not None else None
     async with aiohttp.ClientSession(connector=connector(ca_cert)) as http:
         api = CoordinatorClient(http, coordinator, token, policy=TOOL_POLICY)
         status: StatusView = await api.status(rounds=1)
+        if given is None and status.run.dataset is not None:
+            given = await _dataset_tokenizer(api, http, status.run.dataset)
+        tok = _tokenizer_for(status.run, given)
         try:
             view = await api.latest_checkpoint()
         except CoordinatorError as exc:
@@ -103,7 +133,7 @@ async def export(
     out.mkdir(parents=True, exist_ok=True)
     model = out / "model.safetensors"
     manifest = out / "run.json"
-    layout = _write_model(data, status.run, status.run_id, out, info)
+    layout = _write_model(data, status.run, status.run_id, out, info, tok)
     document = {
         "format": layout,
         "run_id": status.run_id,
@@ -115,12 +145,68 @@ async def export(
         "created_at": info.created_at,
         "note": "θ at the start of this round, i.e. after applying every round before it",
         "run": status.run.model_dump(mode="json"),
+        "tokenizer": tok.source if tok else None,
     }
     write_atomically(manifest, (json.dumps(document, indent=2) + "\n").encode())
-    return Exported(model, manifest, info)
+    return Exported(model, manifest, info, tok.source if tok else None)
 
 
-def _write_model(data: bytes, run: RunConfig, run_id: str, out: Path, info: CheckpointInfo) -> str:
+async def _dataset_tokenizer(
+    api: CoordinatorClient, http: aiohttp.ClientSession, dataset: str
+) -> HfTokenizer:
+    """The tokenizer of the run's dataset, from the store: the manifest (checked against the
+    id the run names) and its tokenizer.json (checked against the manifest)."""
+    view = await api.dataset()
+    manifest = await HttpTransfers(http).get(
+        view.manifest_url, size=view.manifest_size, sha256=dataset_hex(dataset)
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / MANIFEST_FILE).write_bytes(manifest)
+        if parse_manifest(manifest, dataset).tokenizer.kind == "bpe":
+            grant = await api.dataset_files([TOKENIZER_FILE])
+            async with http.get(grant.urls[TOKENIZER_FILE]) as resp:
+                resp.raise_for_status()
+                data = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    data += chunk
+                    if len(data) > MAX_TOKENIZER_BYTES:
+                        break
+            if len(data) > MAX_TOKENIZER_BYTES:
+                raise TokenizerError(f"the dataset's tokenizer is over {MAX_TOKENIZER_BYTES} bytes")
+            (folder / TOKENIZER_FILE).write_bytes(data)
+        tok = load_tokenizer(folder)  # checks tokenizer.json's sha256 against the manifest
+    return replace(tok, source=f"dataset {dataset}")
+
+
+def _tokenizer_for(run: RunConfig, given: HfTokenizer | None) -> HfTokenizer | None:
+    """The tokenizer to write with the run's model, checked against it: ``given``, else the
+    byte tokenizer for a LLaMA-style byte-level model; None for another architecture (refused
+    if one was given: only a ``transformers`` folder holds a tokenizer)."""
+    from node.compute.model import get_preset
+
+    cfg = get_preset(run.model)
+    if cfg.arch != "llama":
+        if given is not None:
+            raise CheckpointError(
+                f"only LLaMA-style models export to transformers with a tokenizer; this run's"
+                f" model is {cfg.arch!r}"
+            )
+        return None
+    tok = given if given is not None else byte_tokenizer() if cfg.vocab_size == 256 else None
+    if tok is not None:
+        check_tokenizer(tok, cfg)
+    return tok
+
+
+def _write_model(
+    data: bytes,
+    run: RunConfig,
+    run_id: str,
+    out: Path,
+    info: CheckpointInfo,
+    tokenizer: HfTokenizer | None = None,
+) -> str:
     """The verified checkpoint into ``out``: for a LLaMA-style model as a ``transformers``
     directory (``node.tools.hf``), else the file as it is; which of the two."""
     from safetensors.torch import load as load_safetensors
@@ -132,5 +218,5 @@ def _write_model(data: bytes, run: RunConfig, run_id: str, out: Path, info: Chec
         write_atomically(out / "model.safetensors", data)
         return "safetensors"
     meta = {"run_id": run_id, "round": str(info.round), "fingerprint": info.fingerprint}
-    write_hf(load_safetensors(data), cfg, out, meta)
+    write_hf(load_safetensors(data), cfg, out, meta, tokenizer)
     return "transformers"

@@ -6,15 +6,30 @@ rebuilds the model and generates. ``node.compute.llama`` already uses the Huggin
 (the rotate-half pairing of rotary positions, RMSNorm in fp32, SwiGLU, key/value heads repeated
 in groups), so the tensors are renamed, never transformed: the decoder's parameters take the
 ``model.`` prefix, a separate output head stays ``lm_head.weight``, and a tied head is left out
-(``tie_word_embeddings``). Nothing here imports ``transformers``: writing needs only safetensors.
+(``tie_word_embeddings``). Nothing here imports ``transformers``: writing needs only safetensors
+(and the ``tokenizers`` library for a tokenizer).
+
+With a tokenizer (``HfTokenizer``: ``load_tokenizer`` of a tokenizer.json or of a folder from
+``sparseloco data prepare``, or ``byte_tokenizer`` for the byte-level models) the folder also
+holds ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``, so
+``AutoTokenizer.from_pretrained(out)`` loads it, and ``config.json``/``generation_config.json``
+name the end-of-text id as ``eos_token_id``/``bos_token_id``. The byte tokenizer is exact: id b
+is byte b (a byte-level BPE without merges over GPT-2's byte-to-character table), so text
+encodes to its UTF-8 bytes and decodes back; ``\n`` (id 10) ends a document, as in the byte
+datasets. It names no ``eos_token`` string: ``\n`` is an ordinary token there, and making it a
+special one would strip newlines from decoded text and match the character that stands for it
+("Ċ") in input. A tokenizer whose vocabulary exceeds the model's is a ``TokenizerError``, raised
+before anything is written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +37,7 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from node.compute.model import ModelConfig
-from node.errors import CheckpointError
+from node.errors import CheckpointError, DataError
 
 #: Where ``LlamaForCausalLM`` keeps the decoder's parameters.
 PREFIX = "model."
@@ -65,19 +80,158 @@ def hf_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def write_hf(
-    tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, out: Path, metadata: dict[str, str]
+    tensors: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    out: Path,
+    metadata: dict[str, str],
+    tokenizer: HfTokenizer | None = None,
 ) -> list[Path]:
-    """Write ``config.json`` and ``model.safetensors`` for ``transformers`` into ``out``, each
-    atomically; the paths written. ``metadata`` goes into the safetensors header."""
-    config = (json.dumps(hf_config(cfg), indent=2) + "\n").encode()
+    """Write ``config.json`` and ``model.safetensors`` for ``transformers`` into ``out``, and the
+    tokenizer's files when one is given, each atomically; the paths written. ``metadata`` goes
+    into the safetensors header. Everything is checked before the first file is written."""
+    config = hf_config(cfg)
+    files: list[tuple[str, bytes]] = []
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, cfg)
+        files = tokenizer_files(tokenizer, cfg)
+        if tokenizer.eot_id is not None:
+            config |= {"bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id}
     weights = save_safetensors(hf_tensors(tensors), metadata={"format": "pt", **metadata})
+    files = [("model.safetensors", weights), *files, ("config.json", _json(config))]
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, data in (("model.safetensors", weights), ("config.json", config)):
+    for name, data in files:
         path = out / name
         write_atomically(path, data)
         written.append(path)
     return written
+
+
+class TokenizerError(DataError):
+    """The tokenizer cannot go with this model: unreadable, not the one the dataset was prepared
+    with, or a larger vocabulary than the model's."""
+
+
+@dataclass(frozen=True)
+class HfTokenizer:
+    """A ``tokenizers`` tokenizer as its ``tokenizer.json`` text, with what the other files say."""
+
+    json: str
+    #: Entries, added tokens included: the ids run from 0 to vocab_size - 1.
+    vocab_size: int
+    #: The id that ends a document (the model's eos/bos), None if unknown.
+    eot_id: int | None
+    #: ``<|endoftext|>`` when the tokenizer has it: tokenizer_config's eos/bos token.
+    eos_token: str | None
+    #: Where it came from, for messages.
+    source: str
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-to-character table (what the ``ByteLevel`` pre-tokenizer maps byte b to)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def byte_tokenizer() -> HfTokenizer:
+    """The tokenizer of the byte-level models: id b is byte b, ``\\n`` (10) ends a document."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: b for b, c in enumerate(_byte_chars())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return HfTokenizer(tok.to_str(), 256, ord("\n"), None, "bytes (ids 0-255)")
+
+
+def load_tokenizer(path: Path) -> HfTokenizer:
+    """The tokenizer in ``path``: a tokenizer.json, or a folder from ``sparseloco data prepare``
+    (its manifest.json names the kind, the end-of-text id and the sha256 of its tokenizer.json,
+    checked here); ``TokenizerError`` if it cannot be used."""
+    from node.tools.shards import DatasetManifest
+
+    if not path.is_dir():
+        return _parse(_read(path), None, str(path))
+    manifest_path, tok_path = path / "manifest.json", path / "tokenizer.json"
+    if not manifest_path.is_file():
+        if tok_path.is_file():
+            return _parse(_read(tok_path), None, str(tok_path))
+        raise TokenizerError(f"{path} holds neither manifest.json nor tokenizer.json")
+    try:
+        info = DatasetManifest.model_validate_json(_read(manifest_path)).tokenizer
+    except ValueError as exc:
+        raise TokenizerError(f"{manifest_path} is not a dataset manifest: {exc}") from exc
+    if info.kind == "bytes":
+        return byte_tokenizer()
+    data = _read(tok_path)
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != info.sha256:
+        raise TokenizerError(
+            f"{tok_path} has sha256 {actual}, the dataset's manifest says {info.sha256}: not the"
+            " tokenizer these shards were made with"
+        )
+    return _parse(data, info.eot_id, str(tok_path))
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise TokenizerError(f"cannot read tokenizer {path}: {exc.strerror or exc}") from exc
+
+
+def _parse(data: bytes, eot_id: int | None, source: str) -> HfTokenizer:
+    from tokenizers import Tokenizer
+
+    from node.tools.shards import EOT
+
+    try:
+        text = data.decode("utf-8")
+        tok = Tokenizer.from_str(text)
+    except Exception as exc:  # not UTF-8, or tokenizers refused it (it raises bare Exception)
+        raise TokenizerError(f"{source} is not a tokenizers tokenizer.json: {exc}") from exc
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    eos = EOT if tok.token_to_id(EOT) is not None else None
+    if eot_id is None:  # as ``sparseloco data prepare`` chose it
+        eot_id = tok.token_to_id(EOT) if eos else vocab_size - 1
+    return HfTokenizer(text, vocab_size, eot_id, eos, source)
+
+
+def check_tokenizer(tokenizer: HfTokenizer, cfg: ModelConfig) -> None:
+    """``TokenizerError`` unless every id of ``tokenizer`` is a row of the model's embedding."""
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise TokenizerError(
+            f"the tokenizer {tokenizer.source} has {tokenizer.vocab_size:,} entries, more than"
+            f" the model's vocabulary of {cfg.vocab_size:,} (ids from {cfg.vocab_size:,} up have"
+            " no embedding): give the tokenizer this run's data was prepared with"
+        )
+
+
+def tokenizer_files(tokenizer: HfTokenizer, cfg: ModelConfig) -> list[tuple[str, bytes]]:
+    """``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` and
+    ``generation_config.json`` as ``transformers`` reads them."""
+    special = {"bos_token": tokenizer.eos_token, "eos_token": tokenizer.eos_token}
+    special = {k: v for k, v in special.items() if v is not None}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg.ctx_len,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
+    files = [
+        ("tokenizer.json", tokenizer.json.encode()),
+        ("tokenizer_config.json", _json(config)),
+        ("special_tokens_map.json", _json(special)),
+    ]
+    if tokenizer.eot_id is not None:
+        ids = {k: tokenizer.eot_id for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        files.append(("generation_config.json", _json(ids)))
+    return files
+
+
+def _json(document: Mapping[str, Any]) -> bytes:
+    return (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode()
 
 
 def write_atomically(path: Path, data: bytes) -> None:

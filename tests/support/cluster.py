@@ -71,10 +71,11 @@ class Cluster:
             self.coordinator.kill()
 
     def start_node(
-        self, name: str, faults: str | None = None, attack: str | None = None
+        self, name: str, faults: str | None = None, attack: str | None = None, ranks: int = 1
     ) -> Process:
         """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS``, ``attack`` its
-        ``SPARSELOCO_ATTACK`` (``node.daemon.attacks``: a hostile node)."""
+        ``SPARSELOCO_ATTACK`` (``node.daemon.attacks``: a hostile node); ``ranks`` > 1: one
+        node of that many processes under torchrun."""
         env = {}
         if faults:
             env["SPARSELOCO_FAULTS"] = faults
@@ -88,6 +89,7 @@ class Cluster:
             self.root / "logs" / f"{name}.log",
             None,
             env or None,
+            ranks=ranks,
         )
         self.nodes[name] = proc
         return proc

@@ -95,6 +95,7 @@ class Harness:
             "token": "unit-test-token-" + node_id,
             "state_dir": self.state_dir(node_id),
             "threads": 1,
+            "device": "cpu",  # the same bytes on a machine with a GPU
             "eval_batches": 1,
             "eval_batch_size": 2,
             **settings,

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
+import node.compute.inner as inner_module
 import node.compute.worker as worker_module
 import node.daemon.pending as pending_module
 from node.compute.model import PRESETS, ModelConfig
@@ -86,12 +87,12 @@ def _registered(preset: str | None) -> Iterator[str]:
 @contextmanager
 def _no_training() -> Iterator[None]:
     """Inner steps that take no time and leave θ as it is: only the round's other work is left."""
-    real = worker_module.inner_step
-    worker_module.inner_step = lambda *args, **kwargs: 0.0
+    real = inner_module.inner_step
+    inner_module.inner_step = lambda *args, **kwargs: 0.0
     try:
         yield
     finally:
-        worker_module.inner_step = real
+        inner_module.inner_step = real
 
 
 def _timed(fn: Callable[[], T]) -> tuple[T, float]:

@@ -1,0 +1,97 @@
+"""How fast a node's inner steps run: tokens per second and model FLOPs utilisation (MFU).
+
+MFU is the model's FLOPs per second over the device's peak: 6 FLOPs per matrix parameter per
+token (forward and backward), plus the attention scores and their use, 12 · layers · d_model ·
+context per token (the PaLM paper's accounting, causal masking not discounted), over the
+device's dense bf16 peak. The embedding lookup is not a matrix product; a tied output head is
+(it is counted once, as the head).
+
+The peak comes from a small table by ``torch.cuda.get_device_name()`` (datasheet dense bf16
+numbers, without sparsity), or from ``SPARSELOCO_PEAK_FLOPS`` (FLOP/s, e.g. ``989e12``) for a
+device the table lacks or a clock it gets wrong. On the CPU, or on a GPU neither knows, MFU is
+None: a number against a guessed peak would mislead more than no number.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from node.compute.model import ModelConfig, param_count
+
+PEAK_ENV = "SPARSELOCO_PEAK_FLOPS"
+
+#: Dense bf16 FLOP/s (datasheets, without sparsity) by a word of the device name; the first
+#: match wins, so the more specific names come first ("NVIDIA H100 80GB HBM3", "NVIDIA
+#: A100-SXM4-80GB"). Word boundaries keep "L4" from matching an L40.
+PEAK_BF16: tuple[tuple[str, float], ...] = (
+    (r"H200 NVL", 835e12),
+    (r"H100 NVL", 835e12),
+    (r"H100 PCIe", 756e12),
+    (r"G?H200", 989e12),
+    (r"G?H100", 989e12),
+    (r"A100", 312e12),
+    (r"L40S", 362e12),
+    (r"L4", 121e12),
+)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of ``device`` in FLOP/s: the environment's, the table's, or None."""
+    override = os.environ.get(PEAK_ENV)
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            value = 0.0
+        if value > 0:
+            return value
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for pattern, peak in PEAK_BF16:
+        if re.search(rf"\b{pattern}\b", name):
+            return peak
+    return None
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token of ``cfg`` (forward and backward)."""
+    lookup = cfg.vocab_size * cfg.d_model if not cfg.tie_embeddings else 0
+    if cfg.arch == "gpt":
+        lookup += cfg.ctx_len * cfg.d_model  # learned positions: a lookup too
+    matrices = param_count(cfg) - lookup
+    attention = 12 * cfg.n_layers * cfg.d_model * cfg.ctx_len
+    return 6.0 * matrices + attention
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The inner steps' speed on one node: what a round's report carries."""
+
+    tokens_per_s: float
+    mfu: float | None
+
+    def log_fields(self) -> dict[str, str]:
+        """For the node's round line: ``tokens_per_s=12345 mfu=0.412`` (``-`` when unknown)."""
+        mfu = "-" if self.mfu is None else f"{self.mfu:.3f}"
+        return {"tokens_per_s": f"{self.tokens_per_s:.0f}", "mfu": mfu}
+
+
+class Meter:
+    """Turns (tokens, seconds) of a round's inner steps into a ``Throughput``."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+        self.flops_per_token = flops_per_token(cfg)
+        self.peak = peak_flops(device)
+
+    def measure(self, tokens: int, seconds: float) -> Throughput | None:
+        """The throughput of ``tokens`` trained in ``seconds``; None if nothing was timed."""
+        if tokens <= 0 or seconds <= 0:
+            return None
+        rate = tokens / seconds
+        mfu = None if self.peak is None else rate * self.flops_per_token / self.peak
+        return Throughput(tokens_per_s=rate, mfu=mfu)

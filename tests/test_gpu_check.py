@@ -1,0 +1,56 @@
+"""``tests/bench/gpu_check.py --smoke``: the GPU check script itself works, on the CPU.
+
+The check is meant for a machine with a GPU, where it runs rarely; its smoke mode runs every
+part of it here (the device codec against the CPU's on the ``tiny`` shapes, then a real run of
+three ``sparseloco node`` processes on ``llama_tiny``, all with ``--device cpu``) and writes the
+same JSON summary to ``$OUT``: every round closed with one fingerprint on every node, and every
+node's round reports carry its tokens/s (no MFU on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from support.harness import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "tests" / "bench" / "gpu_check.py"
+
+
+def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, OUT=str(out))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke"],
+        cwd=tmp_path,  # its run folder goes under runs/ here
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gpu_check: OK" in proc.stdout
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["ok"] and summary["codec"]["ok"] and summary["device"] == "cpu"
+    nodes = summary["nodes"]
+    assert nodes["ok"] and nodes["model"] == "llama_tiny" and nodes["failures"] == []
+    assert nodes["devices"] == ["cpu", "cpu", "cpu"]
+    names = ["node-0", "node-1", "node-2"]
+    assert [r["round"] for r in nodes["rounds"]] == [0, 1]
+    for entry in nodes["rounds"]:
+        assert sorted(entry["fingerprints"]) == names
+        assert len(set(entry["fingerprints"].values())) == 1
+        assert sorted(entry["throughput"]) == names
+        for speed in entry["throughput"].values():
+            assert speed["tokens_per_s"] > 0 and speed["mfu"] is None
+    for node in nodes["per_node"].values():
+        assert node["tokens_per_s"] > 0 and node["mfu"] is None
+    assert nodes["fallback"] is None
+    log = (out / "gpu_nodes-logs" / "node-0.log").read_text()  # the logs come back with it
+    assert "event=device device=cpu requested=cpu" in log
+    assert "event=trained node=node-0 round=1" in log and "tokens_per_s=" in log
+    assert not list((tmp_path / "runs").iterdir())  # its temporary run folder is gone
