@@ -31,7 +31,7 @@ from coordinator.errors import StartupError
 from node.cluster.seaweed import EmbeddedStore
 from node.compute.stream import RESIDENT, ShardStream
 from node.daemon.dataset import ShardFetcher
-from node.errors import Abandoned, DataError
+from node.errors import Abandoned, DataError, RetriesExhausted
 from node.tools.shards import prepare, upload
 from protocol.dataset import DatasetManifest, ShardInfo, dataset_key
 from protocol.runconfig import RunConfig, Timing
@@ -364,3 +364,42 @@ def test_a_late_joiner_streams_its_own_shards_and_export_ships_the_datasets_toke
     generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     decoded = tokenizer.decode(generated[0])
     assert isinstance(decoded, str) and decoded.startswith(text)
+
+
+class _Outage(_Transfers):
+    """The store fails ``failures`` downloads (as after exhausted retries), then serves."""
+
+    def __init__(self, source: Path, failures: int) -> None:
+        super().__init__(source)
+        self.gate.set()
+        self.failures = failures
+
+    async def get(self, url: str, *, size: int, sha256: str) -> bytes:
+        if self.failures:
+            self.failures -= 1
+            raise RetriesExhausted("download: connection refused after 5 attempts")
+        return await super().get(url, size=size, sha256=sha256)
+
+
+@pytest.mark.asyncio
+async def test_training_waits_out_a_store_outage_for_its_shard(
+    tmp_path: Path, bytes_dataset: tuple[Path, DatasetManifest], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard the node needs now cannot be had while the store is down: the compute thread
+    waits (fresh URLs each try) and trains on once it is back, instead of failing the node."""
+    import node.daemon.dataset as dataset_module
+
+    monkeypatch.setattr(dataset_module, "RETRY_MAX_S", 0.05)
+    root, manifest = bytes_dataset
+    transfers = _Outage(root, failures=3)
+    api: Any = _Api()
+    fetcher = ShardFetcher(
+        api, cast(Any, transfers), manifest, tmp_path, asyncio.get_running_loop(),
+        threading.Event(),
+    )  # fmt: skip
+    stream = ShardStream(tmp_path, manifest, ctx_len=64, fetch=fetcher)
+    loop = asyncio.get_running_loop()
+    x, _ = await loop.run_in_executor(
+        None, lambda: stream.train_batch(worker=0, n_workers=1, step=0, batch_size=2, seed=0)
+    )
+    assert transfers.failures == 0 and transfers.gets >= 1 and x.shape == (2, 64)

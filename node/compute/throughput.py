@@ -87,11 +87,15 @@ class Meter:
     def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
         self.flops_per_token = flops_per_token(cfg)
         self.peak = peak_flops(device)
+        #: Devices the inner steps run on (a torchrun node's processes): the peak is theirs.
+        self.devices = 1
 
     def measure(self, tokens: int, seconds: float) -> Throughput | None:
         """The throughput of ``tokens`` trained in ``seconds``; None if nothing was timed."""
         if tokens <= 0 or seconds <= 0:
             return None
         rate = tokens / seconds
-        mfu = None if self.peak is None else rate * self.flops_per_token / self.peak
+        mfu = (
+            None if self.peak is None else rate * self.flops_per_token / (self.peak * self.devices)
+        )
         return Throughput(tokens_per_s=rate, mfu=mfu)

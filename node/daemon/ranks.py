@@ -56,6 +56,7 @@ class RankZeroDaemon(NodeDaemon):
         # The worker exists from the join on; its inner loop leads the other ranks from the
         # first round it trains (the setup goes out then, with the run the coordinator sent).
         self.worker.inner = lead(self.worker.inner, self.ranks)
+        self.worker.meter.devices = self.ranks.world  # MFU against all the node's devices
         return super().train(round_, offset)
 
 
