@@ -25,6 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.messages import MAX_MANIFEST_BYTES
 from protocol.runconfig import DATASET_ID_PATTERN, canonical_json
 
 #: What a shard's file name inside a dataset folder looks like (no way out of the folder).
@@ -32,8 +33,6 @@ SHARD_NAME_PATTERN = r"^shards/[0-9]{5,9}\.bin$"
 #: The tokenizer file next to the shards of a BPE dataset.
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
-#: Most bytes a manifest may have (a million shards' entries fit easily).
-MAX_MANIFEST_BYTES = 256 << 20
 
 
 class ShardInfo(BaseModel):

@@ -354,6 +354,8 @@ class StatusView(Message):
     checkpoint: CheckpointInfo | None = None
 
 
+#: Most bytes of a dataset manifest (``protocol.dataset``).
+MAX_MANIFEST_BYTES = 256 << 20
 #: Most dataset files one request may ask for.
 MAX_DATASET_FILES = 64
 DatasetFileName = Annotated[
@@ -368,7 +370,9 @@ class DatasetView(Message):
 
     dataset: str
     manifest_url: str
-    manifest_size: int = Field(gt=0, description="bytes of the manifest (its canonical JSON)")
+    manifest_size: int = Field(
+        gt=0, le=MAX_MANIFEST_BYTES, description="bytes of the manifest (its canonical JSON)"
+    )
     expires_in_s: float
 
 

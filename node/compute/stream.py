@@ -63,6 +63,11 @@ def load_shard(path: Path, manifest: DatasetManifest, info: ShardInfo) -> np.nda
     ids = np.frombuffer(data, dtype=np.dtype(manifest.dtype).newbyteorder("<"))
     if ids.size != info.tokens:
         raise DataError(f"{path}: {ids.size} ids, the manifest says {info.tokens}")
+    if ids.size and int(ids.max()) >= manifest.tokenizer.vocab_size:
+        raise DataError(
+            f"{path} holds id {int(ids.max())}, outside the dataset's vocabulary of"
+            f" {manifest.tokenizer.vocab_size:,}: the dataset was not prepared consistently"
+        )
     return ids
 
 

@@ -135,6 +135,9 @@ class ShardFetcher:
     async def _download(self, batch: list[ShardInfo]) -> None:
         try:
             grant = await self.api.dataset_files([s.name for s in batch])
+            missing = [s.name for s in batch if s.name not in grant.urls]
+            if missing:  # retried like an outage: the next grant may be whole
+                raise TransferError(f"the coordinator sent no URL for {missing[0]}")
             await asyncio.gather(*(self._one(s, grant.urls[s.name]) for s in batch))
         finally:
             for s in batch:
