@@ -84,6 +84,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inner-lr", type=float, help="inner AdamW lr (default by algorithm)")
     p.add_argument("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)")
     p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--device",
+        help="where the workers' inner steps run: cpu (default), auto or cuda:N; θ, the codec"
+        " and the outer steps stay on the CPU",
+    )
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the result here")
     p.set_defaults(func=_cmd_simulate)
 
@@ -111,6 +116,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             "inner_lr",
             "outer_lr",
             "seed",
+            "device",
         )
     }
     cfg = build_config(args.preset, **options)

@@ -129,3 +129,18 @@ def test_console_script_writes_json(tmp_path: Path) -> None:
     assert set(res) >= REQUIRED
     assert res["config"]["data"] == str(data)
     assert res["config"]["rounds"] == 2
+
+
+def test_simulate_refuses_a_device_this_machine_lacks_before_training() -> None:
+    """``--device cuda:N`` on a machine torch sees no such GPU on: exit 2 with one line that
+    says what torch sees, not a traceback mid-run."""
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "sparseloco"), "simulate", "--algo", "sparseloco",
+         "--preset", "tiny", "--rounds", "1", "--device", missing],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"--device {missing}" in proc.stderr and "Traceback" not in proc.stderr

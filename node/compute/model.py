@@ -146,6 +146,14 @@ PRESETS: dict[str, ModelConfig] = {
         ffn_dim=512,
         ctx_len=256,
     ),
+    # ~0.95M with the same vocabulary: the H/k sweep on BPE shards (``bench sweep``).
+    "llama_bpe4k_1m": ModelConfig(
+        arch="llama", vocab_size=4096, d_model=128, n_layers=2, n_heads=2, ffn_dim=384, ctx_len=128
+    ),
+    # ~12.2M with the same vocabulary: a 30-minute comparison on a quiet 2-core CPU (estimated).
+    "llama_bpe4k_12m": ModelConfig(
+        arch="llama", vocab_size=4096, d_model=384, n_layers=6, n_heads=6, ffn_dim=1024, ctx_len=256
+    ),
     # ~520M, the class of the SparseLoCo paper's 512 M LLaMA runs (a 32,768-entry BPE vocabulary).
     "llama_512m": ModelConfig(
         arch="llama",

@@ -14,10 +14,11 @@ SparseLoCo goes through the real codec path (``encode`` -> bytes -> ``read_paylo
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,7 @@ from node.compute.data import open_corpus
 from node.compute.model import LanguageModel, build_model, count_parameters, evaluate, get_preset
 from node.compute.optim import InnerOptimConfig, inner_step, make_adamw
 from node.compute.outer import apply_aggregate, compress, feed_error, pseudo_gradient
+from node.compute.placement import resolve_device
 from node.compute.presets import get_run_preset
 from protocol.codec import read_payload
 from protocol.errors import Problem, config_error
@@ -66,6 +68,11 @@ class SimConfig(RunConfig):
     # Evaluation
     eval_batches: int = Field(16, ge=1)
     eval_batch_size: int = Field(16, ge=1)
+    #: Evaluate only before the first round and after the last (sweeps); False: every round.
+    eval_final_only: bool = False
+    #: Where the workers' inner steps run (``auto``, ``cpu``, ``cuda:N``). θ, the codec and the
+    #: outer steps stay on the CPU in fp32, as on a node; evaluation runs on the device.
+    device: str = "cpu"
 
     @model_validator(mode="before")
     @classmethod
@@ -120,6 +127,9 @@ class Simulation:
         )
         self.eval_set = self.corpus.eval_batches(cfg.eval_batches, cfg.eval_batch_size)
         self.global_model = build_model(self.model_cfg, seed=cfg.seed)
+        self.device = resolve_device(cfg.device)
+        #: A device copy of θ for evaluation (None on the CPU: θ's own model is used).
+        self.eval_model: LanguageModel | None = None
         self.optim_cfg = cfg.inner_optim()
         self.progress = progress
         self.curve: list[list[float]] = []
@@ -127,6 +137,20 @@ class Simulation:
 
     def params(self, model: LanguageModel) -> dict[str, torch.Tensor]:
         return {n: p.data for n, p in model.named_parameters()}
+
+    def host_params(self, model: LanguageModel) -> dict[str, torch.Tensor]:
+        """A worker's parameters on the CPU (the same tensors when it trains there)."""
+        return {n: p.data.to("cpu") for n, p in model.named_parameters()}
+
+    def evaluate(self) -> float:
+        """The held-out loss of θ, on the training device."""
+        model = self.global_model
+        if next(model.parameters()).device != self.device:
+            if self.eval_model is None:
+                self.eval_model = copy.deepcopy(model).to(self.device)
+            _sync([(self.eval_model, None)], self.params(model))
+            model = self.eval_model
+        return evaluate(model, self.eval_set)
 
     def batch(self, worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.corpus.train_batch(
@@ -137,11 +161,13 @@ class Simulation:
             seed=self.cfg.seed,
         )
 
-    def record(self, round_: int, train_loss: float | None) -> float:
-        loss = evaluate(self.global_model, self.eval_set)
-        self.curve.append([round_, loss])
+    def record(self, round_: int, train_loss: float | None) -> float | None:
         if train_loss is not None:
             self.train_curve.append([round_, train_loss])
+        if self.cfg.eval_final_only and 0 < round_ < self.cfg.rounds:
+            return None
+        loss = self.evaluate()
+        self.curve.append([round_, loss])
         if self.progress:
             self.progress(round_, loss)
         return loss
@@ -161,12 +187,12 @@ class Simulation:
     def replicas(self) -> list[Replica]:
         out: list[Replica] = []
         for _ in range(self.cfg.workers):
-            m = build_model(self.model_cfg, seed=self.cfg.seed)
+            m = build_model(self.model_cfg, seed=self.cfg.seed).to(self.device)
             out.append((m, make_adamw(m, self.optim_cfg)))
         return out
 
 
-def _sync(workers: list[Replica], theta: dict[str, torch.Tensor]) -> None:
+def _sync(workers: Sequence[tuple[LanguageModel, Any]], theta: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for model, _ in workers:
             for n, p in model.named_parameters():
@@ -191,7 +217,7 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
         train_loss = sim.train_workers(workers, r)
         payloads, recons = {}, []
         for w, (model, _) in enumerate(workers):
-            delta = pseudo_gradient(theta, sim.params(model))
+            delta = pseudo_gradient(theta, sim.host_params(model))
             if offsets[w] is not None:
                 for n, d in delta.items():
                     d.sub_(offsets[w][n])  # type: ignore[index]
@@ -250,8 +276,9 @@ def run_diloco(sim: Simulation) -> dict[str, Any]:
     for r in range(cfg.rounds):
         _sync(workers, theta)
         train_loss = sim.train_workers(workers, r)
+        trained = [sim.host_params(m) for m, _ in workers]
         for n, p in sim.global_model.named_parameters():
-            deltas = [theta[n] - dict(m.named_parameters())[n].detach() for m, _ in workers]
+            deltas = [theta[n] - t[n] for t in trained]
             p.grad = torch.stack(deltas).mean(0)
         outer.step()
         outer.zero_grad(set_to_none=True)
@@ -261,7 +288,7 @@ def run_diloco(sim: Simulation) -> dict[str, Any]:
 
 def run_ddp(sim: Simulation) -> dict[str, Any]:
     cfg = sim.cfg
-    model = sim.global_model
+    model = sim.global_model.to(sim.device)  # DDP's one model is θ: it lives on the device
     opt = make_adamw(model, sim.optim_cfg)
     H = cfg.inner_steps
     sim.record(0, None)
@@ -305,7 +332,7 @@ def simulate(
         "tokens_per_worker": tokens,
         "parameters": count_parameters(sim.global_model),
         "wall_seconds": wall,
-        "final_fingerprint": fingerprint(sim.params(sim.global_model)),
+        "final_fingerprint": fingerprint(sim.host_params(sim.global_model)),
         "config": {
             **cfg.model_dump(),
             "inner_lr": cfg.resolved_inner_lr,

@@ -7,7 +7,8 @@ pass/fail).
 - ``round``: where a networked round's time goes (``round_bench``, runs ``up``);
 - ``overlap``: utilisation on capped links with and without overlap (``utilisation``);
 - ``coordinator``: the coordinator under N simulated nodes (``coordinator_load``);
-- ``project``: round time and utilisation projected to 1-70 B parameters (``projection``).
+- ``project``: round time and utilisation projected to 1-70 B parameters (``projection``);
+- ``sweep``: SparseLoCo's loss over H and k at equal tokens (``sweep``).
 
 Each module is imported only when its command runs, so ``--help`` stays fast.
 """
@@ -22,7 +23,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     bench = p.add_subparsers(
         dest="bench",
         required=True,
-        metavar="{codec,quality,robust,round,overlap,coordinator,project}",
+        metavar="{codec,quality,robust,round,overlap,coordinator,project,sweep}",
     )
     c = bench.add_parser("codec", help="payload size, encode and decode+aggregate speed, memory")
     c.add_argument("--preset", default="base", help="model whose shapes are encoded")
@@ -86,6 +87,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
     j = bench.add_parser("project", help="round time and utilisation at 1-70 B, projected")
     add_flags(j).set_defaults(func=_cmd_bench_project)
+    from node.research.bench import sweep
+
+    w = bench.add_parser("sweep", help="SparseLoCo's loss over H and k at equal tokens")
+    sweep.add_flags(w).set_defaults(func=_cmd_bench_sweep)
 
 
 def _cmd_bench_codec(args: argparse.Namespace) -> int:
@@ -158,5 +163,11 @@ def _cmd_bench_coordinator(args: argparse.Namespace) -> int:
 
 def _cmd_bench_project(args: argparse.Namespace) -> int:
     from node.research.bench.projection import run
+
+    return run(args)
+
+
+def _cmd_bench_sweep(args: argparse.Namespace) -> int:
+    from node.research.bench.sweep import run
 
     return run(args)
