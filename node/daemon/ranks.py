@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from collections.abc import Mapping
 from types import FrameType
 from typing import Any
@@ -63,12 +64,23 @@ class RankZeroDaemon(NodeDaemon):
 def run_ranks(settings: NodeSettings) -> int:
     """This process's part of a torchrun node: the daemon on rank 0, a follower elsewhere."""
     ranks = Ranks.from_env()
-    try:
-        if ranks.rank == 0:
+    if ranks.rank == 0:
+        try:
             return _lead(settings, ranks)
-        return _follow(settings, ranks)
-    finally:
+        finally:
+            ranks.close()
+    try:
+        code = _follow(settings, ranks)
+    except BaseException:
         ranks.close()
+        raise
+    # Told to stop, a follower has nothing to save (rank 0 owns all state). Tearing down its
+    # gloo groups while rank 0 tears down its own and exits can abort the process
+    # (std::terminate, seen in CI: torchrun then calls the node failed), so it leaves at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _lead(settings: NodeSettings, ranks: Ranks) -> int:
