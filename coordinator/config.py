@@ -96,7 +96,9 @@ class StorageConfig(_Section):
     access_key: str = Field(min_length=1)
     secret_key: str = Field(min_length=1)
     max_payload_bytes: int = Field(268435456, ge=1)
-    #: Largest checkpoint (safetensors file) a node may upload.
+    #: Largest checkpoint (safetensors file) a node may upload. The coordinator streams each one
+    #: back to verify it (``coordinator.verify``: one chunk in memory at a time), so this bounds
+    #: the download and its time, not the coordinator's memory.
     max_checkpoint_bytes: int = Field(16 * 1024**3, ge=1)
 
 

@@ -92,8 +92,9 @@ class RoundMachine:
         stored = self.db.get_meta("run_id")
         if stored is not None and stored != self.run_id:
             raise ConfigError(
-                f"state dir {self.db.path.parent} belongs to run {stored}, not {self.run_id};"
-                " use a new --state-dir or the same config"
+                f"state dir {self.db.path.parent} belongs to run {stored}, not {self.run_id}"
+                " (another config, or a run of another sparseloco protocol version, which"
+                " cannot be continued); use a new --state-dir or the same config"
             )
         with self.db.tx():
             if stored is None:

@@ -3,9 +3,11 @@
 The coordinator never moves payloads itself. It presigns a PUT that only accepts the announced
 size and sha256 and only once (``If-None-Match: *``), presigns GETs, checks uploads with HEAD,
 writes the signed manifests and checkpoint sidecars, and deletes what the retention policy no
-longer needs. The one object it reads back is an uploaded checkpoint, to verify it before it is
-committed (``get_bytes``, bounded by the caller's size limit). boto3 is blocking, so every call
-that talks to the network runs in a thread executor; presigning is local computation.
+longer needs. The objects it reads back are an uploaded checkpoint, to verify it before it is
+committed (``read_chunks``: streamed in bounded chunks to a consumer, never held whole), and a
+dataset's small manifest (``get_bytes``); both are bounded by the caller's size limit. boto3 is
+blocking, so every call that talks to the network runs in a thread executor; presigning is local
+computation.
 
 The HEAD that checks every submission is the exception: through boto3 it cost about three
 times the CPU of a presigned HEAD sent with aiohttp on the event loop (botocore builds, signs and
@@ -55,6 +57,8 @@ HEAD_RETRY_S = 0.2
 _HEAD_TRANSIENT = frozenset({429, 500, 502, 503, 504})
 #: Seconds a HEAD's presigned URL is valid (it is sent at once).
 HEAD_EXPIRY_S = 60
+#: Bytes ``read_chunks`` hands its consumer at a time (its memory, whatever the object's size).
+READ_CHUNK = 1 << 20
 #: The key the presigner is checked against boto3 with (characters a key may hold).
 PROBE_KEY = "presign-check/run 1/00000/node_a-~+%.bin"
 
@@ -86,6 +90,20 @@ class ObjectStore(Protocol):
     async def get_bytes(self, key: str, max_size: int) -> bytes | None:
         """The whole object at ``key``, ``None`` if it does not exist; ``TooLarge`` (and no more
         than ``max_size + 1`` bytes read) if it holds more than ``max_size`` bytes."""
+        ...
+
+    async def read_chunks(
+        self,
+        key: str,
+        max_size: int,
+        consume: Callable[[bytes], None],
+        *,
+        chunk_bytes: int = READ_CHUNK,
+    ) -> bool:
+        """Stream the object at ``key`` to ``consume``, in order, in pieces of at most
+        ``chunk_bytes``, off the event loop (``consume`` runs on that thread too); False if it
+        does not exist. ``TooLarge`` (and no more than ``max_size + 1`` bytes read) if it holds
+        more than ``max_size`` bytes; an exception of ``consume`` ends the read and propagates."""
         ...
 
     async def delete_keys(self, keys: list[str]) -> int:
@@ -271,6 +289,39 @@ class S3Store:
                 return None
             raise
         return result
+
+    async def read_chunks(
+        self,
+        key: str,
+        max_size: int,
+        consume: Callable[[bytes], None],
+        *,
+        chunk_bytes: int = READ_CHUNK,
+    ) -> bool:
+        def read() -> None:
+            resp = self._client.get_object(Bucket=self.bucket, Key=key)
+            body = resp["Body"]
+            try:
+                if int(resp.get("ContentLength", 0)) > max_size:
+                    raise TooLarge(f"{key} holds more than {max_size} bytes", "size")
+                seen = 0
+                # One byte past the limit is enough to know: a store that sends more than its
+                # Content-Length said cannot make us read (or hash) more than that.
+                while chunk := body.read(min(chunk_bytes, max_size + 1 - seen)):
+                    seen += len(chunk)
+                    if seen > max_size:
+                        raise TooLarge(f"{key} holds more than {max_size} bytes", "size")
+                    consume(chunk)
+            finally:
+                body.close()
+
+        try:
+            await self._run(f"get {key}", read)
+        except StorageError as exc:
+            if exc.code in NOT_FOUND:
+                return False
+            raise
+        return True
 
     async def put_bytes(self, key: str, data: bytes) -> None:
         await self._call(

@@ -24,6 +24,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from node.research.bench.cli import add_bench
 from node.tools.commands import (
@@ -34,7 +35,7 @@ from node.tools.commands import (
     connection_flags,
     connection_values,
 )
-from protocol.errors import Problem, SparseLoCoError, config_error
+from protocol.errors import ConfigError, Problem, SparseLoCoError, config_error
 from protocol.version import version_line
 
 log = logging.getLogger("sparseloco")
@@ -170,8 +171,27 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
         help="where the nodes' inner steps run: cpu (the default), auto or cuda:N for all, or a"
         " list the nodes take in turn, e.g. cuda:0,cuda:0,cpu",
     )
+    p.add_argument(
+        "--ranks",
+        default="1",
+        help="processes per node, under torchrun (default 1): one count for all, or a list the"
+        " nodes take in turn, e.g. 1,2,4; each node shards its model state over its processes",
+    )
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the summary here")
     p.set_defaults(func=_cmd_up)
+
+
+def _check_ranks(cfg: Any) -> None:
+    """Every process of a node trains on rows of each batch: no more processes than rows."""
+    from node.compute.presets import get_run_preset
+
+    batch = get_run_preset(cfg.preset).batch_size
+    most = max(cfg.node_ranks(i) for i in range(cfg.nodes))
+    if most > batch:
+        raise ConfigError(
+            f"--ranks {cfg.ranks}: a node of {most} processes needs a batch of at least {most}"
+            f" rows, and preset {cfg.preset!r} has {batch}; use --ranks {batch} or fewer"
+        )
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -193,9 +213,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
             upload_limit=args.upload_limit,
             download_limit=args.download_limit,
             device=args.device,
+            ranks=args.ranks,
         )
     except ValidationError as exc:
         raise config_error(exc, _flag) from exc
+    _check_ranks(cfg)
     if any(cfg.node_device(i).startswith("cuda") for i in range(cfg.nodes)):
         from node.compute.placement import resolve_device
 

@@ -5,9 +5,21 @@ Public API (used by the node, the benchmarks and outside checks; names and meani
 - ``encode(tensors, *, topk=64, tile=64)`` compresses every tensor and returns the payload bytes
   together with the dense fp32 reconstruction of what was sent (the caller subtracts it from its
   error-feedback buffer).
+- ``encode_records(tensors, ...)`` and ``assemble(records, ...)`` are ``encode`` in two steps,
+  for a node of several processes: each rank encodes its own tensors' records (shipped to rank
+  0 with ``protocol.envelope.records_to_bytes``), rank 0 assembles them into the payload, the
+  same bytes ``encode`` of all the tensors gives.
 - ``decode(data, shapes)`` returns that same reconstruction, bit for bit, from the bytes.
-- ``read_payload(data, shapes)`` validates a payload completely and returns it in sparse form
-  (``SparseTensor`` per tensor) for aggregation without densifying each peer.
+- ``read_payload(data, shapes, only=...)``, ``read_payload_file`` and ``read_payload_ranges``
+  validate a payload and return it in sparse form (``SparseTensor`` per tensor) for aggregation
+  without densifying each peer; with ``only``, the header is checked against the whole model
+  but only those tensors' records are read (``protocol.payload_reader``).
+- ``payload_base(data, shapes)`` is the header's ``base``; ``header_limit(shapes)`` the largest
+  header a valid payload for the model has.
+
+Each record's 2-bit codes go out raw or as one zstd frame, whichever is shorter
+(``protocol.envelope.store_codes``, decided where the record is encoded, so ``assemble`` and
+the device encoder give the same bytes); readers decompress only the records they read.
 
 Every malformed input raises ``PayloadError`` naming the field. Validation happens before any
 allocation that depends on the payload's own claims: sizes are checked against limits derived
@@ -20,9 +32,7 @@ selection and the index decoding run as compiled loops (``protocol.kernels``).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -35,113 +45,41 @@ from protocol.envelope import (
     Envelope,
     TensorRecord,
     pack_envelope,
-    unpack_envelope,
 )
-from protocol.errors import CodecError, PayloadError
-from protocol.indexcode import check_index, decode_flat_index, encode_positions
-from protocol.quantize import (
-    STATS_SIZE,
-    codes_canonical,
-    count_codes,
-    dequant_table,
-    pack_codes,
-    quantize,
-    unpack_codes,
-    unpack_stats,
+from protocol.errors import CodecError
+from protocol.indexcode import encode_positions
+from protocol.payload_reader import (
+    _LazyTensors,
+    header_limit,
+    payload_base,
+    read_payload,
+    read_payload_file,
+    read_payload_ranges,
 )
+from protocol.quantize import pack_codes, quantize
+from protocol.sparse import Payload, SparseTensor
 from protocol.tiles import TileGeometry, check_codec_params
+
+__all__ = [
+    "DEFAULT_TILE",
+    "DEFAULT_TOPK",
+    "Payload",
+    "SparseTensor",
+    "_LazyTensors",
+    "assemble",
+    "decode",
+    "encode",
+    "encode_records",
+    "encode_tensor",
+    "header_limit",
+    "payload_base",
+    "read_payload",
+    "read_payload_file",
+    "read_payload_ranges",
+]
 
 DEFAULT_TOPK = 64
 DEFAULT_TILE = 64
-
-
-@dataclass(frozen=True)
-class SparseTensor:
-    """One tensor of a decoded payload: where its kept values are, their codes, the value table.
-
-    ``index`` holds the row-major indices into the flattened tensor, in the payload's order
-    (tile by tile, ascending position inside each tile): exactly what aggregation scatters to.
-    """
-
-    name: str
-    geometry: TileGeometry
-    index: torch.Tensor  # (n_tiles * k,) int32 (int64 for tensors of 2**31 elements or more)
-    codes: torch.Tensor  # (n_tiles * k,) uint8 in [0, 3]
-    table: torch.Tensor  # (4,) fp32: the dequantised value of each code
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """Kept positions inside each tile, ``(n_tiles, k)`` ascending (int64)."""
-        g = self.geometry
-        idx = self.index.to(torch.int64)
-        row, col = idx // g.cols, idx % g.cols
-        return ((row % g.h) * g.w + col % g.w).view(g.n_tiles, g.k)
-
-    def values(self) -> torch.Tensor:
-        """The dequantised kept values, in the order of ``index``."""
-        return self.table[self.codes.to(torch.int64)]
-
-    def code_counts(self) -> list[int]:
-        """How many kept values carry each of the four codes."""
-        # A compiled count (nogil): torch's bincount cost about 50x more here.
-        return [int(c) for c in count_codes(self.codes.numpy())]
-
-    def sq_norm(self) -> float:
-        """Exact squared L2 norm of the dequantised tensor, computed the same way everywhere.
-
-        A tensor holds only four distinct values, so the norm is a four-term sum in float64:
-        independent of thread count, SIMD width and summation order.
-        """
-        table = [float(v) for v in self.table]
-        return math.fsum(n * v * v for n, v in zip(self.code_counts(), table, strict=True))
-
-    def dense(self) -> torch.Tensor:
-        """The dense fp32 tensor this sparse tensor stands for."""
-        out = torch.zeros(self.geometry.numel, dtype=torch.float32)
-        out[self.index.to(torch.int64)] = self.values()
-        return out.view(self.geometry.shape)
-
-
-@dataclass(frozen=True)
-class Payload:
-    """A validated payload: its header fields and every tensor in sparse form.
-
-    ``tensors`` is a plain dict, or (``read_payload(..., lazy=True)``) a mapping that decodes a
-    tensor each time it is looked up, so a consumer going tensor by tensor holds one decoded
-    tensor per payload at a time.
-    """
-
-    run_id: str
-    round: int
-    node_id: str
-    base: str
-    tile: int
-    topk: int
-    tensors: Mapping[str, SparseTensor]
-
-
-class _LazyTensors(Mapping[str, SparseTensor]):
-    """The tensors of an already fully validated payload, decoded on each lookup (not kept)."""
-
-    def __init__(self, env: Envelope, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        self._env = env
-        self._shapes = shapes
-        self._where = {rec.name: i for i, rec in enumerate(env.tensors)}
-
-    def __getitem__(self, name: str) -> SparseTensor:
-        i = self._where[name]
-        rec = self._env.tensors[i]
-        return _decode_record(rec, self._env, tuple(self._shapes[name]), f"tensors[{i}]")
-
-    def record(self, name: str) -> TensorRecord:
-        """The validated record of tensor ``name`` (for decoders elsewhere, e.g. on a GPU)."""
-        return self._env.tensors[self._where[name]]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -182,7 +120,7 @@ def encode_tensor(
     kernels.fill_dense(recon_np, pos_np, q.codes.numpy(), q.table().numpy(), g.h, g.w)
     recon = torch.from_numpy(recon_np).view(g.shape)
     rice_bits, unary, rem = encode_positions(positions)
-    record = TensorRecord(
+    record = TensorRecord.of(
         name, g.shape, rice_bits, q.stats_bytes(), pack_codes(q.codes), unary, rem
     )
     return record, recon
@@ -195,6 +133,50 @@ def _check_header(*, run_id: object, round: object, node_id: object, base: objec
             raise CodecError(f"{field} must be a str of at most {MAX_TEXT} characters")
     if isinstance(round, bool) or not isinstance(round, int) or not 0 <= round <= MAX_ROUND:
         raise CodecError(f"round must be an int in [0, {MAX_ROUND}], got {round!r}")
+
+
+def encode_records(
+    tensors: Mapping[str, torch.Tensor], *, topk: int = DEFAULT_TOPK, tile: int = DEFAULT_TILE
+) -> tuple[list[TensorRecord], dict[str, torch.Tensor]]:
+    """Compress each tensor of ``tensors`` into its record, in sorted name order.
+
+    Returns ``(records, reconstruction)``; ``assemble`` turns records (these, or the union of
+    several ranks' disjoint sets) into the payload. Raises ``CodecError`` for non-finite values,
+    bad ``topk``/``tile``, or names and shapes the format cannot carry.
+    """
+    check_codec_params(topk, tile)
+    records, recon = [], {}
+    for name in sorted(tensors):
+        x = tensors[name]
+        if not isinstance(x, torch.Tensor) or x.is_complex() or not x.is_floating_point():
+            raise CodecError(f"tensor {name!r} must be a real floating-point torch.Tensor")
+        if not isinstance(name, str) or len(name) > MAX_TEXT or x.dim() > MAX_DIMS:
+            raise CodecError(
+                f"tensor {name!r}: names must be str of at most {MAX_TEXT} "
+                f"characters and tensors have at most {MAX_DIMS} dimensions"
+            )
+        geometry = TileGeometry.of(tuple(x.shape), topk=topk, tile=tile)
+        record, recon[name] = encode_tensor(x.cpu(), geometry, name)
+        records.append(record)
+    return records, recon
+
+
+def assemble(
+    records: Iterable[TensorRecord],
+    *,
+    topk: int = DEFAULT_TOPK,
+    tile: int = DEFAULT_TILE,
+    run_id: str = "",
+    round: int = 0,
+    node_id: str = "",
+    base: str = "",
+) -> bytes:
+    """The payload of ``records`` (every tensor of the model, in any order, each once) with
+    these header fields. Raises ``CodecError`` for a repeated name or a bad header field."""
+    check_codec_params(topk, tile)
+    _check_header(run_id=run_id, round=round, node_id=node_id, base=base)
+    ordered = tuple(sorted(records, key=lambda r: r.name))
+    return pack_envelope(Envelope(run_id, round, node_id, base, tile, topk, ordered))
 
 
 def encode(
@@ -215,136 +197,15 @@ def encode(
     parameters trained from) go into the header. Raises ``CodecError`` for non-finite values or
     bad ``topk``/``tile``.
     """
-    check_codec_params(topk, tile)
-    _check_header(run_id=run_id, round=round, node_id=node_id, base=base)
-    records, recon = [], {}
-    for name in sorted(tensors):
-        x = tensors[name]
-        if not isinstance(x, torch.Tensor) or x.is_complex() or not x.is_floating_point():
-            raise CodecError(f"tensor {name!r} must be a real floating-point torch.Tensor")
-        if not isinstance(name, str) or len(name) > MAX_TEXT or x.dim() > MAX_DIMS:
-            raise CodecError(
-                f"tensor {name!r}: names must be str of at most {MAX_TEXT} "
-                f"characters and tensors have at most {MAX_DIMS} dimensions"
-            )
-        geometry = TileGeometry.of(tuple(x.shape), topk=topk, tile=tile)
-        record, recon[name] = encode_tensor(x.cpu(), geometry, name)
-        records.append(record)
-    env = Envelope(run_id, round, node_id, base, tile, topk, tuple(records))
-    return pack_envelope(env), recon
+    _check_header(run_id=run_id, round=round, node_id=node_id, base=base)  # before the work
+    records, recon = encode_records(tensors, topk=topk, tile=tile)
+    payload = assemble(
+        records, topk=topk, tile=tile, run_id=run_id, round=round, node_id=node_id, base=base
+    )
+    return payload, recon
 
 
 # --------------------------------------------------------------------------- decoding
-
-
-def body_limit(shapes: Mapping[str, tuple[int, ...]]) -> int:
-    """Largest body a valid payload for ``shapes`` can need: about one byte per parameter.
-
-    Positions cost at most ~1.1 bits and codes 2 bits per parameter even at k = tile size, so a
-    byte per parameter plus fixed overhead per tensor is generous and still bounded.
-    """
-    return 4096 + sum(1024 + math.prod(s) for s in shapes.values())
-
-
-def _checked_record(
-    rec: TensorRecord, env: Envelope, shape: tuple[int, ...], field: str
-) -> tuple[TileGeometry, torch.Tensor]:
-    """The record's geometry and value table, after checking its shape, stats and codes."""
-    if rec.shape != tuple(shape):
-        raise PayloadError(
-            f"{field}.shape", f"{list(rec.shape)} differs from the model's {list(shape)}"
-        )
-    geometry = TileGeometry.of(rec.shape, topk=env.topk, tile=env.tile)
-    if len(rec.stats) != STATS_SIZE:
-        raise PayloadError(f"{field}.stats", f"expected {STATS_SIZE} bytes, got {len(rec.stats)}")
-    shift, levels = unpack_stats(rec.stats)
-    table = dequant_table(shift, levels)
-    if not all(map(math.isfinite, (shift, *levels, *table.tolist()))):
-        raise PayloadError(f"{field}.stats", "shift, levels and their sums must be finite")
-    if not codes_canonical(rec.codes, geometry.n_kept):
-        raise PayloadError(
-            f"{field}.codes",
-            f"expected {(geometry.n_kept + 3) // 4} bytes with zero padding, got {len(rec.codes)}",
-        )
-    return geometry, table
-
-
-def _check_record(rec: TensorRecord, env: Envelope, shape: tuple[int, ...], field: str) -> None:
-    """Every check ``_decode_record`` makes, without materialising indices or codes."""
-    geometry, _ = _checked_record(rec, env, shape, field)
-    check_index(rec.rice_bits, rec.unary, rec.remainders, geometry=geometry, field=field)
-
-
-def _decode_record(
-    rec: TensorRecord, env: Envelope, shape: tuple[int, ...], field: str
-) -> SparseTensor:
-    geometry, table = _checked_record(rec, env, shape, field)
-    codes = unpack_codes(rec.codes, geometry.n_kept)
-    if codes is None:  # pragma: no cover - _checked_record refused it already
-        raise PayloadError(f"{field}.codes", "not canonical")
-    # int32 indices keep G decoded peers small while they wait for aggregation.
-    index = decode_flat_index(
-        rec.rice_bits, rec.unary, rec.remainders, geometry=geometry, field=field
-    )
-    return SparseTensor(rec.name, geometry, index, torch.from_numpy(codes), table)
-
-
-def read_payload(
-    data: bytes,
-    shapes: Mapping[str, tuple[int, ...]],
-    *,
-    topk: int | None = None,
-    tile: int | None = None,
-    lazy: bool = False,
-) -> Payload:
-    """Validate ``data`` completely against the model's ``shapes`` and return it sparse.
-
-    ``topk`` and ``tile``, when given, must match the payload's codec parameters (a run fixes
-    them). Raises ``PayloadError`` naming the field for anything malformed.
-
-    With ``lazy``, every tensor is checked here completely (the index streams are walked with
-    every rule of the decoder, but nothing is materialised) and decoded once, on lookup in
-    ``tensors``. Aggregating G peers tensor by tensor then holds the G payloads' bytes and one
-    decoded tensor per peer, never G decoded models, and validation still completes before the
-    caller applies anything.
-    """
-    env = unpack_envelope(data, max_body=body_limit(shapes))
-    try:
-        check_codec_params(env.topk, env.tile)
-    except CodecError as exc:
-        field = "body.topk" if str(exc).startswith("topk") else "body.tile"
-        raise PayloadError(field, str(exc)) from exc
-    if topk is not None and env.topk != topk:
-        raise PayloadError("body.topk", f"payload uses k={env.topk}, the run uses {topk}")
-    if tile is not None and env.tile != tile:
-        raise PayloadError("body.tile", f"payload uses tile={env.tile}, the run uses {tile}")
-    names = [r.name for r in env.tensors]
-    expected = sorted(shapes)
-    if names != expected:
-        missing = sorted(set(expected) - set(names))
-        extra = sorted(set(names) - set(expected))
-        detail = (
-            f"missing {missing[:3]}, unexpected {extra[:3]}"
-            if missing or extra
-            else ("not in sorted order or repeated")
-        )
-        raise PayloadError("body.tensors", f"tensor names do not match the model: {detail}")
-    if lazy:
-        kernels.map_threads(
-            lambda i: _check_record(
-                env.tensors[i], env, tuple(shapes[env.tensors[i].name]), f"tensors[{i}]"
-            ),
-            range(len(env.tensors)),
-        )
-        lazy_tensors = _LazyTensors(env, shapes)
-        return Payload(
-            env.run_id, env.round, env.node_id, env.base, env.tile, env.topk, lazy_tensors
-        )
-    tensors = {
-        rec.name: _decode_record(rec, env, tuple(shapes[rec.name]), f"tensors[{i}]")
-        for i, rec in enumerate(env.tensors)
-    }
-    return Payload(env.run_id, env.round, env.node_id, env.base, env.tile, env.topk, tensors)
 
 
 def decode(data: bytes, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

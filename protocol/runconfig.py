@@ -17,6 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+#: What nodes exchange, as one version: 2 is payload format 2 (``protocol/FORMAT.md``) with
+#: fingerprint version 2 (``protocol.fingerprint``). Part of the run id (``RunConfig.canonical``).
+PROTOCOL = 2
 #: Hex digits of the sha256 of the canonical config kept as the run id.
 RUN_ID_HEX = 16
 #: A dataset id: the sha256 of a prepared dataset's canonical manifest (``protocol.dataset``).
@@ -132,10 +135,13 @@ class RunConfig(BaseModel):
     def canonical(self) -> bytes:
         """The config as canonical JSON bytes (sorted keys, no spaces): what the run id hashes.
 
-        ``overlap`` was a boolean before its variants existed; "off" and "delayed" are written
-        as that boolean still, so a run that does not use "eager" keeps the id it had then; a
-        run without a ``dataset`` leaves the key out, for the same reason."""
+        ``protocol`` (``PROTOCOL``) is in it: nodes of different protocol versions cannot train
+        together, so a run of another version has another id, and a coordinator database or a
+        node's state of it is refused at start rather than failing later. ``overlap`` was a
+        boolean before its variants existed; "off" and "delayed" are written as that boolean
+        still; a run without a ``dataset`` leaves the key out."""
         document = self.model_dump(mode="json")
+        document["protocol"] = PROTOCOL
         if document["overlap"] in ("off", "delayed"):
             document["overlap"] = document["overlap"] == "delayed"
         if document["dataset"] is None:

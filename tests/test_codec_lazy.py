@@ -2,7 +2,8 @@
 
 The node reads every gathered payload lazily so a round (or a long catch-up) holds one decoded
 tensor per peer at a time. That must change nothing: the same tensors, the same aggregate to
-the bit, and a malformed last tensor still rejected before anything is applied.
+the bit, and a malformed last tensor (a bad zstd frame of codes included) still rejected before
+anything is applied; a zstd frame is decompressed once, while checking, and kept raw.
 """
 
 from __future__ import annotations
@@ -13,7 +14,20 @@ import torch
 from node.compute.outer import apply_aggregate
 from protocol.codec import encode, read_payload
 from protocol.errors import PayloadError
-from support.malformed_fixtures import BODY, ENCODED, MODEL, TILE, TOPK, mutated, set_field
+from support import reference_codec as ref
+from support.malformed_fixtures import (
+    ENCODED,
+    MODEL,
+    RECORDS,
+    TILE,
+    TOPK,
+    ZSTD,
+    ZSTD_MODEL,
+    ZSTD_RAW,
+    ZSTD_RAW_SIZE,
+    with_sections,
+    with_stored_codes,
+)
 
 
 def test_lazy_tensors_equal_eager_ones() -> None:
@@ -49,7 +63,36 @@ def test_lazy_aggregation_is_bit_identical() -> None:
 
 def test_a_bad_last_tensor_is_still_rejected_up_front() -> None:
     last = sorted(MODEL)[-1]
-    n_codes = len(BODY["tensors"][-1][4])
-    bad = mutated(set_field(last, "codes", b"\xff" * (n_codes + 1)))
+    n_codes = len(RECORDS[-1][0])
+    bad = with_sections(last, codes=b"\xff" * n_codes)  # the right length, padding bits set
     with pytest.raises(PayloadError, match=r"tensors\[2\]\.codes"):
         read_payload(bad, MODEL, lazy=True)
+
+
+def test_lazy_partial_reads_hold_exactly_the_chosen_tensors() -> None:
+    eager = read_payload(ENCODED, MODEL)
+    for only in ([], ["b"], ["c", "a"], list(MODEL)):
+        lazy = read_payload(ENCODED, MODEL, lazy=True, only=only)
+        assert list(lazy.tensors) == sorted(only)
+        for name in only:
+            assert torch.equal(lazy.tensors[name].index, eager.tensors[name].index)
+            assert lazy.tensors.record(name).name == name  # type: ignore[attr-defined]
+
+
+def test_lazy_records_hold_raw_codes() -> None:
+    """The node's device decoder reads ``record(name).codes`` as packed codes: a zstd-coded
+    record is held decompressed (checked once), a raw one as it came."""
+    lazy = read_payload(ZSTD, ZSTD_MODEL, lazy=True)
+    w, b = lazy.tensors.record("w"), lazy.tensors.record("b")  # type: ignore[attr-defined]
+    assert (w.codes, w.codes_zstd) == (ZSTD_RAW, False)
+    assert not b.codes_zstd and len(b.codes) == 1
+    eager = read_payload(ZSTD, ZSTD_MODEL)
+    assert torch.equal(lazy.tensors["w"].codes, eager.tensors["w"].codes)
+
+
+def test_a_bad_last_frame_is_still_rejected_up_front() -> None:
+    # "w" is the last tensor; its frame holds codes with the padding bits set.
+    bad = with_stored_codes(ref.zstd_frame(ZSTD_RAW[:-1] + b"\x0f"))
+    assert len(ZSTD_RAW) == ZSTD_RAW_SIZE
+    with pytest.raises(PayloadError, match=r"tensors\[1\]\.codes"):
+        read_payload(bad, ZSTD_MODEL, lazy=True)

@@ -1,8 +1,10 @@
-"""Malformed payloads, bytes and structure: truncations, bit flips, random bytes, headers,
-the body's keys and types, and names and shapes against the model.
+"""Malformed payloads, bytes and structure: truncations, bit flips, random bytes, the prefix,
+the header's keys and types, and names and shapes against the model.
 
-Every one must raise PayloadError naming the field, and nothing else; the rest of the corpus
-(statistics, codes, index streams, zstd, bounded work) is in test_codec_malformed_streams.py.
+Every one must raise PayloadError naming the field, and nothing else, in every reader (whole,
+lazy, partial: ``support.malformed_fixtures.reject``); the rest of the corpus (statistics,
+codes, index streams, declared lengths, odd msgpack, bounded work) is in
+test_codec_malformed_streams.py and test_codec_malformed_encoding.py.
 """
 
 from __future__ import annotations
@@ -17,36 +19,52 @@ import pytest
 from hypothesis import given
 
 from protocol.codec import read_payload
-from protocol.envelope import wrap_body
+from support import reference_codec as ref
 from support.malformed_fixtures import (
     BIG,
     BIG_MODEL,
-    BODY,
+    CONSTANT,
+    CONSTANT_MODEL,
     ENCODED,
     FUZZ,
+    HEADER,
     MODEL,
+    RECORDS,
     SMALL,
     TILE,
     TOPK,
-    ZMODEL,
-    ZSTD_SMALL,
+    ZSTD,
+    ZSTD_HEADER,
+    ZSTD_MODEL,
     check_valid_or_rejected,
     mutated,
     record,
     reject,
-    rewrap,
     set_field,
 )
 
+# "constant" and "zstd" hold zstd-coded records: truncations and flips reach their frames too.
+PAYLOADS = {
+    "small": (SMALL, MODEL),
+    "constant": (CONSTANT, CONSTANT_MODEL),
+    "zstd": (ZSTD, ZSTD_MODEL),
+}
+
 
 def test_the_fixtures_are_valid() -> None:
-    assert read_payload(ENCODED, MODEL).topk == TOPK
+    assert SMALL == ENCODED  # the independent writer gives the encoder's bytes
     assert read_payload(SMALL, MODEL).topk == TOPK
-    assert read_payload(rewrap(BODY), MODEL).node_id == "n"
-    assert read_payload(rewrap(BODY, zstd=True), MODEL).run_id == "run"
-    assert SMALL[5] == 0 and ZSTD_SMALL[5] == 1  # one plain body, one zstd frame
-    assert read_payload(ZSTD_SMALL, ZMODEL).tile == 16
+    assert read_payload(ref.build_payload(HEADER, RECORDS), MODEL).node_id == "n"
+    assert read_payload(CONSTANT, CONSTANT_MODEL).tile == 16
     assert read_payload(BIG, BIG_MODEL).tile == 64
+    # Which records are zstd frames (ref.split_payload checked each frame's layout and CRC).
+    forms = {
+        name: [e[ref.ZSTD] for e in ref.split_payload(data).header["tensors"]]
+        for name, (data, _) in PAYLOADS.items()
+    }
+    assert forms == {"small": [0, 0, 0], "constant": [1], "zstd": [0, 1]}
+    assert [e[4] for e in ZSTD_HEADER["tensors"]][1] < 88  # "w": a frame shorter than 88 bytes
+    assert read_payload(ZSTD, ZSTD_MODEL).tensors["w"].geometry.n_kept == 350
     geo = read_payload(SMALL, MODEL).tensors
     assert (geo["a"].geometry.n_kept, geo["b"].geometry.n_kept, geo["c"].geometry.n_kept) == (
         24,
@@ -58,12 +76,13 @@ def test_the_fixtures_are_valid() -> None:
 # ---- truncation, bit flips, random bytes ----------------------------------------------------
 
 
-@pytest.mark.parametrize("payload", ["small", "zstd"])
+@pytest.mark.parametrize("payload", sorted(PAYLOADS))
 def test_every_truncation_is_rejected(payload: str) -> None:
-    data, model = (SMALL, MODEL) if payload == "small" else (ZSTD_SMALL, ZMODEL)
+    data, model = PAYLOADS[payload]
+    header_end = 14 + ref.split_payload(data).header_length
     for n in range(len(data)):
         err = reject(data[:n], model)
-        assert err.field.startswith("header")
+        assert err.field.startswith("header") if n < header_end else err.field == "size"
 
 
 def test_sampled_truncations_of_a_larger_payload_are_rejected() -> None:
@@ -72,28 +91,28 @@ def test_sampled_truncations_of_a_larger_payload_are_rejected() -> None:
         reject(BIG[:n], BIG_MODEL)
 
 
-@pytest.mark.parametrize("payload", ["small", "zstd"])
+@pytest.mark.parametrize("payload", sorted(PAYLOADS))
 def test_every_single_bit_flip_is_rejected(payload: str) -> None:
-    """CRC-32 detects every single-bit error in the body; flips in the header break the magic,
-    version, flags or checksum."""
-    data, model = (SMALL, MODEL) if payload == "small" else (ZSTD_SMALL, ZMODEL)
+    """CRC-32 detects every single-bit error in the header and in each record; flips in the
+    prefix break the magic, version, flags, length or checksum. A flip inside a record is
+    found by the readers of that record only; every other error by every reader."""
+    data, model = PAYLOADS[payload]
     for i in range(len(data) * 8):
         flipped = bytearray(data)
         flipped[i // 8] ^= 0x80 >> (i % 8)
         reject(bytes(flipped), model)
 
 
-@pytest.mark.parametrize("payload", ["small", "zstd"])
-def test_every_bit_flip_behind_a_valid_crc_is_rejected_or_consistent(payload: str) -> None:
-    """Flip each bit of the stored body and fix the checksum: deeper validation must catch it,
-    or the result must still be a well-formed payload (a flipped level bit is just another
-    level)."""
-    data, model = (SMALL, MODEL) if payload == "small" else (ZSTD_SMALL, ZMODEL)
-    flags, body = data[5], data[10:]
-    for i in range(len(body) * 8):
-        flipped = bytearray(body)
+@pytest.mark.parametrize("payload", sorted(PAYLOADS))
+def test_every_bit_flip_behind_valid_checksums_is_rejected_or_consistent(payload: str) -> None:
+    """Flip each bit after the version and flags and fix the checksums: deeper validation must
+    catch it, or the result must still be a well-formed payload (a flipped level bit is just
+    another level)."""
+    data, model = PAYLOADS[payload]
+    for i in range(6 * 8, len(data) * 8):
+        flipped = bytearray(data)
         flipped[i // 8] ^= 0x80 >> (i % 8)
-        check_valid_or_rejected(wrap_body(bytes(flipped), flags), model)
+        check_valid_or_rejected(ref.fix_checksums(bytes(flipped)), model)
 
 
 @FUZZ
@@ -103,9 +122,9 @@ def test_random_bytes_are_rejected(data: bytes) -> None:
 
 
 @FUZZ
-@given(body=st.binary(max_size=300), flags=st.sampled_from([0, 1]))
-def test_random_bodies_behind_a_valid_header_are_rejected(body: bytes, flags: int) -> None:
-    reject(wrap_body(body, flags))
+@given(header=st.binary(max_size=300), tail=st.binary(max_size=20))
+def test_random_headers_behind_a_valid_prefix_are_rejected(header: bytes, tail: bytes) -> None:
+    reject(ref.wrap_header(header, tail))
 
 
 @FUZZ
@@ -113,11 +132,11 @@ def test_random_bodies_behind_a_valid_header_are_rejected(body: bytes, flags: in
     edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
     cut=st.integers(0, 3),
 )
-def test_random_byte_edits_behind_a_valid_crc(edits: list[tuple[int, int]], cut: int) -> None:
-    raw = bytearray(SMALL[10:])
+def test_random_byte_edits_behind_valid_checksums(edits: list[tuple[int, int]], cut: int) -> None:
+    raw = bytearray(SMALL)
     for at, value in edits:
-        raw[at % len(raw)] = value
-    check_valid_or_rejected(wrap_body(bytes(raw[: len(raw) - cut]), 0))
+        raw[14 + at % (len(raw) - 14)] = value
+    check_valid_or_rejected(ref.fix_checksums(bytes(raw[: len(raw) - cut])))
 
 
 msgpack_values = st.recursive(
@@ -133,7 +152,7 @@ msgpack_values = st.recursive(
 
 
 def leaf_paths(obj: Any, path: tuple = ()) -> list[tuple]:
-    """Every path (sequence of keys / indices) to a node of the body, the root excluded."""
+    """Every path (sequence of keys / indices) to a node of the header, the root excluded."""
     out = []
     items = (
         obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
@@ -144,44 +163,67 @@ def leaf_paths(obj: Any, path: tuple = ()) -> list[tuple]:
     return out
 
 
-BODY_PATHS = leaf_paths(BODY)
+HEADER_PATHS = leaf_paths(HEADER)
 
 
 @FUZZ
-@given(path=st.sampled_from(BODY_PATHS), value=msgpack_values)
-def test_any_node_replaced_by_any_value(path: tuple, value: Any) -> None:
-    body = copy.deepcopy(BODY)
-    node = body
+@given(path=st.sampled_from(HEADER_PATHS), value=msgpack_values)
+def test_any_header_node_replaced_by_any_value(path: tuple, value: Any) -> None:
+    header = copy.deepcopy(HEADER)
+    node = header
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
-    check_valid_or_rejected(rewrap(body))
+    check_valid_or_rejected(ref.build_payload(header, RECORDS, sync=False))
 
 
-# ---- the header -----------------------------------------------------------------------------
+@FUZZ
+@given(which=st.integers(0, 8), value=st.binary(max_size=40))
+def test_any_record_section_replaced_by_any_bytes(which: int, value: bytes) -> None:
+    """Lengths and CRC made to match: the model's length rules or the record's own checks
+    must catch it, or it decodes consistently."""
+    records = [list(r) for r in RECORDS]
+    records[which // 3][which % 3] = value
+    rebuilt = [(r[0], r[1], r[2]) for r in records]
+    check_valid_or_rejected(ref.build_payload(HEADER, rebuilt))
+
+
+# ---- the prefix -----------------------------------------------------------------------------
+
+_RAW = SMALL[14 : 14 + ref.split_payload(SMALL).header_length]
+_DATA = SMALL[14 + len(_RAW) :]
 
 
 @pytest.mark.parametrize(
     ("data", "field"),
     [
         (b"", "header"),
-        (b"SLCP\x01\x00\x00\x00\x00", "header"),
+        (b"SLCP\x02\x00\x00\x00\x00", "header"),
+        (SMALL[:13], "header"),
         (b"XLCP" + SMALL[4:], "header.magic"),
         (b"slcp" + SMALL[4:], "header.magic"),
         (b"SLCP\x00" + SMALL[5:], "header.version"),
-        (b"SLCP\x02" + SMALL[5:], "header.version"),
+        (b"SLCP\x01" + SMALL[5:], "header.version"),
+        (b"SLCP\x03" + SMALL[5:], "header.version"),
         (b"SLCP\xff" + SMALL[5:], "header.version"),
-        (SMALL[:5] + b"\x02" + SMALL[6:], "header.flags"),
+        (SMALL[:5] + b"\x01" + SMALL[6:], "header.flags"),
         (SMALL[:5] + b"\x80" + SMALL[6:], "header.flags"),
         (SMALL[:5] + b"\xff" + SMALL[6:], "header.flags"),
-        (SMALL[:5] + b"\x01" + SMALL[6:], "body.zstd"),  # claims zstd, body is plain msgpack
-        (SMALL[:6] + struct.pack("<I", 0) + SMALL[10:], "header.crc32"),
-        (SMALL + b"\x00", "header.crc32"),
-        (wrap_body(SMALL[10:], 0, version=2), "header.version"),
-        (wrap_body(SMALL[10:], 4), "header.flags"),
+        (SMALL[:10] + struct.pack("<I", 0) + SMALL[14:], "header.crc32"),
+        (SMALL + b"\x00", "size"),
+        (SMALL + SMALL, "size"),
+        (SMALL[:-1], "size"),
+        (ref.wrap_header(_RAW, _DATA, version=1), "header.version"),
+        (ref.wrap_header(_RAW, _DATA, flags=4), "header.flags"),
+        (ref.wrap_header(_RAW, _DATA, length=2**32 - 1), "header.length"),
+        (ref.wrap_header(_RAW, _DATA, length=10**6), "header.length"),
+        (ref.wrap_header(_RAW, _DATA, length=len(_RAW) + len(_DATA) + 1), "header"),
+        (ref.wrap_header(_RAW[:-1], _RAW[-1:] + _DATA), "header"),  # L one short: cut document
+        (ref.wrap_header(b"", _RAW + _DATA), "header"),  # L = 0
+        (ref.wrap_header(_RAW, _DATA, crc=0), "header.crc32"),
     ],
 )
-def test_bad_headers(data: bytes, field: str) -> None:
+def test_bad_prefixes(data: bytes, field: str) -> None:
     assert reject(data).field == field
 
 
@@ -196,78 +238,83 @@ def test_bytes_like_inputs_are_accepted() -> None:
     assert read_payload(memoryview(SMALL), MODEL).round == 1  # type: ignore[arg-type]
 
 
-# ---- the body's structure -------------------------------------------------------------------
+# ---- the header's structure -----------------------------------------------------------------
 
 
 def _without(key: str) -> Callable[[dict], None]:
-    return lambda body: body.pop(key) and None
+    return lambda header: header.pop(key) and None
 
 
 def _with(key: str, value: Any) -> Callable[[dict], None]:
-    return lambda body: body.__setitem__(key, value)
+    return lambda header: header.__setitem__(key, value)
 
 
-BODY_CASES: list[tuple[str, Callable[[dict], Any], str]] = [
-    *[(f"missing-{k}", _without(k), "body") for k in sorted(BODY)],
-    ("extra-key", _with("extra", 1), "body"),
-    ("bytes-key", lambda b: b.__setitem__(b"x", 1), "body"),
-    ("run-int", _with("run", 1), "body.run"),
-    ("run-bytes", _with("run", b"run"), "body.run"),
-    ("run-long", _with("run", "r" * 257), "body.run"),
-    ("node-none", _with("node", None), "body.node"),
-    ("node-long", _with("node", "n" * 1000), "body.node"),
-    ("base-list", _with("base", ["f"]), "body.base"),
-    ("round-negative", _with("round", -1), "body.round"),
-    ("round-too-big", _with("round", 2**63), "body.round"),
-    ("round-max-u64", _with("round", 2**64 - 1), "body.round"),
-    ("round-float", _with("round", 1.0), "body.round"),
-    ("round-bool", _with("round", True), "body.round"),
-    ("round-str", _with("round", "1"), "body.round"),
-    ("tile-huge", _with("tile", 2**40), "body.tile"),
-    ("tile-float", _with("tile", 4.0), "body.tile"),
-    ("tile-negative", _with("tile", -4), "body.tile"),
-    ("tile-bool", _with("tile", True), "body.tile"),
-    ("topk-zero", _with("topk", 0), "body.topk"),
-    ("topk-over-tile2", _with("topk", TILE * TILE + 1), "body.topk"),
-    ("topk-huge", _with("topk", 2**63), "body.topk"),
-    ("topk-str", _with("topk", "4"), "body.topk"),
-    ("topk-bool", _with("topk", True), "body.topk"),
-    ("tensors-map", _with("tensors", {"a": 1}), "body.tensors"),
-    ("tensors-bytes", _with("tensors", b""), "body.tensors"),
-    ("tensors-none", _with("tensors", None), "body.tensors"),
-    ("tensors-empty", _with("tensors", []), "body.tensors"),
-    ("record-not-list", lambda b: b["tensors"].__setitem__(0, "a"), "tensors[0]"),
-    ("record-short", lambda b: b["tensors"][0].pop() and None, "tensors[0]"),
-    ("record-long", lambda b: b["tensors"][0].append(b""), "tensors[0]"),
-    ("record-map", lambda b: b["tensors"].__setitem__(0, {"name": "a"}), "tensors[0]"),
+HEADER_CASES: list[tuple[str, Callable[[dict], Any], str]] = [
+    *[(f"missing-{k}", _without(k), "header") for k in sorted(HEADER)],
+    ("extra-key", _with("extra", 1), "header"),
+    ("bytes-key", lambda h: h.__setitem__(b"x", 1), "header"),
+    ("run-int", _with("run", 1), "header.run"),
+    ("run-bytes", _with("run", b"run"), "header.run"),
+    ("run-long", _with("run", "r" * 257), "header.run"),
+    ("node-none", _with("node", None), "header.node"),
+    ("node-long", _with("node", "n" * 1000), "header.node"),
+    ("base-list", _with("base", ["f"]), "header.base"),
+    ("round-negative", _with("round", -1), "header.round"),
+    ("round-too-big", _with("round", 2**63), "header.round"),
+    ("round-max-u64", _with("round", 2**64 - 1), "header.round"),
+    ("round-float", _with("round", 1.0), "header.round"),
+    ("round-bool", _with("round", True), "header.round"),
+    ("round-str", _with("round", "1"), "header.round"),
+    ("tile-huge", _with("tile", 2**40), "header.tile"),
+    ("tile-float", _with("tile", 4.0), "header.tile"),
+    ("tile-negative", _with("tile", -4), "header.tile"),
+    ("tile-bool", _with("tile", True), "header.tile"),
+    ("topk-zero", _with("topk", 0), "header.topk"),
+    ("topk-over-tile2", _with("topk", TILE * TILE + 1), "header.topk"),
+    ("topk-huge", _with("topk", 2**63), "header.topk"),
+    ("topk-str", _with("topk", "4"), "header.topk"),
+    ("topk-bool", _with("topk", True), "header.topk"),
+    ("tensors-map", _with("tensors", {"a": 1}), "header.tensors"),
+    ("tensors-bytes", _with("tensors", b""), "header.tensors"),
+    ("tensors-none", _with("tensors", None), "header.tensors"),
+    ("tensors-empty", _with("tensors", []), "header.tensors"),
+    ("entry-not-list", lambda h: h["tensors"].__setitem__(0, "a"), "tensors[0]"),
+    ("entry-short", lambda h: h["tensors"][0].pop() and None, "tensors[0]"),
+    ("entry-long", lambda h: h["tensors"][0].append(0), "tensors[0]"),
+    (
+        "entry-v1-shaped",
+        lambda h: h["tensors"][0].__setitem__(slice(4, 8), [b""] * 3),
+        "tensors[0]",
+    ),
+    ("entry-map", lambda h: h["tensors"].__setitem__(0, {"name": "a"}), "tensors[0]"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("mutate", "field"), [c[1:] for c in BODY_CASES], ids=[c[0] for c in BODY_CASES]
+    ("mutate", "field"), [c[1:] for c in HEADER_CASES], ids=[c[0] for c in HEADER_CASES]
 )
-def test_bad_body_structure(mutate: Callable[[dict], Any], field: str) -> None:
+def test_bad_header_structure(mutate: Callable[[dict], Any], field: str) -> None:
     assert reject(mutated(mutate)).field == field
 
 
-@pytest.mark.parametrize("body", [list(BODY.values()), 7, b"\x00", None, "body", [], {}, 1.5])
-def test_body_that_is_not_a_map(body: Any) -> None:
-    assert reject(rewrap(body)).field == "body"
-    assert reject(rewrap(body, zstd=True)).field == "body"
+@pytest.mark.parametrize("header", [list(HEADER.values()), 7, b"\x00", None, "header", [], {}, 1.5])
+def test_header_that_is_not_a_map(header: Any) -> None:
+    assert reject(ref.build_payload(header, RECORDS, sync=False)).field == "header"
 
 
 @pytest.mark.parametrize("tile", [0, 1025, 2**31])
 def test_bad_tile_is_reported_as_the_tile(tile: int) -> None:
-    """A tile outside [1, 1024] must be blamed on ``body.tile``, not on another field."""
-    assert reject(mutated(_with("tile", tile))).field == "body.tile"
+    """A tile outside [1, 1024] must be blamed on ``header.tile``, not on another field."""
+    assert reject(mutated(_with("tile", tile))).field == "header.tile"
 
 
 @pytest.mark.parametrize(("tile", "topk"), [(8, 4), (2, 4), (4, 5), (4, 3), (1, 1), (64, 64)])
-def test_codec_parameters_that_do_not_fit_the_streams(tile: int, topk: int) -> None:
-    """Valid-looking tile/topk that are not the ones the streams were coded with."""
+def test_codec_parameters_that_do_not_fit_the_records(tile: int, topk: int) -> None:
+    """Valid-looking tile/topk that are not the ones the records were coded with: the declared
+    lengths no longer fit the geometry, or the streams do not."""
 
-    def fn(body: dict) -> None:
-        body["tile"], body["topk"] = tile, topk
+    def fn(header: dict) -> None:
+        header["tile"], header["topk"] = tile, topk
 
     err = reject(mutated(fn))
     assert err.field.startswith("tensors[")
@@ -276,34 +323,34 @@ def test_codec_parameters_that_do_not_fit_the_streams(tile: int, topk: int) -> N
 # ---- names and shapes against the model -----------------------------------------------------
 
 
-def _swap(body: dict) -> None:
-    t = body["tensors"]
+def _swap(header: dict) -> None:
+    t = header["tensors"]
     t[0], t[1] = t[1], t[0]
 
 
-def _duplicate(body: dict) -> None:
-    body["tensors"][1] = copy.deepcopy(body["tensors"][0])
+def _duplicate(header: dict) -> None:
+    header["tensors"][1] = copy.deepcopy(header["tensors"][0])
 
 
-def _rename(body: dict) -> None:
-    body["tensors"][2][0] = "d"
+def _rename(header: dict) -> None:
+    header["tensors"][2][0] = "d"
 
 
-def _extra(body: dict) -> None:
-    rec = copy.deepcopy(body["tensors"][2])
-    rec[0] = "d"
-    body["tensors"].append(rec)
+def _extra(header: dict) -> None:
+    entry = copy.deepcopy(header["tensors"][2])
+    entry[0] = "d"
+    header["tensors"].append(entry)
 
 
 NAME_CASES: list[tuple[str, Callable[[dict], Any], dict]] = [
-    ("missing", lambda b: b["tensors"].pop() and None, MODEL),
+    ("missing", lambda h: h["tensors"].pop() and None, MODEL),
     ("extra", _extra, MODEL),
     ("unsorted", _swap, MODEL),
     ("duplicated", _duplicate, MODEL),
     ("renamed", _rename, MODEL),
-    ("model-has-more", lambda b: None, {**MODEL, "d": (3,)}),
-    ("model-has-fewer", lambda b: None, {"a": (8, 12), "b": (10,)}),
-    ("empty-model", lambda b: None, {}),
+    ("model-has-more", lambda h: None, {**MODEL, "d": (3,)}),
+    ("model-has-fewer", lambda h: None, {"a": (8, 12), "b": (10,)}),
+    ("empty-model", lambda h: None, {}),
 ]
 
 
@@ -311,7 +358,7 @@ NAME_CASES: list[tuple[str, Callable[[dict], Any], dict]] = [
     ("mutate", "model"), [c[1:] for c in NAME_CASES], ids=[c[0] for c in NAME_CASES]
 )
 def test_names_must_match_the_model(mutate: Callable[[dict], Any], model: dict) -> None:
-    assert reject(mutated(mutate), model).field == "body.tensors"
+    assert reject(mutated(mutate), model).field == "header.tensors"
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
-"""Malformed payloads in the body's encodings: odd msgpack documents and extension types,
-trailing bytes, zstd frames that lie or explode, and enormous shape or stream claims, which must
-be refused in bounded time and memory.
+"""Malformed payloads in the header's encoding: odd msgpack documents and extension types,
+trailing bytes inside the header and after the last record, payloads of other format versions
+(version 1's zstd bodies included), and enormous length, shape or decompressed-size claims
+(zstd frames of codes that would inflate far past the codes' size), which must be refused in
+bounded time and memory before anything of that size is read or decompressed.
 
 Every one must raise PayloadError naming the field, and nothing else.
 """
@@ -11,15 +13,19 @@ import copy
 import struct
 import time
 import tracemalloc
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import pytest
 import zstandard
 
-from protocol.envelope import wrap_body
 from support import reference_codec as ref
-from support.malformed_fixtures import BODY, reject, rewrap
+from support.malformed_fixtures import HEADER, RECORDS, SMALL, reject, with_sections
+
+_RAW = msgpack.packb(HEADER, use_bin_type=True)
+_DATA = b"".join(b"".join(r) for r in RECORDS)
 
 # ---- msgpack documents ---------------------------------------------------------------------
 
@@ -27,7 +33,7 @@ from support.malformed_fixtures import BODY, reject, rewrap
 @pytest.mark.parametrize(
     "raw",
     [
-        b"\x91" * 5000 + b"\xc0",  # nesting far deeper than any valid body
+        b"\x91" * 4000 + b"\xc0",  # nesting far deeper than any valid header (within L)
         b"\x81\xa3run\xa2\xff\xfe",  # invalid UTF-8 in a string
         b"\x81\xa2\xff\xfe\xc0",  # invalid UTF-8 in a key
         b"\x81\xca\x00\x00\x00\x00\xc0",  # a float key
@@ -38,129 +44,111 @@ from support.malformed_fixtures import BODY, reject, rewrap
         b"\xc6\xff\xff\xff\xff",  # a bin header claiming 4 GiB
         b"\xdf\xff\xff\xff\xff",  # a map header claiming 2**32 - 1 pairs
         b"\xc1",  # the never-used type byte
+        b"",  # no document at all
     ],
 )
 def test_odd_msgpack_documents(raw: bytes) -> None:
-    assert reject(wrap_body(raw, 0)).field == "body"
+    assert reject(ref.wrap_header(raw, _DATA)).field == "header"
 
 
 @pytest.mark.parametrize(
     ("path", "value", "field"),
     [
         (("tensors", 0, 3), msgpack.ExtType(5, b"\x00" * 20), "tensors[0].stats"),
-        (("round",), msgpack.Timestamp(1, 0), "body.round"),
-        (("run",), msgpack.ExtType(1, b"run"), "body.run"),
+        (("tensors", 0, 4), msgpack.ExtType(5, b"\x06"), "tensors[0].codes"),
+        (("tensors", 0, 7), msgpack.Timestamp(1, 0), "tensors[0].crc32"),
+        (("round",), msgpack.Timestamp(1, 0), "header.round"),
+        (("run",), msgpack.ExtType(1, b"run"), "header.run"),
         (("tensors", 0, 1, 0), msgpack.ExtType(0, b"\x08"), "tensors[0].shape"),
     ],
 )
 def test_extension_types_are_rejected(path: tuple, value: Any, field: str) -> None:
-    body = copy.deepcopy(BODY)
-    node = body
+    header = copy.deepcopy(HEADER)
+    node = header
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
-    assert reject(rewrap(body)).field == field
+    assert reject(ref.build_payload(header, RECORDS, sync=False)).field == field
 
 
-# ---- trailing bytes and zstd ----------------------------------------------------------------
+# ---- trailing bytes, other versions ---------------------------------------------------------
 
 
-def test_trailing_bytes_after_the_msgpack_body() -> None:
-    raw = msgpack.packb(BODY, use_bin_type=True)
-    for tail in (b"\x00", b"\xc0", raw):
-        assert reject(wrap_body(raw + tail, 0)).field == "body"
+def test_trailing_bytes_inside_the_header() -> None:
+    for tail in (b"\x00", b"\xc0", _RAW):
+        assert reject(ref.wrap_header(_RAW + tail, _DATA)).field == "header"
 
 
-def test_trailing_bytes_after_the_msgpack_body_inside_zstd() -> None:
-    raw = msgpack.packb(BODY, use_bin_type=True) + b"\x00"
-    frame = zstandard.ZstdCompressor(write_content_size=True).compress(raw)
-    assert reject(wrap_body(frame, 1)).field == "body"
+def test_trailing_bytes_after_the_last_record() -> None:
+    for tail in (b"\x00", b"\xc0", _DATA, SMALL):
+        assert reject(SMALL + tail).field == "size"
 
 
-def _frame(raw: bytes, **kwargs: Any) -> bytes:
-    return zstandard.ZstdCompressor(write_content_size=True, **kwargs).compress(raw)
+def _v1_payload(body: bytes, flags: int) -> bytes:
+    return struct.pack("<4sBBI", b"SLCP", 1, flags, zlib.crc32(body)) + body
 
 
-def _lying_frame(declared: int, window: int = 0x00) -> bytes:
-    """A zstd frame header declaring ``declared`` bytes (8-byte content size field, window
-    descriptor ``window``: 0x00 is 1 KiB), then one tiny raw block."""
-    fhd = 0b1100_0000  # FCS field 8 bytes, no single segment, no checksum, no dictionary
-    header = b"\x28\xb5\x2f\xfd" + bytes([fhd, window]) + struct.pack("<Q", declared)
-    block = (1 | (0 << 1) | (3 << 3)).to_bytes(3, "little") + b"abc"  # last, raw, 3 bytes
-    return header + block
-
-
-ZSTD_CASES: list[tuple[str, bytes]] = [
-    ("trailing-byte", _frame(msgpack.packb(BODY, use_bin_type=True)) + b"\x00"),
-    ("two-frames", _frame(msgpack.packb(BODY, use_bin_type=True)) * 2),
-    ("trailing-skippable", _frame(msgpack.packb(BODY)) + struct.pack("<II", 0x184D2A50, 0)),
-    ("garbage", b"\x28\xb5\x2f\xfd" + b"\x07garbage" * 4),
-    ("not-zstd", msgpack.packb(BODY, use_bin_type=True)),
-    ("empty", b""),
-    ("magic-only", b"\x28\xb5\x2f\xfd"),
-    ("truncated", _frame(msgpack.packb(BODY, use_bin_type=True))[:-2]),
-    ("no-content-size", zstandard.ZstdCompressor(write_content_size=False).compress(b"x" * 99)),
-    ("declares-1e12", _lying_frame(10**12)),
-    ("declares-2^64-2", _lying_frame(2**64 - 2)),
-    ("declares-more-than-it-holds", _lying_frame(1000)),
-    ("declares-less-than-it-holds", _lying_frame(1)),
-    ("bomb-10MB-of-zeros", _frame(b"\x00" * 10_000_000)),
-    ("window-2^41", _lying_frame(1000, window=0xF8)),
-    ("window-2^27", _lying_frame(1000, window=0x88)),
-    ("skippable-only", struct.pack("<II", 0x184D2A50, 4) + b"abcd"),
+V1_CASES: list[tuple[str, bytes]] = [
+    ("v1-plain", _v1_payload(_RAW, 0)),
+    ("v1-zstd", _v1_payload(zstandard.ZstdCompressor(write_content_size=True).compress(_RAW), 1)),
+    ("v1-bomb", _v1_payload(zstandard.ZstdCompressor().compress(b"\x00" * 10_000_000), 1)),
 ]
 
 
-@pytest.mark.parametrize("frame", [c[1] for c in ZSTD_CASES], ids=[c[0] for c in ZSTD_CASES])
-def test_bad_zstd_bodies(frame: bytes) -> None:
-    err = reject(wrap_body(frame, 1))
-    assert err.field.startswith("body")
-
-
-@pytest.mark.parametrize(
-    "content", [b"", b"\xc1", b"\x91\x00", msgpack.packb([BODY]), b"\x00" * 100]
-)
-def test_zstd_frames_holding_a_bad_document(content: bytes) -> None:
-    assert reject(wrap_body(_frame(content), 1)).field == "body"
-
-
-def test_zstd_body_over_the_model_limit_is_refused_before_decompressing() -> None:
-    frame = _frame(b"\x00" * 10_000_000)
-    assert len(frame) < 2000
+@pytest.mark.parametrize("data", [c[1] for c in V1_CASES], ids=[c[0] for c in V1_CASES])
+def test_version_1_payloads_are_refused_unread(data: bytes) -> None:
     tracemalloc.start()
     try:
-        t0 = time.perf_counter()
-        err = reject(wrap_body(frame, 1))
-        elapsed = time.perf_counter() - t0
+        err = reject(data)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert err.field == "body.zstd"
-    assert peak < 1_000_000 and elapsed < 1.0
+    assert err.field == "header.version"
+    assert peak < 1_000_000
+
+
+def test_a_zstd_frame_as_the_header_is_not_a_header() -> None:
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(_RAW)
+    assert reject(ref.wrap_header(frame, _DATA)).field == "header"
 
 
 # ---- bounded work on enormous claims --------------------------------------------------------
 
 
-def _claim(shape: list[int], **overrides: Any) -> bytes:
-    body = {
+def _claim(
+    shape: list[int], lengths: tuple[int, int, int] = (0, 0, 0), codes_zstd: int = 0
+) -> bytes:
+    header = {
         "run": "",
         "round": 0,
         "node": "",
         "base": "",
         "tile": 64,
         "topk": 64,
-        "tensors": [["w", shape, 0, ref.stats_bytes(0.0, (0.0,) * 4), b"", b"", b""]],
+        "tensors": [["w", shape, 0, ref.stats_bytes(0.0, (0.0,) * 4), *lengths, 0, codes_zstd]],
     }
-    body.update(overrides)
-    return rewrap(body)
+    return ref.build_payload(header, sync=False)
+
+
+def _bounded(fn: Callable[[], Any]) -> Any:
+    tracemalloc.start()
+    try:
+        t0 = time.perf_counter()
+        out = fn()
+        elapsed = time.perf_counter() - t0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, peak
+    assert elapsed < 1.0
+    return out
 
 
 @pytest.mark.parametrize(
     ("model", "claim"),
     [
         ({"w": (64, 64)}, [10**6, 10**6]),  # claims 1e12 elements, the model has 4096
-        ({"w": (10**6, 10**6)}, [10**6, 10**6]),  # the model itself is huge: streams too short
+        ({"w": (10**6, 10**6)}, [10**6, 10**6]),  # the model itself is huge: lengths too short
         ({"w": (2**40,)}, [2**40]),
         ({"w": (2**20, 2**20)}, [2**20, 2**20]),
     ],
@@ -169,22 +157,61 @@ def _claim(shape: list[int], **overrides: Any) -> bytes:
 def test_enormous_claims_are_rejected_without_allocating(model: dict, claim: list[int]) -> None:
     data = _claim(claim)
     assert len(data) < 120
-    tracemalloc.start()
-    try:
-        t0 = time.perf_counter()
-        reject(data, model)
-        elapsed = time.perf_counter() - t0
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 1_000_000, peak
-    assert elapsed < 1.0
+    _bounded(lambda: reject(data, model))
+
+
+@pytest.mark.parametrize("codes_zstd", [0, 1])
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("length", [2**40, 2**62])
+def test_enormous_declared_lengths_are_rejected_from_the_header(
+    which: int, length: int, codes_zstd: int
+) -> None:
+    """A header declaring records of terabytes, over a payload of a few bytes: the model's
+    length rules refuse it before the size is even compared, whatever form the codes take."""
+    lengths = [15 if codes_zstd else 16, 8, 0]  # valid for 64 kept values with b = 0
+    lengths[which] = length
+    data = _claim([64, 64], (lengths[0], lengths[1], lengths[2]), codes_zstd)
+    field = ("codes", "unary", "remainders")[which]
+    err = _bounded(lambda: reject(data, {"w": (64, 64)}))
+    assert err.field == f"tensors[0].{field}"
+
+
+def _rle_frame(declared: int, blocks: int) -> bytes:
+    """A zstd frame declaring ``declared`` bytes of content (single segment, an 8-byte content
+    size) and holding ``blocks`` RLE blocks of 128 KiB of zeros each: a few bytes per block."""
+    out = b"\x28\xb5\x2f\xfd\xe0" + struct.pack("<Q", declared)
+    for i in range(blocks):
+        last = int(i == blocks - 1)
+        out += struct.pack("<I", last | 1 << 1 | 131072 << 3)[:3] + b"\x00"
+    return out
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        _rle_frame(100 * 2**20, 800),  # claims and holds 100 MiB
+        _rle_frame(4096, 800),  # claims the right size, holds 100 MiB
+        _rle_frame(2**64 - 2, 1),  # claims 16 EiB
+    ],
+    ids=["claims-100-mib", "holds-100-mib", "claims-16-eib"],
+)
+def test_zstd_bombs_in_the_codes_are_refused_in_bounded_memory(frame: bytes) -> None:
+    """A 1024x1024 tensor keeps 16,384 values: 4,096 bytes of codes, so a frame of them must be
+    shorter than that, and its content exactly that. A frame inflating to 100 MiB (a few bytes
+    per 128 KiB block) fits under the length rule, but is refused from its frame header or
+    decompressed into no more than the 4,096 bytes the model allows."""
+    assert len(frame) < 4096
+    n = 16384
+    entry = ["w", [1024, 1024], 0, ref.stats_bytes(0.0, (0.0,) * 4), 0, 0, 0, 0, 1]
+    header = {"run": "", "round": 0, "node": "", "base": "", "tile": 64, "topk": 64}
+    record = (frame, b"\xff" * (n // 8), b"")  # every gap 0 with b = 0: a valid unary stream
+    data = ref.build_payload({**header, "tensors": [entry]}, [record])
+    err = _bounded(lambda: reject(data, {"w": (1024, 1024)}))
+    assert err.field == "tensors[0].codes"
 
 
 def test_huge_declared_stream_lengths_are_bounded_by_the_model() -> None:
-    """Streams far longer than the model could need are refused by the body limit (one byte
-    per parameter plus overhead), even behind a valid CRC."""
-    body = copy.deepcopy(BODY)
-    body["tensors"][0][5] = b"\x00" * 200_000
-    assert reject(rewrap(body)).field == "body"
-    assert reject(rewrap(body, zstd=True)).field == "body.zstd"
+    """Streams far longer than the model could need are refused by the length rules, even
+    with the bytes present behind valid checksums, and by every reader, whole or partial."""
+    data = with_sections("a", unary=b"\x00" * 200_000)
+    assert reject(data).field == "tensors[0].unary"

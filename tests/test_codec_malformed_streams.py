@@ -1,7 +1,9 @@
-"""Malformed payloads, inside the tensor records: statistics, codes and index streams.
+"""Malformed payloads, inside the tensor records and their header entries: statistics, the
+declared lengths and CRC, codes (raw, and stored as a zstd frame) and index streams.
 
-Every one must raise PayloadError naming the field, and nothing else. Odd msgpack documents,
-zstd frames and enormous claims are in ``test_codec_malformed_encoding.py``.
+Every one must raise PayloadError naming the field, and nothing else, in every reader (whole,
+lazy, partial). Odd msgpack documents, other versions and enormous claims are in
+``test_codec_malformed_encoding.py``.
 """
 
 from __future__ import annotations
@@ -11,20 +13,32 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
+import torch
 from hypothesis import given
 
 from protocol.codec import read_payload
+from protocol.errors import PayloadError
 from support import reference_codec as ref
 from support.malformed_fixtures import (
-    BODY,
     FUZZ,
+    HEADER,
     MODEL,
+    RECORDS,
     SMALL,
+    ZSTD,
+    ZSTD_AT,
+    ZSTD_HEADER,
+    ZSTD_MODEL,
+    ZSTD_RAW,
+    ZSTD_RAW_SIZE,
+    ZSTD_RECORDS,
     check_valid_or_rejected,
     mutated,
     record,
     reject,
     set_field,
+    with_sections,
+    with_stored_codes,
 )
 
 # ---- statistics -----------------------------------------------------------------------------
@@ -58,23 +72,77 @@ def test_bad_statistics(value: Any) -> None:
     assert reject(mutated(set_field("a", "stats", value))).field == "tensors[0].stats"
 
 
+def test_non_finite_statistics_fail_the_readers_of_that_record_only() -> None:
+    """Finiteness is a record-level rule (FORMAT.md): a reader of the other tensors accepts."""
+    data = mutated(set_field("b", "stats", stats(float("nan"), 0, 0, 0, 0)))
+    assert reject(data).field == "tensors[1].stats"
+    assert sorted(read_payload(data, MODEL, only=["a", "c"]).tensors) == ["a", "c"]
+
+
 def test_extreme_but_finite_statistics_are_accepted() -> None:
     data = mutated(set_field("a", "stats", stats(FLT_MAX / 2, -FLT_MAX / 2, 0, 1e-45, FLT_MAX / 2)))
     table = read_payload(data, MODEL).tensors["a"].table.tolist()
     assert table == [0.0, FLT_MAX / 2, FLT_MAX / 2, FLT_MAX]
 
 
+# ---- declared lengths and the CRC -----------------------------------------------------------
+
+
+def entry_of(name: str) -> list:
+    """The small payload's header entry of ``name`` (``ref.ENTRY_FIELDS``)."""
+    return list(HEADER["tensors"][record(name)])
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c"])
+@pytest.mark.parametrize("field", ["codes", "unary", "remainders"])
+@pytest.mark.parametrize("value", [-1, 2**62 + 1, 2**64 - 1, 1.0, "6", None, True, b"\x06", [6]])
+def test_bad_length_types(name: str, field: str, value: Any) -> None:
+    err = reject(mutated(set_field(name, f"{field}_len", value)))
+    assert err.field == f"tensors[{record(name)}].{field}"
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c"])
+@pytest.mark.parametrize("field", ["codes", "unary", "remainders"])
+@pytest.mark.parametrize("delta", [-1, 1, 1000])
+def test_wrong_declared_lengths(name: str, field: str, delta: int) -> None:
+    """A length one off (or far off) moves every later offset: all readers refuse it, either
+    by the model's length rule for the field or, where the length is still possible, by the
+    total size."""
+    i = record(name)
+    at = ref.ENTRY_FIELDS.index(f"{field}_len")
+    declared = entry_of(name)[at] + delta
+    if declared < 0:
+        return
+    err = reject(mutated(set_field(name, f"{field}_len", declared)))
+    assert err.field in (f"tensors[{i}].{field}", "size")
+
+
+@pytest.mark.parametrize("crc", [-1, 2**32, 2**64 - 1, 1.5, "0", None, b"\x00" * 4])
+def test_bad_crc_types(crc: Any) -> None:
+    assert reject(mutated(set_field("b", "crc32", crc))).field == "tensors[1].crc32"
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c"])
+def test_a_wrong_crc_fails_the_readers_of_that_record_only(name: str) -> None:
+    i = record(name)
+    wrong = entry_of(name)[7] ^ 1
+    data = mutated(set_field(name, "crc32", wrong))
+    assert reject(data).field == f"tensors[{i}].crc32"
+    others = [n for n in MODEL if n != name]
+    assert sorted(read_payload(data, MODEL, only=others).tensors) == sorted(others)
+
+
 # ---- codes ----------------------------------------------------------------------------------
 
 
 def codes_of(name: str) -> bytes:
-    return BODY["tensors"][record(name)][4]
+    return RECORDS[record(name)][0]
 
 
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("a", codes_of("a")[:-1]),
+        ("a", codes_of("a")[:-1]),  # the declared length no longer fits the geometry
         ("a", codes_of("a") + b"\x00"),
         ("a", b""),
         ("b", codes_of("b")[:-1] + bytes([codes_of("b")[-1] | 0x01])),  # padding bit set
@@ -82,30 +150,177 @@ def codes_of(name: str) -> bytes:
         ("c", bytes([codes_of("c")[0] | 0x01])),
         ("c", b""),
         ("c", b"\x00\x00"),
-        ("a", "codes"),
-        ("a", None),
-        ("a", 0),
     ],
 )
-def test_bad_codes(name: str, value: Any) -> None:
-    err = reject(mutated(set_field(name, "codes", value)))
+def test_bad_codes(name: str, value: bytes) -> None:
+    err = reject(with_sections(name, codes=value))
     assert err.field == f"tensors[{record(name)}].codes"
+
+
+# ---- codes stored as a zstd frame -----------------------------------------------------------
+
+W_CODES = f"tensors[{ZSTD_AT}].codes"
+FRAME = ZSTD_RECORDS[ZSTD_AT][0]  # "w"'s codes as our writer stores them
+FRAME_HEADER = 6  # magic, frame header descriptor (single segment), one byte of content size
+SKIPPABLE = struct.pack("<II", 0x184D2A50, 4) + b"\x00" * 4  # a skippable frame of 4 bytes
+
+
+def _zheader(change: Any) -> bytes:
+    """``ZSTD`` with a copy of its header changed by ``change(header)``, records as they are."""
+    header = {**ZSTD_HEADER, "tensors": [list(e) for e in ZSTD_HEADER["tensors"]]}
+    change(header)
+    return ref.build_payload(header, ZSTD_RECORDS, sync=False)
+
+
+def _reframed(descriptor: int, extra: bytes) -> bytes:
+    """``FRAME`` with another frame header descriptor and ``extra`` fields after it (a window
+    descriptor, a dictionary id, a content size), the blocks unchanged."""
+    assert FRAME[4] == 0x20  # single segment, a one-byte content size: what ours are
+    return FRAME[:4] + bytes([descriptor]) + extra + FRAME[FRAME_HEADER:]
+
+
+def _zstd_faults() -> list[tuple[str, bytes]]:
+    padded = ZSTD_RAW[:-1] + bytes([ZSTD_RAW[-1] | 0x01])  # 350 codes: 2 slots of padding
+    with_sum = ref.zstd_frame(ZSTD_RAW, checksum=True)
+    return [
+        ("empty", b""),
+        ("not-a-frame", ZSTD_RAW[:60]),
+        ("skippable-frame", SKIPPABLE),
+        ("skippable-then-frame", SKIPPABLE + ref.zstd_frame(b"\x00" * ZSTD_RAW_SIZE)),
+        ("magic-only", FRAME[:4]),
+        ("header-only", FRAME[:FRAME_HEADER]),
+        ("truncated", FRAME[:-1]),
+        ("no-content-size", ref.zstd_frame(ZSTD_RAW, content_size=False)),
+        ("declares-one-less", ref.zstd_frame(ZSTD_RAW[:-1])),
+        ("declares-one-more", ref.zstd_frame(ZSTD_RAW + b"\x00")),
+        ("declares-a-megabyte", ref.zstd_frame(bytes(1_000_000))),
+        ("declared-size-edited-down", FRAME[:5] + bytes([FRAME[5] - 1]) + FRAME[6:]),
+        ("declared-size-edited-up", FRAME[:5] + bytes([FRAME[5] + 1]) + FRAME[6:]),
+        ("trailing-byte", FRAME + b"\x00"),
+        ("trailing-skippable-frame", FRAME + struct.pack("<II", 0x184D2A50, 0)),
+        ("a-second-frame", FRAME + ref.zstd_frame(b"")),
+        ("bad-checksum", with_sum[:-4] + bytes(4)),
+        ("dictionary-id", _reframed(0x21, b"\x07" + FRAME[5:6])),
+        ("window-over-content", _reframed(0x80, b"\x00" + struct.pack("<I", ZSTD_RAW_SIZE))),
+        ("padding-bit-set", ref.zstd_frame(padded)),
+        ("padding-bits-set", ref.zstd_frame(ZSTD_RAW[:-1] + bytes([ZSTD_RAW[-1] | 0x0F]))),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stored"), [c[1] for c in _zstd_faults()], ids=[c[0] for c in _zstd_faults()]
+)
+def test_bad_zstd_frames(stored: bytes) -> None:
+    """Each is behind a matching length (shorter than the raw codes) and CRC, so the frame's
+    own rules (FORMAT.md, "Codes as stored") catch it; the readers of "b" accept."""
+    assert len(stored) < ZSTD_RAW_SIZE
+    data = with_stored_codes(stored)
+    assert reject(data, ZSTD_MODEL).field == W_CODES
+    assert list(read_payload(data, ZSTD_MODEL, only=["b"]).tensors) == ["b"]
+
+
+def _zstd_variants() -> list[tuple[str, bytes, int]]:
+    return [
+        ("as-written", FRAME, 1),
+        ("raw", ZSTD_RAW, 0),
+        ("level-19", ref.zstd_frame(ZSTD_RAW, level=19), 1),
+        ("with-checksum", ref.zstd_frame(ZSTD_RAW, checksum=True), 1),
+        ("dictionary-id-0", _reframed(0x21, b"\x00" + FRAME[5:6]), 1),
+        ("four-byte-content-size", _reframed(0xA0, struct.pack("<I", ZSTD_RAW_SIZE)), 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stored", "codes_zstd"),
+    [c[1:] for c in _zstd_variants()],
+    ids=[c[0] for c in _zstd_variants()],
+)
+def test_any_writers_frame_or_the_raw_codes_are_accepted(stored: bytes, codes_zstd: int) -> None:
+    """The form and the frame's bytes are the writer's: raw codes, another level, a checksum,
+    a longer content size field all decode to the same tensor."""
+    want = read_payload(ZSTD, ZSTD_MODEL).tensors["w"]
+    data = with_stored_codes(stored, codes_zstd)
+    for lazy in (False, True):
+        got = read_payload(data, ZSTD_MODEL, lazy=lazy).tensors["w"]
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.index, want.index)
+
+
+@pytest.mark.parametrize(
+    "value", [2, 255, -1, 2**64 - 1, True, False, 1.0, None, "1", b"\x01", [1]]
+)
+@pytest.mark.parametrize("at", [0, ZSTD_AT])
+def test_bad_codes_zstd_flags(value: Any, at: int) -> None:
+    def change(header: dict) -> None:
+        header["tensors"][at][ref.ZSTD] = value
+
+    assert reject(_zheader(change), ZSTD_MODEL).field == f"tensors[{at}].codes_zstd"
+
+
+def test_lengths_that_disagree_with_the_form_fail_every_reader() -> None:
+    """From the header alone: raw codes are exactly ceil(n_kept / 4) bytes, a frame fewer."""
+    cases = [
+        (with_stored_codes(FRAME, 0), W_CODES),  # a frame's length declared as raw codes
+        (with_stored_codes(ZSTD_RAW, 1), W_CODES),  # raw codes' length declared as a frame
+        (with_stored_codes(FRAME + bytes(ZSTD_RAW_SIZE - len(FRAME) + 1), 1), W_CODES),
+        (with_stored_codes(ref.zstd_frame(ZSTD_RAW, level=1) + b"\x00" * 40, 1), W_CODES),
+    ]
+
+    def flag_b(header: dict) -> None:  # "b": 1 byte of raw codes; no frame is shorter
+        header["tensors"][0][ref.ZSTD] = 1
+
+    cases.append((_zheader(flag_b), "tensors[0].codes"))
+    for data, field in cases:
+        assert reject(data, ZSTD_MODEL).field == field
+        with pytest.raises(PayloadError) as err:
+            read_payload(data, ZSTD_MODEL, only=())
+        assert err.value.field == field
+
+
+# Bytes of few distinct values, so that most frames of 88 of them are shorter than 88 bytes;
+# some leave the last byte's two padding slots (its low four bits) zero, some do not.
+_CODE_BYTES = st.sampled_from([0x00, 0x50, 0xA0, 0x90, 0x55, 0xAA, 0x69, 0x96, 0xFF, 0x01])
+
+
+@FUZZ
+@given(
+    content=st.lists(_CODE_BYTES, min_size=ZSTD_RAW_SIZE, max_size=ZSTD_RAW_SIZE).map(bytes),
+    level=st.integers(1, 19),
+)
+def test_any_frame_of_the_right_size_decodes_exactly_or_is_rejected(
+    content: bytes, level: int
+) -> None:
+    """A frame of any 88 bytes decodes to exactly those codes when their padding is zero, and
+    is rejected otherwise (or is not shorter than the raw codes: then the header says so)."""
+    frame = ref.zstd_frame(content, level=level)
+    data = with_stored_codes(frame)
+    if len(frame) >= ZSTD_RAW_SIZE or content[-1] & 0x0F:
+        assert reject(data, ZSTD_MODEL).field == W_CODES
+    else:
+        codes = read_payload(data, ZSTD_MODEL).tensors["w"].codes
+        assert codes.tolist() == [(byte >> s) & 3 for byte in content for s in (6, 4, 2, 0)][:350]
+
+
+@FUZZ
+@given(flips=st.lists(st.integers(0, 10**6), min_size=1, max_size=3))
+def test_corrupt_frames_behind_valid_checksums_fail_or_decode_consistently(
+    flips: list[int],
+) -> None:
+    stored = bytearray(FRAME)
+    for f in flips:
+        stored[(f // 8) % len(stored)] ^= 0x80 >> (f % 8)
+    check_valid_or_rejected(with_stored_codes(bytes(stored)), ZSTD_MODEL)
 
 
 # ---- index streams --------------------------------------------------------------------------
 
 
 def streams_of(name: str) -> tuple[int, bytes, bytes]:
-    rec = BODY["tensors"][record(name)]
-    return rec[2], rec[5], rec[6]
+    i = record(name)
+    return entry_of(name)[2], RECORDS[i][1], RECORDS[i][2]
 
 
-def with_streams(name: str, rice_bits: int, unary: Any, rem: Any) -> bytes:
-    def fn(body: dict) -> None:
-        rec = body["tensors"][record(name)]
-        rec[2], rec[5], rec[6] = rice_bits, unary, rem
-
-    return mutated(fn)
+def with_streams(name: str, rice_bits: Any, unary: bytes, rem: bytes) -> bytes:
+    return with_sections(name, rice_bits=rice_bits, unary=unary, remainders=rem)
 
 
 def with_gaps(name: str, gaps: list[int], rice_bits: int) -> bytes:
@@ -161,7 +376,7 @@ def test_too_few_and_too_many_codes() -> None:
 def test_bad_remainder_streams() -> None:
     b, unary, rem = streams_of("a")
     assert b > 0  # so that the remainder stream is not empty
-    for bad in (rem[:-1], rem + b"\x00", b"", "rem", None):
+    for bad in (rem[:-1], rem + b"\x00", b""):
         err = reject(with_streams("a", b, unary, bad))
         assert err.field == "tensors[0].remainders", bad
     # Remainders with rice_bits = 0 must be empty.
@@ -190,9 +405,7 @@ def test_positions_outside_the_tile_are_rejected(rice_bits: int) -> None:
     data = with_gaps("a", [*ok[:-k], 12, 0, 0, 0], rice_bits)
     positions = read_payload(data, MODEL).tensors["a"].positions.tolist()
     assert positions[-1] == [12, 13, 14, 15]
-    bads = [[13, 0, 0, 0], [0, 0, 0, 13], [tile_len, 0, 0, 0], [0, 5, 5, 5]]
-    if rice_bits >= 10:  # a 2**20 gap in unary below that would exceed the body limit first
-        bads.append([2**20, 0, 0, 0])
+    bads = [[13, 0, 0, 0], [0, 0, 0, 13], [tile_len, 0, 0, 0], [0, 5, 5, 5], [2**20, 0, 0, 0]]
     for bad in bads:
         assert sum(bad) + k > tile_len
         for where in (0, n_tiles - 1):
@@ -237,10 +450,3 @@ def test_corrupt_index_streams_fail_or_stay_in_range(
         target = u if which == "unary" or (which == "both" and f % 2) or not r else r
         target[(f // 8) % len(target)] ^= 0x80 >> (f % 8)
     check_valid_or_rejected(with_streams("a", rice_bits, bytes(u), bytes(r)))
-
-
-@pytest.mark.parametrize("field", ["unary", "remainders"])
-@pytest.mark.parametrize("value", ["text", None, 0, [1]])
-def test_bad_stream_types(field: str, value: Any) -> None:
-    err = reject(mutated(set_field("a", field, value)))
-    assert err.field == f"tensors[0].{field}"

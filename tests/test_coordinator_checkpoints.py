@@ -4,7 +4,9 @@ Nodes run small rounds (presigned uploads, submits, reports) in-process through 
 (``tests/support/api.py``), as in ``test_coordinator_api.py``; checkpoint files go to SeaweedFS
 through the grants exactly as a node sends them, and what the coordinator writes or deletes is
 checked by listing the bucket. Checkpoint files are real safetensors files of one θ
-(``support.theta_files``): the coordinator verifies what it commits.
+(``support.theta_files``): the coordinator verifies what it commits, streaming the object back
+in chunks (``coordinator.verify``), which one test drives directly with chunks far smaller than
+the file.
 """
 
 from __future__ import annotations
@@ -18,14 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from aiohttp import ClientSession
 from yarl import URL
 
 from coordinator.db import Database
+from coordinator.errors import BadCheckpoint, Conflict
 from coordinator.retention import payload_rounds
 from coordinator.schema import DB_FILE
+from coordinator.storage import S3Store
+from coordinator.verify import CheckpointVerifier
+from node.cluster.seaweed import EmbeddedStore
+from protocol.fingerprint import fingerprint
 from protocol.keys import checkpoint_key, latest_checkpoint_key, run_prefix
-from protocol.messages import CheckpointInfo, RoundReport
+from protocol.messages import CheckpointInfo, CheckpointUpload, RoundReport
 from protocol.runconfig import RunConfig, Timing
 from support.api import FP_B, Api, ApiFactory
 from support.theta_files import THETA_FP, offer, theta_file
@@ -255,3 +263,66 @@ async def test_retention_and_restart(make_api: ApiFactory, s3: Any, tmp_path: Pa
     assert api.coord.machine.db.get_meta("pruned_through") == "5"
     status, err = await api.call("POST", "/v1/checkpoints/6/upload", "n0", offer(b"late"))
     assert (status, err["error"]) == (409, "not_needed")
+
+
+class ChunkCounting(S3Store):
+    """The real store, noting the size of every chunk it hands the verifier."""
+
+    chunks: list[int]
+
+    async def read_chunks(self, key: str, max_size: int, consume: Any, **kw: Any) -> bool:
+        self.chunks = []
+
+        def counted(chunk: bytes) -> None:
+            self.chunks.append(len(chunk))
+            consume(chunk)
+
+        return await super().read_chunks(key, max_size, counted, **kw)
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_is_verified_in_chunks_and_a_deep_corruption_is_caught(
+    store: EmbeddedStore, s3: Any
+) -> None:
+    """The verifier streams the object in chunks (512 bytes here, of a 33 kB file) and accepts
+    the offered file; one flipped byte deep in the data section is caught by the sha256, and by
+    the fingerprint when the offer claims the corrupted file's own size and sha256."""
+    e = store.endpoint
+    spy = ChunkCounting(
+        endpoint_url=e.endpoint_url,
+        bucket=e.bucket,
+        access_key=e.access_key,
+        secret_key=e.secret_key,
+    )
+    verifier = CheckpointVerifier(spy, chunk_bytes=512)
+    gen = torch.Generator().manual_seed(7)
+    tensors = {"w": torch.randn(64, 128, generator=gen), "b": torch.randn(64, generator=gen)}
+    body = theta_file("streamed", tensors)
+    prefix = f"verify-{uuid.uuid4().hex[:8]}/"
+    good = CheckpointUpload.model_validate(offer(body, fingerprint(tensors)))
+    s3.put_object(Bucket=e.bucket, Key=prefix + "good", Body=body)
+    await verifier.verify(prefix + "good", good)
+    assert len(spy.chunks) == -(-len(body) // 512) and max(spy.chunks) == 512
+
+    corrupt = bytearray(body)
+    corrupt[len(body) - 5000] ^= 0x10  # inside "w", far past the first chunks
+    s3.put_object(Bucket=e.bucket, Key=prefix + "corrupt", Body=bytes(corrupt))
+    with pytest.raises(BadCheckpoint, match="sha256"):
+        await verifier.verify(prefix + "corrupt", good)
+    claimed = CheckpointUpload.model_validate(offer(bytes(corrupt), fingerprint(tensors)))
+    with pytest.raises(BadCheckpoint, match=f"not the offered {fingerprint(tensors)}"):
+        await verifier.verify(prefix + "corrupt", claimed)
+
+    smaller = good.model_copy(update={"size": len(body) - 1})
+    with pytest.raises(BadCheckpoint, match="larger than the offered"):
+        await verifier.verify(prefix + "good", smaller)
+    assert spy.chunks == []  # refused on the store's Content-Length, before reading
+    truncated = body[: len(body) - 3]
+    s3.put_object(Bucket=e.bucket, Key=prefix + "truncated", Body=truncated)
+    cut = CheckpointUpload.model_validate(offer(truncated, fingerprint(tensors)))
+    with pytest.raises(BadCheckpoint, match="not a checkpoint of F32 tensors"):
+        await verifier.verify(prefix + "truncated", cut)
+    with pytest.raises(Conflict) as missing:
+        await verifier.verify(prefix + "absent", good)
+    assert missing.value.code == "missing"
+    await spy.close()

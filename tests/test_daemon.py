@@ -128,7 +128,7 @@ async def test_sigterm_between_inner_steps_abandons_the_round_and_leaves(harness
     h = harness(run)
     daemon = h.daemon("node-0")
     task = asyncio.create_task(daemon.run(handle_signals=True))
-    await until(lambda: daemon._worker is not None and daemon._worker.local_steps > 0, "training")
+    await until(lambda: daemon.ctx.shard is not None and daemon.worker.local_steps > 0, "training")
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(task, 60) == 0
     assert h.store.puts == []

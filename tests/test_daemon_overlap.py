@@ -141,7 +141,7 @@ async def test_sigterm_while_the_next_round_trains_leaves_and_resumes(harness) -
     task = asyncio.create_task(daemon.run(handle_signals=True))
     # Round 0 trained and committed; round 1 trains beside round 0's transfers.
     await until(
-        lambda: daemon._worker is not None and daemon._worker.local_steps > 410, "round 1 training"
+        lambda: daemon.ctx.shard is not None and daemon.worker.local_steps > 410, "round 1 training"
     )
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(task, 60) == 0

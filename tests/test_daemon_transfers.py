@@ -4,24 +4,29 @@ Same fakes as ``test_daemon.py`` (the real daemon against the real round machine
 store and clock). A node must never apply an aggregate its peers did not: a gather set it cannot
 fetch completely is fetched again with fresh URLs, and if that keeps failing the node stops with
 its state untouched. A round whose payloads retention already deleted (404) is not replayable,
-so the node continues from a newer checkpoint.
+so the node continues from a newer checkpoint. The fake's file transfers (``put_file``,
+``get_to_file``) keep the ``Transfers`` contract the real ones keep (``test_transfer.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+from pathlib import Path
 
 import pytest
 
 from node.compute.state import load_state
+from node.daemon.api import Transfers
 from node.daemon.gather import fetch_gather
-from node.errors import TransferError
+from node.daemon.transfer import HttpTransfers
+from node.errors import DigestError, RetriesExhausted, TransferError
 from protocol.keys import payload_key, round_prefix
 from protocol.messages import Manifest, ManifestEntry, ManifestView, MemberState, SignedManifest
 from protocol.runconfig import Timing
 from support.daemon_harness import Crash, crash_at, run_config, worker
-from support.fake_store import FakeStore
+from support.fake_store import FakeStore, NodeTransfers
 
 pytestmark = pytest.mark.asyncio
 
@@ -165,3 +170,32 @@ async def test_a_swapped_checkpoint_falls_back_to_the_one_before(harness, caplog
     assert len(loaded) == 1 and f"round={run.rounds - 2} " in loaded[0]
     theta = worker(run).shapes
     assert h.saved_fingerprint("node-1", theta) == h.saved_fingerprint("node-0", theta)
+
+
+def _is_transfers(real: HttpTransfers, fake: NodeTransfers) -> list[Transfers]:
+    """Both sides of the seam are ``Transfers`` (checked by mypy, which runs on the tests)."""
+    return [real, fake]
+
+
+async def test_the_fake_moves_files_as_the_real_transfers_do(tmp_path: Path) -> None:
+    store = FakeStore()
+    body = b"theta" * 1000
+    sha = hashlib.sha256(body).hexdigest()
+    source = tmp_path / "up.safetensors"
+    source.write_bytes(body)
+    url = store.presign_put("ckpt/model.safetensors", len(body), sha)
+    transfers = store.transfers("node-0")
+    assert await transfers.put_file(url, {}, source, size=len(body)) is True
+    assert await transfers.put_file(url, {}, source, size=len(body)) is False  # write-once
+    with pytest.raises(TransferError, match="not 4999"):
+        await transfers.put_file(url, {}, source, size=len(body) - 1)
+    get = store.presign_get("ckpt/model.safetensors")
+    target = tmp_path / "down.safetensors"
+    await transfers.get_to_file(get, target, size=len(body), sha256=sha)
+    assert target.read_bytes() == body
+    with pytest.raises(DigestError):
+        await transfers.get_to_file(get, tmp_path / "bad", size=len(body), sha256="0" * 64)
+    transfers.plan.failing = 1
+    with pytest.raises(RetriesExhausted):
+        await transfers.get_to_file(get, tmp_path / "bad", size=len(body), sha256=sha)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["down.safetensors", "up.safetensors"]

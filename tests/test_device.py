@@ -1,5 +1,6 @@
 """The device path (torch operations) against the CPU path (numba), on the CPU: the same
-payload bytes, the same reconstruction and the same parameters after aggregation, bit for bit."""
+payload bytes (codes stored raw or as zstd frames alike), the same reconstruction and the same
+parameters after aggregation, bit for bit."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from node.compute import device
 from node.compute.outer import apply_aggregate
 from protocol.codec import decode, encode, read_payload
+from support import reference_codec as ref
 
 SHAPES: dict[str, tuple[int, ...]] = {
     "emb": (256, 128),
@@ -40,8 +42,18 @@ def test_encode_is_byte_identical(topk: int, tile: int) -> None:
         assert torch.equal(got_recon[name].view(torch.int32), want_recon[name].view(torch.int32))
 
 
-def test_decode_is_bit_identical() -> None:
-    data, _ = encode(_inputs(1), topk=64, tile=64)
+def test_the_payloads_compared_store_codes_both_ways() -> None:
+    """So that the byte comparisons above cover zstd-coded records as well as raw ones."""
+    forms = set()
+    for topk, tile in [(64, 64), (128, 64), (5, 8), (1, 4), (16, 4)]:
+        data, _ = encode(_inputs(topk + tile), topk=topk, tile=tile)
+        forms |= {e[ref.ZSTD] for e in ref.split_payload(data).header["tensors"]}
+    assert forms == {0, 1}
+
+
+@pytest.mark.parametrize(("topk", "tile"), [(64, 64), (5, 8)])
+def test_decode_is_bit_identical(topk: int, tile: int) -> None:
+    data, _ = encode(_inputs(1), topk=topk, tile=tile)  # (5, 8): zstd-coded records too
     want = decode(data, SHAPES)
     got = device.decode(read_payload(data, SHAPES, lazy=True), "cpu")
     for name in SHAPES:
@@ -91,3 +103,14 @@ def test_decode_wants_lazy_payloads() -> None:
     data, _ = encode(_inputs(0))
     with pytest.raises(TypeError, match="lazy"):
         device.decode(read_payload(data, SHAPES), "cpu")
+
+
+def test_decode_of_a_partial_read_is_bit_identical() -> None:
+    """A rank reads only its own tensors of a peer's payload; the device decodes those."""
+    data, _ = encode(_inputs(2), topk=64, tile=64)
+    only = ["conv", "emb", "tiny"]
+    want = decode(data, SHAPES)
+    got = device.decode(read_payload(data, SHAPES, lazy=True, only=only), "cpu")
+    assert sorted(got) == only
+    for name in only:
+        assert torch.equal(got[name].view(torch.int32), want[name].view(torch.int32))

@@ -1,22 +1,30 @@
 """LLaMA-style models written for Hugging Face ``transformers`` (``node.tools.hf``): the
-directory loads with ``AutoModelForCausalLM``, computes the logits ours computes and generates."""
+directory loads with ``AutoModelForCausalLM``, computes the logits ours computes and generates.
+The export never holds the model whole: it verifies the downloaded file in chunks and writes the
+folder from it one tensor at a time, with the checks and messages it always had."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from node.compute.model import ModelConfig, build_model, get_preset
 from node.errors import CheckpointError
-from node.tools.hf import write_hf
+from node.tools.export import verify_checkpoint
+from node.tools.hf import FileTensors, hf_name, write_hf
 from node.tools.shards import train_bpe
+from protocol.fingerprint import digest_file, fingerprint
+from protocol.messages import CheckpointInfo
 from protocol.runconfig import RunConfig, Timing
 from support.cluster import Cluster
 
@@ -112,3 +120,77 @@ def test_sparseloco_export_of_a_llama_run_loads_in_transformers(tmp_path: Path, 
     assert refused.returncode != 0
     assert "512 entries" in refused.stderr and "vocabulary of 256" in refused.stderr, refused.stderr
     assert not (tmp_path / "refused").exists()
+
+
+class OneAtATime(FileTensors):
+    """``FileTensors`` that fails if the tensor it handed out last is still alive when the next
+    one is asked for (a writer that kept them would hold the whole model)."""
+
+    reads = 0
+    last: weakref.ref[torch.Tensor] | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        gc.collect()
+        assert self.last is None or self.last() is None, "the previous tensor is still held"
+        t = super().__getitem__(name)
+        self.reads += 1
+        self.last = weakref.ref(t)
+        return t
+
+
+def test_the_folder_is_written_from_the_file_one_tensor_at_a_time(tmp_path: Path) -> None:
+    params = {n: p.data for n, p in build_model(UNTIED_GQA, seed=3).named_parameters()}
+    checkpoint = tmp_path / "checkpoint.safetensors"
+    save_file(params, str(checkpoint))
+    checked = digest_file(checkpoint)
+    assert checked.fingerprint == fingerprint(params)
+    source = OneAtATime(checkpoint, checked)
+    write_hf(source, UNTIED_GQA, tmp_path / "streamed", {"run_id": "test"})
+    assert source.reads == len(params)
+    written = load_file(str(tmp_path / "streamed" / "model.safetensors"))
+    assert written.keys() == {hf_name(n) for n in params}
+    assert all(torch.equal(written[hf_name(n)], t) for n, t in params.items())
+    # The same bytes as from the tensors in memory.
+    write_hf(params, UNTIED_GQA, tmp_path / "in-memory", {"run_id": "test"})
+    for name in ("model.safetensors", "config.json"):
+        streamed = (tmp_path / "streamed" / name).read_bytes()
+        assert streamed == (tmp_path / "in-memory" / name).read_bytes(), name
+
+
+def _info(data: bytes, fp: str) -> CheckpointInfo:
+    import hashlib
+
+    sha = hashlib.sha256(data).hexdigest()
+    return CheckpointInfo(
+        run_id="run", round=4, fingerprint=fp, key="k", sha256=sha, size=len(data),
+        node_id="node-0", created_at=0.0,
+    )  # fmt: skip
+
+
+def test_a_downloaded_checkpoint_is_checked_against_the_run(tmp_path: Path) -> None:
+    """The file's names, shapes and dtypes against the run's model, then its fingerprint, each
+    refusal with the message export always gave."""
+    run = RunConfig(name="x", model="llama_tiny")
+    params = {
+        n: p.data for n, p in build_model(get_preset("llama_tiny"), seed=1).named_parameters()
+    }
+    good = tmp_path / "good.safetensors"
+    save_file(params, str(good))
+    fp = fingerprint(params)
+    assert verify_checkpoint(good, _info(good.read_bytes(), fp), run).fingerprint == fp
+    with pytest.raises(CheckpointError, match=f"has fingerprint {fp}, the nodes agreed on 0+$"):
+        verify_checkpoint(good, _info(good.read_bytes(), "0" * 32), run)
+    cases = {
+        "missing": {n: t for n, t in list(params.items())[1:]},
+        "half": {n: t.half() for n, t in params.items()},
+        "reshaped": {n: t.reshape(-1) for n, t in params.items()},
+    }
+    for case, tensors in cases.items():
+        path = tmp_path / f"{case}.safetensors"
+        save_file(tensors, str(path))
+        with pytest.raises(CheckpointError, match="does not hold the run's 'llama_tiny' model"):
+            verify_checkpoint(path, _info(path.read_bytes(), fp), run)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[:-4])
+    with pytest.raises(CheckpointError, match="checkpoint of round 4 is unreadable: data"):
+        verify_checkpoint(cut, _info(cut.read_bytes(), fp), run)

@@ -1,218 +1,233 @@
-"""A node of several processes (``node.compute.ranks``, ``node.daemon.ranks``).
+"""A node of several processes: the same θ as one process, whatever the rank count.
 
-The unit test runs the real leader and follower of ``node.compute.ranks`` in two processes
-(spawned, gloo on loopback) and checks that two rounds of their inner steps give the parameters
-one process gets from the same full batches; the integration test runs a 2-process torchrun node
-beside an ordinary one against a real coordinator and store.
+The unit tests run real ``Worker``s of 2 and 4 ranks (spawned processes, gloo on loopback) and
+one process side by side on the same inputs and check, bit for bit:
+
+- applying a round (robust screening with a hostile peer, median-norm clipping, the value
+  bound) leaves every rank's tensors exactly as a single process leaves them, with the same
+  fingerprint and the same peers screened out;
+- the payload the ranks encode together is byte for byte the single process's payload;
+- a checkpoint file the ranks write together is byte for byte the single process's, and loads
+  into a node of another rank count;
+- the state a node of 2 ranks saved loads into 4 ranks and into one process (resharded), θ and
+  e unchanged;
+
+and that FSDP's inner steps train what one process trains (to rounding: FSDP sums gradients in
+another order). The integration tests run torchrun nodes of 2 and 4 processes in a real run.
 """
 
 from __future__ import annotations
 
-import os
-import re
+import json
+import math
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
-from node.compute.presets import get_run_preset
-from node.compute.ranks import Follower, Kind, Ranks, lead
-from node.compute.state import restore_adam
+from node.compute.checkpoint import load_checkpoint_file, write_checkpoint_file
+from node.compute.group import Group
+from node.compute.model import get_preset, model_shapes
+from node.compute.sharding import assign, balance, owned
 from node.compute.worker import Worker
-from node.errors import Abandoned, RanksError
-from protocol.messages import RoundState
-from protocol.runconfig import RunConfig, Timing
-from support.cluster import Cluster
+from node.daemon.pending import Shard, restore_state, save_idle
+from node.research.bench.codec_bench import error_buffer
+from protocol.codec import encode
+from protocol.runconfig import RunConfig
+from support.ranks import spawn
 
-#: batch_size 5 over 2 processes: rows 3 and 2, so the weighting by rows matters.
-RUN = RunConfig(name="ranks", model="tiny", rounds=2, inner_steps=4, batch_size=5, min_nodes=1)
-#: A factor the leader's lr_scale returns, which the followers must use too.
-LR_SCALE = 0.7
-
-
-def _worker() -> Worker:
-    return Worker(RUN, run_id="ranks", node_id="n", slot=3)
-
-
-def _params(worker: Worker) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in worker.inner.model.named_parameters()}
+#: batch_size 5 over 2 or 4 processes: rows of unequal count, so the weighting by rows matters.
+RUN = RunConfig(name="ranks", model="llama_small", rounds=4, inner_steps=3, batch_size=5)
+RUN_ID = "ranks-test"
+PEERS = ("a", "b", "c", "d", "e")
+#: The hostile peer: the first honest update with every sign flipped.
+FLIPPED = "e"
+ROUND = 2
 
 
-def _two_rounds(train) -> list[float]:
-    """Round 0, AdamW reset (as a restore from disk does: the followers must get it), round 1;
-    training goes on from the parameters round 0 left."""
-    losses = train(0)
-    return losses + train(1)
+def _worker(group: Group | None = None) -> Worker:
+    return Worker(RUN, run_id=RUN_ID, node_id="n", slot=3, group=group)
 
 
-def _rank_main(rank: int, world: int, init_file: str, outs: list[str]) -> None:
-    out = outs[rank]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    ranks = Ranks.from_env(init_method=f"file://{init_file}")
-    try:
-        if rank != 0:
-            follower = Follower(ranks)
-            assert follower.serve() == 0
-            assert follower.loop is not None
-            torch.save({n: p.data for n, p in follower.loop.model.named_parameters()}, out)
-            return
-        worker = _worker()
-        loop = lead(worker.inner, ranks)
-        stopped = threading.Event()
-        stopped.set()
-        try:  # a stop before the first step: every rank leaves the round
-            loop.train(0, lr_scale=lambda: LR_SCALE, stop=stopped)
-            raise AssertionError("not abandoned")
-        except Abandoned:
-            pass
-
-        def train(round_: int) -> list[float]:
-            if round_ == 1:
-                restore_adam(loop.opt, {})
-            return loop.train(round_, lr_scale=lambda: LR_SCALE, stop=threading.Event())
-
-        losses = _two_rounds(train)
-        ranks.send(Kind.STOP)
-        torch.save({"params": _params(worker), "losses": losses}, out)
-    finally:
-        ranks.close()
+def _peer_payloads(directory: Path) -> dict[str, Path]:
+    """Four honest payloads (one direction, each with its own noise) and a sign-flipped one."""
+    shapes = model_shapes(get_preset(RUN.model))
+    common = error_buffer(shapes, seed=1)
+    out = {}
+    for i, node in enumerate(PEERS):
+        if node == FLIPPED:
+            buffer = {n: -t for n, t in error_buffer(shapes, seed=1).items()}
+        else:
+            noise = error_buffer(shapes, seed=10 + i)
+            buffer = {n: common[n] + 0.5 * noise[n] for n in shapes}
+        data, _ = encode(
+            buffer, topk=RUN.topk, tile=RUN.tile, run_id=RUN_ID, round=ROUND, node_id=node,
+            base="f" * 32,
+        )  # fmt: skip
+        path = directory / f"{node}.slc"
+        path.write_bytes(data)
+        out[node] = path
+    return out
 
 
-def _spawn(
-    child: Callable[[int, int, str, list[str]], None], tmp_path: Path
-) -> tuple[list[str], list[int | None]]:
-    """Run ``child(rank, 2, init_file, outs)`` in two spawned processes (each runs to its own
-    end: none is torn down when another fails); their output files and exit codes."""
-    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-    spawn = mp.get_context("spawn")
-    procs = [
-        spawn.Process(target=child, args=(r, 2, str(tmp_path / "init"), outs)) for r in range(2)
-    ]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + 120
-    try:
-        for proc in procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        assert not any(proc.is_alive() for proc in procs), "the ranks did not finish"
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return outs, [proc.exitcode for proc in procs]
+def _own_buffer(worker: Worker) -> dict[str, torch.Tensor]:
+    every = error_buffer(worker.shapes, seed=99)
+    return {n: every[n].clone() for n in worker.owned}
 
 
-def test_two_processes_train_what_one_process_trains(tmp_path: Path) -> None:
-    outs, codes = _spawn(_rank_main, tmp_path)
-    assert codes == [0, 0]
-    leader = torch.load(outs[0])
-    follower = torch.load(outs[1])
+def _node(group: Group, out: Path, peers_dir: str, state_from: str | None) -> None:
+    """Everything the unit tests compare, on one rank of a node of ``group.world``."""
+    world, rank = group.world, group.rank
+    tag = f"t{world}" if group.distributed else "solo"
+    w = _worker(group)
+    # 1. Apply a round of peer payloads (read from files, each rank its tensors).
+    payloads = {p.stem: w.read(str(p)) for p in sorted(Path(peers_dir).glob("*.slc"))}
+    screened = w.apply(payloads)
+    fp = w.fingerprint()
+    save_file({n: t.contiguous() for n, t in w.params.items()}, str(out / f"{tag}-theta-{rank}.st"))
+    # 2. Encode an error buffer together.
+    w.error = _own_buffer(w)
+    payload, _ = w._compress(ROUND + 1, fp)
+    # 3. A checkpoint file written together, and loaded again.
+    ckpt = out / f"{tag}.ckpt"
+    size, sha, ckpt_fp = write_checkpoint_file(w, ckpt)
+    other = _worker(group)
+    load_checkpoint_file(other, ckpt, round_=w.round, expected=ckpt_fp)
+    assert other.fingerprint() == fp
+    # 4. The state saved by this node (and, if given, the one another rank count saved).
+    shard = Shard(out / f"{tag}-state", group, w)
+    save_idle(shard)
+    loaded = {}
+    if state_from is not None:
+        fresh = _worker(group)
+        pending, resumed = restore_state(Shard(Path(state_from), group, fresh))
+        assert resumed and pending is None
+        loaded = {"theta": fresh.fingerprint(), "round": fresh.round, "steps": fresh.local_steps}
+        save_file(
+            {f"e.{n}": t.contiguous() for n, t in fresh.error.items()},
+            str(out / f"{tag}-loaded-error-{rank}.st"),
+        )
+    # 5. Inner steps on FSDP: two rounds from θ_0.
+    t = _worker(group)
+    t.placement.begin()
+    losses = t.inner.train(0, lr_scale=lambda: 0.7, stop=threading.Event())
+    losses += t.inner.train(1, lr_scale=lambda: 0.7, stop=threading.Event())
+    delta = t.placement.finish()
+    trained = {n: (t.params[n] - d).contiguous() for n, d in delta.items()}
+    save_file(trained, str(out / f"{tag}-trained-{rank}.st"))
+    if rank == 0:
+        (out / f"{tag}-payload.slc").write_bytes(payload)
+        facts = {
+            "fingerprint": fp, "screened": sorted(screened), "checkpoint": [size, sha, ckpt_fp],
+            "losses": losses, "loaded": loaded,
+        }  # fmt: skip
+        (out / f"{tag}.json").write_text(json.dumps(facts))
 
-    reference = _worker()
 
-    def train(round_: int) -> list[float]:
-        if round_ == 1:
-            restore_adam(reference.opt, {})
-        return reference.inner.train(round_, lr_scale=lambda: LR_SCALE, stop=threading.Event())
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """One plain process (the reference), then torchrun-like nodes of 1, 2 and 4 ranks (the
+    4-rank one loads the 2-rank one's state), each through every check of ``_node``. A node of
+    one rank under torchrun keeps its outer state on its device and trains on FSDP too."""
+    root = tmp_path_factory.mktemp("ranks")
+    peers = _peer_payloads(root)
+    out = root / "out"
+    out.mkdir()
+    _node(Group.solo(), out, str(root), None)
+    assert spawn(1, _node, root, str(root), None) == [0]
+    assert spawn(2, _node, root, str(root), None) == [0, 0]
+    assert spawn(4, _node, root, str(root), str(out / "t2-state")) == [0, 0, 0, 0]
+    return {"out": out, "peers": peers}
 
-    expected_losses = _two_rounds(train)
-    expected = _params(reference)
-    initial = _params(_worker())
-    assert leader["losses"] == pytest.approx(expected_losses, rel=1e-5)
-    assert set(leader["params"]) == set(expected)
-    for name, value in expected.items():
+
+def _theta(out: Path, tag: str, world: int, kind: str = "theta") -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(world):
+        part = load_file(str(out / f"{tag}-{kind}-{rank}.st"))
+        assert not set(part) & set(merged), "two ranks hold the same tensor"
+        merged.update(part)
+    return merged
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_rank_count_applies_bit_for_bit_what_one_process_applies(nodes, world) -> None:
+    out = nodes["out"]
+    one = json.loads((out / "solo.json").read_text())
+    many = json.loads((out / f"t{world}.json").read_text())
+    assert one["screened"] == [FLIPPED]  # the screening did something
+    assert many["screened"] == one["screened"]
+    assert many["fingerprint"] == one["fingerprint"]
+    reference = _theta(out, "solo", 1)
+    sharded = _theta(out, f"t{world}", world)
+    assert set(sharded) == set(reference)
+    for name, value in reference.items():
+        assert torch.equal(sharded[name], value), name
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ranks_encode_the_single_process_payload_byte_for_byte(nodes, world) -> None:
+    out = nodes["out"]
+    assert (out / f"t{world}-payload.slc").read_bytes() == (out / "solo-payload.slc").read_bytes()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_checkpoint_written_by_ranks_is_the_single_process_file(nodes, world) -> None:
+    out = nodes["out"]
+    one = json.loads((out / "solo.json").read_text())["checkpoint"]
+    many = json.loads((out / f"t{world}.json").read_text())["checkpoint"]
+    assert many == one
+    assert (out / f"t{world}.ckpt").read_bytes() == (out / "solo.ckpt").read_bytes()
+
+
+def test_a_state_saved_by_2_ranks_loads_into_4_with_theta_and_e_unchanged(nodes) -> None:
+    out = nodes["out"]
+    facts = json.loads((out / "t4.json").read_text())
+    saved = json.loads((out / "t2.json").read_text())
+    assert facts["loaded"]["theta"] == saved["fingerprint"]
+    assert facts["loaded"]["steps"] == 0  # AdamW of another layout starts fresh
+    errors = _theta(out, "t4", 4, "loaded-error")
+    # The 2-rank node saved e after encoding it (the residual); one process encoding the same
+    # buffer kept the very same residual.
+    single = load_file(str(out / "solo-state" / "state.safetensors"))
+    assert set(errors) == {"e." + k.removeprefix("error.") for k in single}
+    for key, value in single.items():
+        assert torch.equal(errors["e." + key.removeprefix("error.")], value), key
+
+
+def test_a_state_saved_by_ranks_loads_into_one_process(nodes, tmp_path: Path) -> None:
+    w = _worker()
+    pending, resumed = restore_state(Shard(nodes["out"] / "t4-state", Group.solo(), w))
+    assert resumed and pending is None
+    assert w.fingerprint() == json.loads((nodes["out"] / "t4.json").read_text())["fingerprint"]
+    errors = _theta(nodes["out"], "t4", 4, "loaded-error")
+    for name, t in w.error.items():
+        assert torch.equal(t, errors[f"e.{name}"]), name
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fsdp_inner_steps_train_what_one_process_trains(nodes, world) -> None:
+    out = nodes["out"]
+    one = json.loads((out / "solo.json").read_text())["losses"]
+    many = json.loads((out / f"t{world}.json").read_text())["losses"]
+    assert many == pytest.approx(one, rel=1e-5)
+    reference = _theta(out, "solo", 1, "trained")
+    sharded = _theta(out, f"t{world}", world, "trained")
+    initial = _worker().params
+    for name, value in reference.items():
         assert not torch.equal(value, initial[name]), name  # it trained
-        torch.testing.assert_close(leader["params"][name], value, rtol=1e-5, atol=1e-6)
-        # Every rank took the very same steps: the follower holds rank 0's bits.
-        assert torch.equal(follower[name], leader["params"][name]), name
+        torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6)
 
 
-def _dying_follower_child(rank: int, world: int, init_file: str, outs: list[str]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    ranks = Ranks.from_env(init_method=f"file://{init_file}")
-    if rank != 0:
-        assert ranks.receive()[0] is Kind.SETUP
-        ranks.objects([None] * 4)
-        os._exit(3)  # dies without a word, as a crash or an OOM kill would
-    loop = lead(_worker().inner, ranks)
-    try:
-        loop.train(0, lr_scale=lambda: 1.0, stop=threading.Event())
-    except RanksError as exc:
-        Path(outs[0]).write_text(str(exc))
-
-
-def test_a_follower_that_dies_fails_rank_0_with_a_clear_error(tmp_path: Path) -> None:
-    outs, codes = _spawn(_dying_follower_child, tmp_path)
-    assert codes == [0, 3]
-    message = Path(outs[0]).read_text()
-    assert "the node's processes lost each other" in message
-    assert "Another rank exited or hung" in message
-
-
-TIMING = Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=30)
-
-
-def _rank_pids(log: str) -> dict[int, int]:
-    """rank -> pid of the processes a torchrun node logged (the latest start of each rank)."""
-    found = re.findall(r"event=rank_ready rank=(\d+) world=\d+ backend=\S+ pid=(\d+)", log)
-    return {int(rank): int(pid) for rank, pid in found}
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")
-
-
-def test_a_two_process_node_takes_part_like_any_other(tmp_path: Path, store) -> None:
-    # The tiny preset's shape; min_nodes=2 keys the scenario to rounds: the run waits while the
-    # torchrun node is away. It trains rounds 0-1 beside an ordinary node, is stopped with
-    # SIGTERM (all its processes end), comes back from its state and finishes the run.
-    shape = get_run_preset("tiny")
-    run = RunConfig(
-        name="ranks", model=shape.model, rounds=4, inner_steps=shape.inner_steps,
-        batch_size=shape.batch_size, min_nodes=2, timing=TIMING,
-    )  # fmt: skip
-    cluster = Cluster(tmp_path, store, run, 2)
-    try:
-        cluster.start_coordinator()
-        ranked = cluster.start_node("node-0", ranks=2)
-        cluster.start_node("node-1")
-        status = cluster.wait_closed(2)
-        first = _rank_pids(ranked.output())
-        assert set(first) == {0, 1}, ranked.tail(40)
-        assert "event=rank_setup rank=1" in ranked.output()
-
-        ranked.stop()  # SIGTERM to torchrun, which passes it on to both ranks
-        log = ranked.output()
-        assert "event=rank_stopped rank=1" in log, log[-3000:]
-        assert "event=stop_requested node=node-0" in log
-        assert all(_gone(pid) for pid in first.values())
-
-        ranked = cluster.start_node("node-0", ranks=2)
-        status = cluster.wait_finished()  # both exit 0: rank 0 stops its follower at the end
-        second = _rank_pids(ranked.output())
-        assert set(second) == {0, 1} and not set(second.values()) & set(first.values())
-        assert all(_gone(pid) for pid in second.values())
-    finally:
-        cluster.stop()
-    closed = [r for r in status.rounds if r.state == RoundState.CLOSED]
-    assert [r.round for r in closed] == list(range(run.rounds))
-    both = {"node-0", "node-1"}
-    for summary in closed:
-        # Every node that reported a round reports the same θ after it.
-        assert len(set(summary.fingerprints.values())) == 1, summary.fingerprints
-    # The torchrun node's payloads are gathered and aggregated like the other's.
-    assert set(closed[0].gather) == both and set(closed[1].gather) == both
-    assert set(closed[-1].gather) == both and set(closed[-1].fingerprints) == both
+def test_tensors_are_dealt_whole_and_balanced() -> None:
+    shapes = model_shapes(get_preset("llama_1b"))
+    for world in (2, 4, 8):
+        owners = assign(shapes, world)
+        assert set(owners) == set(shapes)
+        assert sorted(n for r in range(world) for n in owned(shapes, world, r)) == sorted(shapes)
+        # Within one tensor of the ideal share.
+        largest = max(math.prod(s) for s in shapes.values())
+        b = balance(shapes, world)
+        assert max(b.loads) <= b.total / world + largest
+    assert assign(shapes, 4) == assign(dict(reversed(list(shapes.items()))), 4)

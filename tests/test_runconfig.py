@@ -17,3 +17,12 @@ def test_run_ids_from_before_the_variants_stay_the_same() -> None:
         assert text in RunConfig(overlap=variant).canonical().decode()
     assert RunConfig(overlap=True).run_id == RunConfig(overlap="delayed").run_id
     assert RunConfig().run_id != RunConfig(overlap="eager").run_id
+
+
+def test_the_protocol_version_is_part_of_the_run_id(monkeypatch) -> None:
+    import protocol.runconfig as runconfig
+
+    assert f'"protocol":{runconfig.PROTOCOL}' in RunConfig().canonical().decode()
+    before = RunConfig().run_id
+    monkeypatch.setattr(runconfig, "PROTOCOL", runconfig.PROTOCOL - 1)
+    assert RunConfig().run_id != before

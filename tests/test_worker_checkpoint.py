@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
 
+from node.compute.checkpoint import load_checkpoint_file, write_checkpoint_file
 from node.compute.worker import Worker
 from node.daemon.faults import Faults
 from node.errors import CheckpointError
 from protocol.errors import ConfigError
-from protocol.fingerprint import fingerprint
+from protocol.fingerprint import fingerprint, fingerprint_safetensors
 from protocol.runconfig import RunConfig
 
 RUN = RunConfig(model="tiny", rounds=4, inner_steps=2, batch_size=2)
@@ -23,18 +25,22 @@ def _worker(node: str = "n0", slot: int = 0) -> Worker:
     )
 
 
-def test_checkpoint_round_trips_and_is_verified() -> None:
+def test_checkpoint_round_trips_and_is_verified(tmp_path: Path) -> None:
     a, b = _worker(), _worker("n1", 1)
     a.train_and_compress()
     a.apply({"n0": a.read(a.train_and_compress().payload)})
-    data, sha256, fp = a.checkpoint_bytes()
+    path = tmp_path / "ckpt.safetensors"
+    size, sha256, fp = write_checkpoint_file(a, path)
+    data = path.read_bytes()
     assert fp == a.fingerprint() and sha256 == hashlib.sha256(data).hexdigest()
-    b.load_checkpoint(data, round_=a.round, expected=fp)
+    assert size == len(data) and fingerprint_safetensors(data) == fp
+    load_checkpoint_file(b, path, round_=a.round, expected=fp)
     assert b.fingerprint() == a.fingerprint() and b.round == a.round
     with pytest.raises(CheckpointError, match="fingerprint"):
-        b.load_checkpoint(data, round_=1, expected="0" * 32)
+        load_checkpoint_file(b, path, round_=1, expected="0" * 32)
+    path.write_bytes(data[:100])
     with pytest.raises(CheckpointError, match="unreadable"):
-        b.load_checkpoint(data[:100], round_=1, expected=fp)
+        load_checkpoint_file(b, path, round_=1, expected=fp)
     b.reset_to_initial()
     assert b.round == 0 and b.fingerprint() == _worker().fingerprint()
 
@@ -80,14 +86,15 @@ def test_the_encoders_recon_is_what_the_payload_decodes_to() -> None:
     # ĉ is kept from the encoder instead of decoding the own payload; they must be the same bits.
     w = _worker()
     result = w.train_and_compress()
-    decoded = w.own_recon(result.payload)
+    w.forget(0)  # as a restart loses it
+    decoded = w.own_recon(0, result.payload)
     assert set(decoded) == set(result.recon)
     for name, t in result.recon.items():
         assert torch.equal(t, decoded[name])
     assert result.sha256 == hashlib.sha256(result.payload).hexdigest()
 
 
-def test_the_remembered_fingerprint_follows_every_change_of_theta() -> None:
+def test_the_remembered_fingerprint_follows_every_change_of_theta(tmp_path: Path) -> None:
     w, other = _worker(), _worker("n1", 1)
 
     def fresh() -> str:
@@ -98,8 +105,8 @@ def test_the_remembered_fingerprint_follows_every_change_of_theta() -> None:
     assert result.base == w.fingerprint() == fresh()
     w.apply({"n0": w.read(result.payload)})
     assert w.fingerprint() == fresh() != result.base
-    data, _, fp = w.checkpoint_bytes()
-    other.load_checkpoint(data, round_=w.round, expected=fp)
+    _, _, fp = write_checkpoint_file(w, tmp_path / "ckpt")
+    load_checkpoint_file(other, tmp_path / "ckpt", round_=w.round, expected=fp)
     assert other.fingerprint() == fp == fingerprint(other.params)
     w.corrupt()
     assert w.fingerprint() == fresh() != fp

@@ -71,6 +71,9 @@ class UpConfig(BaseModel):
     device: str = "cpu"
     #: torch (and numba) threads per node.
     threads: int = Field(1, ge=1)
+    #: Processes per node (torchrun): one count for all, or a comma-separated list the nodes
+    #: take in turn (``1,2,4``). A node of N processes shards its state over them.
+    ranks: str = "1"
 
     @field_validator("device")
     @classmethod
@@ -80,6 +83,19 @@ class UpConfig(BaseModel):
     def node_device(self, i: int) -> str:
         """The device of node ``i``."""
         return self.device.split(",")[i % (self.device.count(",") + 1)]
+
+    @field_validator("ranks")
+    @classmethod
+    def _ranks(cls, value: str) -> str:
+        counts = [c.strip() for c in value.split(",")]
+        if not all(c.isdigit() and 1 <= int(c) <= 64 for c in counts):
+            raise ValueError(f"{value!r}: give process counts of 1 to 64, e.g. 2 or 1,2,4")
+        return ",".join(str(int(c)) for c in counts)
+
+    def node_ranks(self, i: int) -> int:
+        """How many processes node ``i`` runs."""
+        counts = self.ranks.split(",")
+        return int(counts[i % len(counts)])
 
     @field_validator("upload_limit", "download_limit")
     @classmethod
@@ -200,7 +216,14 @@ def start_node(
     (``node.daemon.ranks``)."""
     args = [sys.executable, "-m", "node", "node", "--coordinator", url]
     if ranks > 1:
-        args[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        # The README's command: torchrun (the script next to this Python), N copies of the node.
+        torchrun = Path(sys.executable).with_name("torchrun")
+        launch = (
+            [str(torchrun)]
+            if torchrun.exists()
+            else [sys.executable, "-m", "torch.distributed.run"]
+        )
+        args = [*launch, "--standalone", f"--nproc-per-node={ranks}", *args[1:]]
     args += ["--state-dir", str(state_dir), "--threads", str(threads), "--device", device]
     if data:
         args += ["--data", data]
@@ -342,6 +365,7 @@ def up(
                 limits=(cfg.upload_limit, cfg.download_limit),
                 device=cfg.node_device(i),
                 threads=node_threads[i] if node_threads else cfg.threads,
+                ranks=cfg.node_ranks(i),
             )
             for i, (name, token) in enumerate(tokens.items())
         ]

@@ -24,18 +24,19 @@ same bytes and the same parameters (``tests/test_device.py`` compares the two on
   agreement) runs on the host on the same decoded payloads (``node.compute.robust``); its
   verdicts are exact either way.
 
-Not wired into the daemon. To use it there, the worker would keep θ and the error buffer on the
-device, call ``encode`` instead of ``protocol.codec.encode`` inside ``outer.compress``, read
-peers with ``read_payload(..., lazy=True)`` as now and call ``apply_aggregate`` from this module
-instead of ``outer.apply_aggregate``; the payload bytes and θ are the same either way.
+Where it runs: a node under torchrun on CUDA keeps each rank's θ and error buffer on that
+rank's GPU (``node.compute.worker``), so its ranks encode their tensors with ``encode_tensor``
+here and apply their part of every round with ``apply_aggregate`` here; the payload bytes and θ
+are the same as the CPU's either way. A plain single process keeps θ on the CPU.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from node.compute.outer import _bands, _clip_scales
@@ -158,7 +159,7 @@ def encode_tensor(
     codes = q.codes.to(x.device, dtype=torch.int64)
     recon[flat] = table.to(x.device)[codes]
     rice_bits, unary, rem = _rice(positions)
-    record = TensorRecord(
+    record = TensorRecord.of(
         name, g.shape, rice_bits, q.stats_bytes(), pack_codes(q.codes), unary, rem
     )
     return record, recon.view(g.shape)
@@ -310,10 +311,12 @@ def apply_aggregate(
     alpha: float = 1.0,
     clip: bool = True,
     robust: bool = False,
+    combine: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> Screening:
     """``node.compute.outer.apply_aggregate`` on the parameters' device (fp32 parameters).
 
     ``payloads`` come from ``read_payload(..., lazy=True)``. Returns the same ``Screening``.
+    ``combine``: on a rank of a node, sums the screening's counts over the ranks (exact).
     """
     names = sorted(payloads)
     peers = [payloads[node] for node in names]
@@ -323,6 +326,9 @@ def apply_aggregate(
     if robust and screening.active:
         for name in params:
             screening.add([p.tensors[name] for p in peers])
+        if combine is not None:
+            screening.agree = combine(screening.agree)
+            screening.shared = combine(screening.shared)
         keep = screening.decide()
         peers = [p for p, kept in zip(peers, keep, strict=True) if kept]
     with torch.no_grad():

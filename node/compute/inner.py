@@ -5,25 +5,28 @@ only what happens between "θ_r copied into the model" and "the model holds the 
 parameters": which batch each global step draws, the learning rate it runs at, and the
 optimiser step. Kept apart because it is the one part of a round that differs per device and
 per process layout; everything before and after it is the same bit for bit on every node.
+
+On a node of several ranks the model is FSDP's (``node.compute.fsdp``) and every rank runs this
+same loop: each reads the node's batch of the step from the data (a pure function of the step,
+so no rank sends another one anything) and trains on its rows ``rank::world`` of it; FSDP
+reduces the gradients. Whether to stop is agreed before every step (``Group.any``), so all
+ranks leave a round at the same step.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
 from node.compute.data import Corpus
+from node.compute.group import Group
 from node.compute.model import LanguageModel
 from node.compute.optim import InnerOptimConfig, inner_step
-from node.errors import Abandoned
+from node.errors import Abandoned, RanksError
 from protocol.runconfig import RunConfig
-
-if TYPE_CHECKING:
-    from node.compute.ranks import Ranks
 
 
 @dataclass
@@ -37,9 +40,17 @@ class InnerLoop:
     corpus: Corpus
     #: The node's data slot (``slot % run.data_slots`` picks its stream).
     slot: int
-    #: The node's processes under torchrun (``node.compute.ranks``): this one trains on its
-    #: rows of each batch and averages gradients with the others. None: a single process.
-    ranks: Ranks | None = None
+    #: The node's processes (``node.compute.group``): this one trains on its rows of each
+    #: batch; FSDP averages the gradients. One process by default.
+    group: Group = field(default_factory=Group.solo)
+
+    def __post_init__(self) -> None:
+        if self.run.batch_size < self.group.world:
+            raise RanksError(
+                f"the run's batch_size {self.run.batch_size} is smaller than this node's"
+                f" {self.group.world} processes: each needs at least one row of every batch;"
+                f" start torchrun with --nproc-per-node {self.run.batch_size} or fewer"
+            )
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(x, y)`` batch of global inner step ``step``: a pure function of the step."""
@@ -66,15 +77,24 @@ class InnerLoop:
         between two steps; the model then holds a partly trained state the caller discards.
         """
         H = self.run.inner_steps
+        group = self.group
         losses = []
         for h in range(H):
-            if stop.is_set():
+            if group.any(stop.is_set(), "agreeing whether to stop"):
                 raise Abandoned()
             step = round_ * H + h
             x, y = self.batch(step)
-            sync = None
-            if self.ranks is not None:
-                x, y, sync = self.ranks.share(x), self.ranks.share(y), self.ranks.sync
+            weight, node_loss = 1.0, None
+            if group.world > 1:
+                batch = x.shape[0]
+                x, y = x[group.rank :: group.world], y[group.rank :: group.world]
+                share = x.shape[0] / batch
+                weight = group.world * share
+
+                def node_loss(loss: torch.Tensor, share: float = share) -> float:
+                    parts = group.gather_floats([loss.item() * share], "adding up the loss")
+                    return sum(p[0] for p in parts)
+
             losses.append(
                 inner_step(
                     self.model,
@@ -84,7 +104,8 @@ class InnerLoop:
                     step=step,
                     cfg=self.cfg,
                     lr_scale=lr_scale(),
-                    grad_sync=sync,
+                    weight=weight,
+                    node_loss=node_loss,
                 )
             )
             if on_step is not None:

@@ -130,6 +130,9 @@ class Llama(LanguageModel):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head)
 
+    def units(self) -> list[nn.Module]:
+        return list(self.layers)
+
     def reset_buffers(self) -> None:
         """The rotary tables again (after ``to_empty``, which leaves buffers uninitialised)."""
         cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.ctx_len, self.cfg.rope_theta)

@@ -20,9 +20,21 @@ def _flat(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).numpy()
 
 
+def _on_device(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu"
+
+
 def total(tensors: Mapping[str, torch.Tensor]) -> float:
-    """Σ of every entry, accumulated in float64 (no float64 copy of the data)."""
-    return float(sum(float(_flat(t).sum(dtype=np.float64)) for t in tensors.values()))
+    """Σ of every entry, accumulated in float64 (no float64 copy of the data on the CPU; a
+    tensor on a GPU, a rank's of a node there, is summed there)."""
+    return float(
+        sum(
+            float(t.sum(dtype=torch.float64))
+            if _on_device(t)
+            else float(_flat(t).sum(dtype=np.float64))
+            for t in tensors.values()
+        )
+    )
 
 
 def abs_total(tensors: Mapping[str, torch.Tensor]) -> float:
@@ -30,6 +42,9 @@ def abs_total(tensors: Mapping[str, torch.Tensor]) -> float:
     out = 0.0
     scratch = np.empty(ABS_CHUNK, dtype=np.float32)
     for t in tensors.values():
+        if _on_device(t):
+            out += float(t.abs().sum(dtype=torch.float64))
+            continue
         flat = _flat(t)
         for i in range(0, flat.size, ABS_CHUNK):
             part = scratch[: min(ABS_CHUNK, flat.size - i)]

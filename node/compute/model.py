@@ -275,6 +275,10 @@ class LanguageModel(nn.Module):
     def reset_buffers(self) -> None:
         """Fill computed buffers after ``to_empty`` (none here)."""
 
+    def units(self) -> list[nn.Module]:
+        """The transformer blocks, in order: what FSDP shards one by one (``node.compute.fsdp``)."""
+        raise NotImplementedError
+
     def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy in nats over all (B, T) positions."""
         logits = self(idx)
@@ -295,6 +299,9 @@ class GPT(LanguageModel):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = nn.LayerNorm(cfg.d_model, bias=False)
 
+    def units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
     def forward(self, idx: Tensor) -> Tensor:
         """Map token ids ``idx`` (int64, (B, T), T <= ctx_len) to logits of shape (B, T, V)."""
         self.check_input(idx)
@@ -308,15 +315,50 @@ class GPT(LanguageModel):
 
 def _init_weights(model: LanguageModel, generator: torch.Generator) -> None:
     """Fill every parameter in ``named_parameters`` order from ``generator`` (GPT-2 scheme)."""
-    residual_std = INIT_STD / math.sqrt(2 * model.cfg.n_layers)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:  # norm gains
-                p.fill_(1.0)
-            elif name.endswith(model.residual):
-                p.normal_(0.0, residual_std, generator=generator)
-            else:
-                p.normal_(0.0, INIT_STD, generator=generator)
+            _init_one(model, name, p, generator)
+
+
+def _init_one(model: LanguageModel, name: str, p: Tensor, generator: torch.Generator) -> None:
+    """One parameter's initial values, drawing from ``generator`` as ``_init_weights`` does."""
+    if p.dim() == 1:  # norm gains
+        p.fill_(1.0)
+    elif name.endswith(model.residual):
+        p.normal_(0.0, INIT_STD / math.sqrt(2 * model.cfg.n_layers), generator=generator)
+    else:
+        p.normal_(0.0, INIT_STD, generator=generator)
+
+
+def initial_tensors(cfg: ModelConfig, *, seed: int, names: Iterable[str]) -> dict[str, Tensor]:
+    """θ_0 of the tensors ``names`` only, bit for bit what ``build_model(cfg, seed=seed)`` holds.
+
+    The initialisation draws every tensor from one generator in parameter order, so a rank that
+    owns some tensors (``node.compute.sharding``) draws the others too, one at a time into
+    scratch it drops: its memory holds its own tensors and one more, never the whole model.
+    """
+    wanted = set(names)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    out: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for name, meta in model.named_parameters():
+            t = torch.empty(meta.shape, dtype=meta.dtype)
+            _init_one(model, name, t, generator)
+            if name in wanted:
+                out[name] = t
+    missing = wanted - set(out)
+    if missing:
+        raise ValueError(f"the model has no tensors {sorted(missing)[:3]}")
+    return out
+
+
+def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of ``cfg``'s model, without allocating it."""
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
 def model_class(cfg: ModelConfig) -> type[LanguageModel]:

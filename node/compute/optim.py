@@ -109,7 +109,8 @@ def inner_step(
     step: int,
     cfg: InnerOptimConfig,
     lr_scale: float = 1.0,
-    grad_sync: Callable[[LanguageModel, Tensor], Tensor] | None = None,
+    weight: float = 1.0,
+    node_loss: Callable[[Tensor], float] | None = None,
 ) -> float:
     """One inner training step at global step ``step``; returns the batch loss in nats.
 
@@ -117,19 +118,21 @@ def inner_step(
     AdamW state is fresh mid-run), runs forward (bf16 autocast on CUDA) and backward, clips the
     global gradient norm to ``cfg.grad_clip``, steps and clears the gradients. A non-finite loss
     raises ``FloatingPointError`` before the step, so a diverged batch never poisons the weights
-    or the AdamW moments. ``grad_sync`` (a node of several processes, ``node.compute.ranks``)
-    runs after backward, before the clip: it averages the gradients over the processes and
-    returns the loss of the node's whole batch, so every process clips and steps alike.
+    or the AdamW moments.
+
+    On a rank of a node of several processes (FSDP, ``node.compute.inner``) ``x`` and ``y`` are
+    this rank's rows of the node's batch: ``weight`` scales its loss before backward so that
+    FSDP's averaged gradient is the gradient of the node's whole batch (rows of unequal count
+    weigh what they hold), and ``node_loss`` turns the rank's loss into the node's (the same
+    value on every rank, so all of them take the same branch at the finiteness check).
     """
     device = next(model.parameters()).device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     set_lr(opt, lr_at(step, cfg) * lr_scale)
     with autocast(device):
         loss = model.loss(x, y)
-    loss.backward()
-    if grad_sync is not None:
-        loss = grad_sync(model, loss)
-    value = loss.item()
+    (loss if weight == 1.0 else loss * weight).backward()
+    value = node_loss(loss) if node_loss is not None else loss.item()
     if not math.isfinite(value):
         opt.zero_grad(set_to_none=True)
         raise FloatingPointError(f"non-finite training loss {value} at inner step {step}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numba
 import numpy as np
@@ -283,6 +283,7 @@ def apply_aggregate(
     alpha: float = 1.0,
     clip: bool = True,
     robust: bool = False,
+    combine: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> Screening:
     """Steps 7-8 in place: ``theta -= alpha * aggregate`` for every tensor.
 
@@ -292,6 +293,10 @@ def apply_aggregate(
     ``robust``, the peers are first screened by their sign agreement over the whole payload and
     every value is bounded (``node.compute.robust``); the returned ``Screening`` says who was
     left out, and why.
+
+    On a node of several ranks ``params`` (and each payload's tensors) are this rank's share;
+    ``combine`` adds the screening's integer counts over the ranks (``Group.sum_ints``, exact)
+    before the verdicts, so every rank screens out the same peers.
     """
     names = sorted(payloads)
     peers = [payloads[node] for node in names]
@@ -303,6 +308,9 @@ def apply_aggregate(
         # payloads are lazy), then one verdict per peer for the whole payload.
         for name in params:
             screening.add(kernels.map_threads(lambda p: p.tensors[name], peers))  # noqa: B023
+        if combine is not None:
+            screening.agree = combine(screening.agree)
+            screening.shared = combine(screening.shared)
         keep = screening.decide()
         peers = [p for p, kept in zip(peers, keep, strict=True) if kept]
     with torch.no_grad():

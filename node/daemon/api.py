@@ -5,8 +5,8 @@
 
 - ``CoordinatorApi``: one coroutine per endpoint the node calls (``node.daemon.client``
   implements it over HTTP, with retries);
-- ``Transfers``: a PUT to and a verified GET from presigned URLs (``node.daemon.transfer``
-  implements it with aiohttp);
+- ``Transfers``: a PUT to and a verified GET from presigned URLs, from bytes in memory or a
+  local file (``node.daemon.transfer`` implements it with aiohttp);
 - ``Clock``: the daemon's own pauses (polling a waiting round, heartbeats, an injected slow
   fault) and timestamps, so a test can drive time by hand.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Protocol
 
 from protocol.messages import (
@@ -86,6 +87,18 @@ class Transfers(Protocol):
 
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:
         """Download and verify an object of known size and sha256 (``DigestError`` if not)."""
+        ...
+
+    async def put_file(
+        self, url: str, headers: Mapping[str, str], path: Path, *, size: int
+    ) -> bool:
+        """Upload the ``size`` bytes of the file at ``path``, streamed from disk, with exactly
+        ``headers``; False if the write-once key already held it."""
+        ...
+
+    async def get_to_file(self, url: str, path: Path, *, size: int, sha256: str) -> None:
+        """Download an object of known size and sha256 to ``path`` without holding it in
+        memory; ``path`` appears only once it checks out (``DigestError`` if not, and no file)."""
         ...
 
 

@@ -1,21 +1,27 @@
 """Checkpoints from the node's side: offering θ every K rounds, and starting from the newest.
 
 - ``offer``: after applying round R-1 (so the model holds θ_R) with R a multiple of the run's
-  ``checkpoint_every``, a node serialises θ as safetensors and asks the coordinator for a
-  presigned PUT. The first node whose reported fingerprint matches the majority gets it; every
-  other node hears ``not_needed`` and carries on. Failures cost the checkpoint, never the round.
+  ``checkpoint_every``, the node's ranks write θ into one safetensors file in the state dir
+  (``node.compute.checkpoint``: each rank its own tensors) and rank 0 asks the coordinator for
+  a presigned PUT and uploads the file from disk. The first node whose reported fingerprint
+  matches the majority gets it; every other node hears ``not_needed`` and carries on. Failures
+  cost the checkpoint, never the round.
 - ``restore_latest``: a node with no usable local state (a new joiner, a wiped disk, a torn
-  state file) or a node that diverged downloads the newest checkpoint, checks its sha256 and
-  the fingerprint of the parameters it holds, and continues from that round; replaying the
-  manifests since then is the round loop's ordinary catch-up. One that fails its checks falls
-  back to the next older one (``GET /v1/checkpoints``), then to θ_0.
+  state file) or a node that diverged downloads the newest checkpoint to a file (size and
+  sha256 checked as it lands), every rank checks the header and reads its own tensors, the
+  fingerprint of them all must be the agreed one, and the node continues from that round;
+  replaying the manifests since then is the round loop's ordinary catch-up. One that fails its
+  checks falls back to the next older one (``GET /v1/checkpoints``), then to θ_0.
+
+No process holds the whole model on either way: the file is written, hashed, uploaded and
+downloaded a chunk at a time, and read a tensor at a time.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 from node.compute.worker import Worker
@@ -36,10 +42,15 @@ MAX_TRIED = 3
 class CheckpointSync:
     """Checkpoint traffic for one node; ``compute`` runs CPU work on the node's compute thread."""
 
-    def __init__(self, api: CoordinatorApi, transfers: Transfers, compute: Compute) -> None:
+    def __init__(
+        self, api: CoordinatorApi, transfers: Transfers, node: Compute, state_dir: Path
+    ) -> None:
+        """``node``: the node's compute (``node.daemon.ops.NodeCompute``); checkpoint files
+        pass through ``state_dir``."""
         self.api = api
         self.transfers = transfers
-        self.compute = compute
+        self.node = node
+        self.state_dir = state_dir
         #: Why the newest checkpoint was rejected at the last ``restore_latest``; None if it was
         #: not (the daemon names it when it gives up resynchronising).
         self.rejected: str | None = None
@@ -50,26 +61,33 @@ class CheckpointSync:
         r = worker.round
         if not every or r == 0 or r % every:
             return None
-        data, sha256, fp = await self.compute(worker.checkpoint_bytes)
-        offer = CheckpointUpload(size=len(data), sha256=sha256, fingerprint=fp)
+        path = self.state_dir / "checkpoint-upload.safetensors"
         try:
-            grant = await self.api.checkpoint_grant(r, offer)
-        except CoordinatorError as exc:
-            log.info(
-                "event=checkpoint_declined node=%s round=%d why=%s", worker.node_id, r, exc.error
-            )
-            return None
-        try:
-            await self.transfers.put(grant.url, grant.headers, data)
-            info = await self.api.checkpoint_commit(r, offer)
-        except (CoordinatorError, TransferError, RetriesExhausted) as exc:
-            log.warning("event=checkpoint_failed node=%s round=%d error=%r", worker.node_id, r, exc)
-            return None
+            size, sha256, fp = await self.node("write_checkpoint", str(path))
+            offer = CheckpointUpload(size=size, sha256=sha256, fingerprint=fp)
+            try:
+                grant = await self.api.checkpoint_grant(r, offer)
+            except CoordinatorError as exc:
+                log.info(
+                    "event=checkpoint_declined node=%s round=%d why=%s",
+                    worker.node_id, r, exc.error,
+                )  # fmt: skip
+                return None
+            try:
+                await self.transfers.put_file(grant.url, grant.headers, path, size=size)
+                info = await self.api.checkpoint_commit(r, offer)
+            except (CoordinatorError, TransferError, RetriesExhausted) as exc:
+                log.warning(
+                    "event=checkpoint_failed node=%s round=%d error=%r", worker.node_id, r, exc
+                )
+                return None
+        finally:
+            path.unlink(missing_ok=True)
         log.info(
             "event=checkpoint_uploaded node=%s round=%d bytes=%d fingerprint=%s",
             worker.node_id,
             r,
-            len(data),
+            size,
             fp,
         )
         return info
@@ -85,12 +103,12 @@ class CheckpointSync:
         """
         self.rejected = None
         views = await self.api.checkpoints()
+        path = self.state_dir / "checkpoint-download.safetensors"
         for view in views[:MAX_TRIED]:
             info = view.info
             try:
-                data = await self.transfers.get(view.url, size=info.size, sha256=info.sha256)
-                load = partial(worker.load_checkpoint, round_=info.round, expected=info.fingerprint)
-                await self.compute(load, data)
+                await self.transfers.get_to_file(view.url, path, size=info.size, sha256=info.sha256)
+                await self.node("load_checkpoint", str(path), info.round, info.fingerprint)
             except (TransferError, RetriesExhausted, CheckpointError) as exc:
                 self.rejected = self.rejected or f"round {info.round}: {exc}"
                 log.warning(
@@ -100,6 +118,8 @@ class CheckpointSync:
                     exc,
                 )
                 continue
+            finally:
+                path.unlink(missing_ok=True)
             log.info(
                 "event=checkpoint_loaded node=%s round=%d bytes=%d",
                 worker.node_id,

@@ -1,9 +1,12 @@
-"""A closed round's gather set, from the node's side: fetch and validate.
+"""A closed round's gather set, from the node's side: fetch every payload, verified.
 
-- ``fetch_gather``: every gathered payload through its presigned GET, in parallel, sizes and
-  sha256 checked, the node's own included: it must aggregate exactly the bytes its peers read.
-- ``decode_gather``: each payload validated against the run's model and codec, and its header
-  against the manifest (run, round, node).
+``fetch_gather`` downloads every gathered payload through its presigned GET, in parallel, sizes
+and sha256 checked, the node's own included: it must aggregate exactly the bytes its peers read.
+A node of one process keeps them in memory; a node of several (``spool``) streams each to a
+file in its state dir, which every rank then reads its own tensors' records of
+(``node.daemon.ops.read_gather``): the node downloads each payload once, through one link,
+and no process holds all of them. The validation against the run's model and the manifest
+happens there, on every rank.
 
 The manifest's signature is checked before either runs (``protocol.signing.verify_manifest``).
 What is left out is left out by *every* honest node alike: a payload whose stored bytes do not
@@ -16,14 +19,15 @@ caller can start over with fresh URLs at once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from pathlib import Path
 
-from node.compute.worker import Worker, check_payload_header
 from node.daemon.api import Transfers
 from node.errors import DigestError
-from protocol.codec import Payload
-from protocol.errors import ManifestError, PayloadError
+from protocol.errors import ManifestError
 from protocol.messages import Manifest, ManifestView
+
+#: A gathered payload: its bytes, or the path of the file it was downloaded to.
+Blobs = dict[str, bytes | str]
 
 
 async def fetch_gather(
@@ -32,14 +36,18 @@ async def fetch_gather(
     manifest: Manifest,
     *,
     parallel: int,
-) -> tuple[dict[str, bytes], dict[str, str]]:
-    """Payload bytes by node id, and the nodes left out with the reason (bad digest only).
+    spool: Path | None = None,
+) -> tuple[Blobs, dict[str, str]]:
+    """Payloads by node id (bytes; with ``spool``, files there), and the nodes left out with
+    the reason (bad digest only).
 
     Raises the first transfer failure (after the transfer's own retries), every other download
     cancelled; ``ManifestError`` if a gathered node has no URL.
     """
     gate = asyncio.Semaphore(parallel)
-    blobs: dict[str, bytes] = {}
+    blobs: Blobs = {}
+    if spool is not None:
+        spool.mkdir(parents=True, exist_ok=True)
     rejected: dict[str, str] = {}
 
     async def fetch(node: str, size: int, sha: str) -> None:
@@ -50,7 +58,12 @@ async def fetch_gather(
             raise ManifestError(f"round {manifest.round}: no download URL for {node}")
         async with gate:
             try:
-                blobs[node] = await transfers.get(view.urls[node], size=size, sha256=sha)
+                if spool is None:
+                    blobs[node] = await transfers.get(view.urls[node], size=size, sha256=sha)
+                else:
+                    path = spool / f"{node}.slc"
+                    await transfers.get_to_file(view.urls[node], path, size=size, sha256=sha)
+                    blobs[node] = str(path)
             except DigestError as exc:
                 rejected[node] = f"bad digest: {exc}"
 
@@ -62,19 +75,3 @@ async def fetch_gather(
         # One failure is the answer (the others were cancelled because of it).
         raise failed.exceptions[0] from None
     return blobs, rejected
-
-
-def decode_gather(
-    worker: Worker, blobs: Mapping[str, bytes], round_: int
-) -> tuple[dict[str, Payload], dict[str, str]]:
-    """Validated payloads by node id, and the ones that failed validation with the reason."""
-    payloads: dict[str, Payload] = {}
-    rejected: dict[str, str] = {}
-    for node in sorted(blobs):
-        try:
-            payload = worker.read(blobs[node])
-            check_payload_header(payload, run_id=worker.run_id, round_=round_, node_id=node)
-            payloads[node] = payload
-        except PayloadError as exc:
-            rejected[node] = f"failed validation: {exc}"
-    return payloads, rejected

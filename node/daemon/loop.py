@@ -30,16 +30,18 @@ import asyncio
 import contextlib
 import functools
 import logging
+import shutil
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
-import torch
 
 from node.compute.data import Corpus
+from node.compute.group import Group
 from node.compute.worker import TrainResult, Worker
 from node.daemon import overlap
 from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
@@ -48,7 +50,8 @@ from node.daemon.checkpoints import CheckpointSync
 from node.daemon.dataset import open_waiting
 from node.daemon.faults import Faults
 from node.daemon.join import join, rejoin
-from node.daemon.pending import PendingRound, restore, save_idle, save_submitting
+from node.daemon.ops import NodeCompute, RankContext
+from node.daemon.pending import PendingRound
 from node.daemon.retry import Link
 from node.daemon.rounds import RoundFinisher
 from node.daemon.settings import NodeSettings
@@ -86,7 +89,10 @@ class NodeDaemon:
         clock: Clock | None = None,
         faults: Faults | None = None,
         links: Sequence[Link] = (),
+        group: Group | None = None,
     ) -> None:
+        """``group``: on rank 0 of a torchrun node, the node's processes, which take every
+        compute step with it (``node.daemon.ops``); one process by default."""
         self.settings = settings
         self.api = api
         self.transfers = transfers
@@ -98,10 +104,12 @@ class NodeDaemon:
         self.compute_stop = threading.Event()  # the stop request, for a shard download
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.joined: JoinResponse | None = None
-        self._worker: Worker | None = None
+        self.ctx = RankContext(settings, group or Group.solo())
+        #: The node's compute, one op at a time on the compute thread (and every other rank).
+        self.node = NodeCompute(self.ctx, self.executor)
         #: The round trained and compressed but not yet applied; None between rounds.
         self.pending: PendingRound | None = None
-        self.sync = CheckpointSync(api, transfers, self.compute)
+        self.sync = CheckpointSync(api, transfers, self.node, settings.state_dir)
         #: The services' link states (coordinator, store), for the retries each report counts.
         self.links = tuple(links)
         self._retries_reported = 0
@@ -123,8 +131,8 @@ class NodeDaemon:
             log.info("event=stop_requested node=%s", self.node_id)
             self.stopping.set()
             self.compute_stop.set()
-            if self._worker is not None:
-                self._worker.stop.set()
+            if self.ctx.shard is not None:
+                self.ctx.shard.worker.stop.set()
 
     @property
     def node_id(self) -> str:
@@ -132,13 +140,17 @@ class NodeDaemon:
 
     @property
     def worker(self) -> Worker:
-        if self._worker is None:
-            raise RuntimeError("the node has not joined yet")
-        return self._worker
+        """Rank 0's share of the node's compute: read its fields here, run its methods only
+        through ``node`` (every rank must take each step)."""
+        return self.ctx.worker
+
+    @property
+    def group(self) -> Group:
+        return self.ctx.group
 
     def log(self, event: str, **fields: object) -> None:
         extra = " ".join(f"{k}={v}" for k, v in fields.items())
-        round_ = self._worker.round if self._worker else "-"
+        round_ = self.ctx.shard.worker.round if self.ctx.shard else "-"
         log.info("event=%s node=%s round=%s %s", event, self.node_id, round_, extra)
 
     async def sleep(self, seconds: float) -> None:
@@ -161,11 +173,11 @@ class NodeDaemon:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def _open_data(self, joined: JoinResponse) -> Corpus | str | None:
-        """What to train on: the run's dataset from the store (``node.daemon.dataset``), or
-        ``--data``."""
+    async def _open_data(self, joined: JoinResponse) -> Corpus | None:
+        """The run's dataset streamed from the store (``node.daemon.dataset``), when it names
+        one; None: ``--data`` (or the demo corpus)."""
         if joined.run.dataset is None:
-            return self.settings.data
+            return None
         stream, _ = await open_waiting(
             self.api, self.transfers, joined.run, self.settings.state_dir,
             local=self.settings.data, stop=self.compute_stop, sleep=self.sleep,
@@ -191,8 +203,9 @@ class NodeDaemon:
             self.joined = joined
             try:
                 data = await self._open_data(joined)
-                self._worker, self.pending, resumed = await self.compute(
-                    restore, self.settings, joined, data
+                root = str(data.root) if data is not None else None  # type: ignore[attr-defined]
+                self.pending, resumed = await self.node(
+                    "setup", joined.model_dump_json(), root, data=data
                 )
             except Abandoned:  # stopped while the dataset was opened or its eval shards came
                 self.log("stopped", before="training")
@@ -201,8 +214,9 @@ class NodeDaemon:
                 # No usable local state: start from the newest checkpoint if there is one
                 # (else θ_0); the loop replays the manifests since.
                 await self.sync.restore_latest(self.worker)
-                await self.compute(self.save_idle)
-            self.log("joined", run=joined.run_id, slot=joined.slot)
+                await self.save_idle()
+            self.drop_spool()  # what a killed predecessor downloaded
+            self.log("joined", run=joined.run_id, slot=joined.slot, ranks=self.group.world)
             heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
             try:
                 finished = await self._rounds_until_stopped()
@@ -258,9 +272,9 @@ class NodeDaemon:
             if not rounds.done():
                 rounds.cancel()
 
-    def save_idle(self) -> str:
-        """(compute thread) θ, e and AdamW to disk with nothing pending; θ's fingerprint."""
-        return save_idle(self.settings.state_dir, self.worker)
+    async def save_idle(self) -> str:
+        """θ, e and AdamW to disk with nothing pending, all of it now; θ's fingerprint."""
+        return str(await self.node("save_idle"))
 
     async def _heartbeat(self) -> None:
         if self.joined is None:
@@ -307,26 +321,29 @@ class NodeDaemon:
                 await self.finisher.finish(r)
         return False
 
-    def train(
-        self, round_: int | None = None, offset: Mapping[str, torch.Tensor] | None = None
-    ) -> TrainResult:
-        """(compute thread) Steps 1-5 (``Worker.train_and_compress``); a hostile node's payload
-        instead in the tests that make one."""
-        if self.attack is not None:
-            return self.attack.train(self.worker, round_, offset)
-        return self.worker.train_and_compress(round_, offset)
+    async def train(self, round_: int | None = None, eager_from: int | None = None) -> TrainResult:
+        """Steps 1-5 (``Worker.train_and_compress``) on every rank; a hostile node's payload
+        instead in the tests that make one. ``eager_from``: see ``ops.train``."""
+        result: TrainResult = await self.node("train", round_, eager_from, attack=self.attack)
+        return result
+
+    async def save_trained(self, pending: PendingRound) -> None:
+        """The state after training ``pending`` (every rank its part; rank 0 the payload)."""
+        pending.timings["save"] = await self.node(
+            "save_trained", pending.round, pending.mass, payload=pending.payload
+        )
 
     async def _participate(self, r: int) -> None:
         """Steps 1-5 and the upload, then the rest of the round. With overlap only steps 1-5:
         the next step sends this round while it trains the next (``node.daemon.overlap``)."""
         try:
-            result = await self.compute(self.train)
+            result = await self.train()
         except Abandoned:
             self.log("training_abandoned")
             return
         self.faults.crash_point(r, "after_train")
         pending = PendingRound.trained(r, result)
-        await self.compute(save_submitting, self.settings.state_dir, self.worker, pending)
+        await self.save_trained(pending)
         self.pending = pending
         speed = result.throughput.log_fields() if result.throughput else {}
         self.log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload), **speed)
@@ -375,12 +392,12 @@ class NodeDaemon:
                 " operator the log (event=diverged, event=resynced)"
             )
         if self.pending is not None:
-            await self.return_own(self.pending)
+            await self.give_back(self.pending.round)
         self.pending = None
         info = await self.sync.restore_latest(self.worker)
         if info is None:
-            await self.compute(self.worker.reset_to_initial)
-        await self.compute(self.save_idle)
+            await self.node("reset_to_initial")
+        await self.save_idle()
         self.log("resynced", source=f"checkpoint {info.round}" if info else "θ_0")
 
     def retries_since_last_report(self) -> int:
@@ -389,12 +406,20 @@ class NodeDaemon:
         new, self._retries_reported = total - self._retries_reported, total
         return new
 
-    async def own_recon(self, pending: PendingRound) -> dict[str, torch.Tensor]:
-        """ĉ of the pending payload: kept from the encoder, decoded only after a restart."""
-        if pending.recon is None:
-            pending.recon = await self.compute(self.worker.own_recon, pending.payload)
-        return pending.recon
+    def spool(self, round_: int) -> Path | None:
+        """Where a node of several processes downloads round ``round_``'s payloads (None: one
+        process keeps them in memory)."""
+        if self.group.world == 1:
+            return None
+        return self.settings.state_dir / "spool" / f"{round_:08d}"
 
-    async def return_own(self, pending: PendingRound) -> None:
-        """Step 9: the pending payload was not aggregated; its ĉ goes back into e."""
-        await self.compute(self.worker.return_own, await self.own_recon(pending))
+    def drop_spool(self, round_: int | None = None) -> None:
+        """Delete round ``round_``'s downloaded payloads (every round's when None)."""
+        if self.group.world == 1:
+            return
+        spool = self.settings.state_dir / "spool"
+        shutil.rmtree(spool if round_ is None else spool / f"{round_:08d}", ignore_errors=True)
+
+    async def give_back(self, round_: int) -> None:
+        """Step 9 for trained round ``round_``, which will not be aggregated: ĉ back into e."""
+        await self.node("give_back", round_)

@@ -28,14 +28,13 @@ import contextlib
 import time
 from typing import TYPE_CHECKING
 
-from node.daemon.pending import PendingRound, save_submitting
+from node.daemon.pending import PendingRound
 from node.daemon.rounds import Gathered
 from node.daemon.upload import submit
 from node.errors import Abandoned
 from protocol.messages import RoundState, RoundView
 
 if TYPE_CHECKING:
-    from node.compute.worker import TrainResult
     from node.daemon.loop import NodeDaemon
 
 CLOSED = RoundState.CLOSED
@@ -58,12 +57,10 @@ async def step(d: NodeDaemon) -> None:
     """Train round k+1 while round k's payloads travel, then apply round k and commit k+1."""
     k = d.worker.round
     pending = d.pending if d.pending is not None and d.pending.round == k else None
-    offset = None
-    if d.worker.run.overlap == "eager" and pending is not None:
-        offset = await d.compute(d.worker.eager_offset, await d.own_recon(pending))
+    eager_from = k if d.worker.run.overlap == "eager" and pending is not None else None
     travel = asyncio.create_task(communicate(d, pending, k), name=f"round-{k}-transfers")
     try:
-        result = await d.compute(d.train, k + 1, offset)
+        result = await d.train(k + 1, eager_from)
     except Abandoned:
         d.log("training_abandoned")
         await _cancel(travel)
@@ -78,16 +75,16 @@ async def step(d: NodeDaemon) -> None:
     if gathered is None or d.worker.round != k:
         # Stopped, or θ moved elsewhere (a checkpoint after the round was pruned): round k+1
         # was trained from a θ that is gone, so what it computed goes back into e.
-        await _give_back(d, result)
+        await _give_back(d, k + 1)
         return
     finisher = d.finisher
     if await finisher.diverged(k, gathered.manifest):
-        await _give_back(d, result)
+        await _give_back(d, k + 1)
         await d.resync()
         return
     await finisher.conclude(k, gathered)
     following = PendingRound.trained(k + 1, result)
-    await d.compute(save_submitting, d.settings.state_dir, d.worker, following)
+    await d.save_trained(following)
     d.pending = following
 
 
@@ -139,12 +136,12 @@ async def send_when_open(d: NodeDaemon, pending: PendingRound) -> None:
         await d.sleep(OPEN_POLL_S)  # round r-1 is still open, or round r waits for members
 
 
-async def _give_back(d: NodeDaemon, result: TrainResult) -> None:
+async def _give_back(d: NodeDaemon, round_: int) -> None:
     """A trained round that will not be sent: ĉ back into e (nothing the node computed is lost
     while it keeps running; the state on disk never had it)."""
     if d.stopping.is_set():
         return
-    await d.compute(d.worker.return_own, result.recon)
+    await d.give_back(round_)
 
 
 async def _cancel(task: asyncio.Task[Gathered | None]) -> None:

@@ -1,18 +1,26 @@
-"""A node of several processes under ``torchrun``: rank 0 is the daemon, the others follow.
+"""A node of several processes under ``torchrun``: rank 0 runs the daemon, every rank computes.
 
 ``torchrun --standalone --nproc-per-node N -m node node ...`` starts N copies of ``sparseloco
-node`` with the same flags; ``node.daemon.serve.run_node`` sees torchrun's ``WORLD_SIZE`` and
-comes here. Rank 0 runs the ordinary daemon (``RankZeroDaemon``): it alone joins, talks to the
-coordinator and the store, owns θ, the error buffer, compression and aggregation, and saves the
-state. The other ranks run ``node.compute.ranks.Follower``: they only help with the H inner
-steps of each round. Keeping everything but the inner steps on one rank was the simplest
-layout and the fastest at the sizes this project runs: the rest of a round is I/O-bound or
-small beside H steps, and one owner of θ leaves nothing to keep consistent across ranks.
+node`` with the same flags on one host; ``node.daemon.serve.run_node`` sees torchrun's
+``WORLD_SIZE`` and comes here. The node is still one participant: one token, one state dir, one
+payload a round.
 
-Shutdown: rank 0 decides. SIGTERM or Ctrl-C reach every rank (torchrun forwards them); the
-followers only note it, rank 0 stops as a single-process node does (training abandoned between
-steps, the others with it) and, whatever way its daemon ends, sends STOP, so every rank exits.
-A follower that dies makes rank 0's next collective fail with a ``RanksError`` that says so.
+- **Rank 0** runs the ordinary daemon (``NodeDaemon`` with the node's ``Group``): it alone
+  joins, talks to the coordinator and moves bytes through the store, and it decides every step.
+  Each compute step is an op (``node.daemon.ops``) it announces to the other ranks first.
+- **Every other rank** runs ``follow``: it takes each op rank 0 announces, on its own share of
+  the node (``node.compute.sharding``: the tensors it owns; FSDP's chunks for the inner steps).
+  It never talks to the network: the run config and small arguments come with the ops, a
+  peer's payload or a checkpoint as a file rank 0 downloaded into the shared state dir, and the
+  training data from the same folder (the run's dataset, which rank 0 fetches shard by shard).
+
+Shutdown: rank 0 decides. SIGTERM or Ctrl-C reach every rank (torchrun passes them on); a
+follower notes it (its training stops at the next step, agreed with the others) and waits for
+rank 0, which stops as a single-process node does and, once its daemon has ended cleanly,
+sends ``STOP``, so every rank exits 0. A rank that dies (a crash, ``kill -9``, the OOM killer)
+fails the others' next collective: they exit, torchrun ends the node, and a restart with the
+same command and state dir continues from the last commit (``node.compute.state``), with any
+rank count.
 """
 
 from __future__ import annotations
@@ -21,61 +29,56 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
-from typing import Any
 
-import torch
-
-from node.compute.ranks import Follower, Kind, Ranks, lead
-from node.compute.worker import TrainResult
-from node.daemon.loop import NodeDaemon
+from node.compute.group import STOP, Group
+from node.compute.model import get_preset
+from node.compute.stream import ShardStream
+from node.daemon.ops import OPS, RankContext
 from node.daemon.settings import NodeSettings
-from node.errors import RanksError
+from node.errors import Abandoned, DataError, RanksError
+from protocol.dataset import MANIFEST_FILE, ShardInfo, parse_manifest
+from protocol.errors import SparseLoCoError
+from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.ranks")
 
+#: Failures every rank meets alike inside an op (agreed there): a follower goes on to the next.
+AGREED = (Abandoned, FloatingPointError, SparseLoCoError)
+#: How often a follower waiting for a shard file looks again, and how long it waits at most.
+SHARD_POLL_S = 0.2
+SHARD_WAIT_S = 24 * 3600.0
+
 
 def torchrun_world() -> int:
-    """How many processes torchrun started for this node (1 without torchrun)."""
+    """How many processes torchrun started for this node (0 without torchrun)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "WORLD_SIZE" not in os.environ:
+        return 0
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return 1
 
 
-class RankZeroDaemon(NodeDaemon):
-    """The daemon on rank 0: every round's inner steps run on all of the node's ranks."""
-
-    def __init__(self, *args: Any, ranks: Ranks, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.ranks = ranks
-
-    def train(
-        self, round_: int | None = None, offset: Mapping[str, torch.Tensor] | None = None
-    ) -> TrainResult:
-        # The worker exists from the join on; its inner loop leads the other ranks from the
-        # first round it trains (the setup goes out then, with the run the coordinator sent).
-        self.worker.inner = lead(self.worker.inner, self.ranks)
-        self.worker.meter.devices = self.ranks.world  # MFU against all the node's devices
-        return super().train(round_, offset)
-
-
 def run_ranks(settings: NodeSettings) -> int:
     """This process's part of a torchrun node: the daemon on rank 0, a follower elsewhere."""
-    ranks = Ranks.from_env()
-    if ranks.rank == 0:
+    group = Group.from_env()
+    if group.leader:
         try:
-            return _lead(settings, ranks)
+            return _lead(settings, group)
         finally:
-            ranks.close()
+            group.close()
     try:
-        code = _follow(settings, ranks)
+        code = follow(settings, group)
     except BaseException:
-        ranks.close()
+        group.close()
         raise
-    # Told to stop, a follower has nothing to save (rank 0 owns all state). Tearing down its
-    # gloo groups while rank 0 tears down its own and exits can abort the process
+    # Told to stop, a follower has saved what it owns already (every save is an op). Tearing
+    # down its gloo groups while rank 0 tears down its own and exits can abort the process
     # (std::terminate, seen in CI: torchrun then calls the node failed), so it leaves at once.
     logging.shutdown()
     sys.stdout.flush()
@@ -83,30 +86,89 @@ def run_ranks(settings: NodeSettings) -> int:
     os._exit(code)
 
 
-def _lead(settings: NodeSettings, ranks: Ranks) -> int:
+def _lead(settings: NodeSettings, group: Group) -> int:
     import uvloop
 
     from node.daemon.serve import serve
 
+    code = uvloop.run(serve(settings, group=group))
+    # The daemon ended cleanly (finished, stopped or refused): its compute thread is done and
+    # the followers wait for the next op. Were it to fail instead, its exit would end their
+    # wait (a collective with a dead rank fails at once).
     try:
-        return uvloop.run(serve(settings, ranks=ranks))
-    finally:
-        # However the daemon ended (finished, stopped, failed), its compute thread is done:
-        # the followers may go.
-        try:
-            ranks.send(Kind.STOP)
-        except RanksError as exc:
-            log.warning("event=ranks_not_stopped error=%s", exc)
+        group.send_op(STOP)
+    except RanksError as exc:
+        log.warning("event=ranks_not_stopped error=%s", exc)
+    return code
 
 
-def _follow(settings: NodeSettings, ranks: Ranks) -> int:
+def follow(settings: NodeSettings, group: Group) -> int:
+    """Take rank 0's ops until it says ``STOP``; the exit status (0)."""
+    ctx = RankContext(settings, group)
+
     def noted(signum: int, frame: FrameType | None) -> None:
-        # Rank 0 leads the shutdown (it abandons the round with us and then sends STOP);
-        # a dead rank 0 ends our wait at once.
-        log.info("event=rank_signal rank=%d signal=%s", ranks.rank, signal.Signals(signum).name)
+        # Rank 0 leads the shutdown; this rank's training stops at the next step (agreed).
+        log.info("event=rank_signal rank=%d signal=%s", group.rank, signal.Signals(signum).name)
+        ctx.stop.set()
+        if ctx.shard is not None:
+            ctx.shard.worker.stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, noted)
     if settings.threads:
+        import torch
+
         torch.set_num_threads(settings.threads)
-    return Follower(ranks).serve()
+    while True:
+        name, args = group.receive_op()
+        if name == STOP:
+            log.info("event=rank_stopped rank=%d", group.rank)
+            return 0
+        fn = OPS.get(name)
+        if fn is None:
+            raise RanksError(f"rank {group.rank} got an unknown op {name!r} from rank 0")
+        try:
+            fn(ctx, *args)
+        except AGREED as exc:
+            if isinstance(exc, RanksError):
+                raise
+            # Rank 0 met the same and handles it; this rank waits for the next op.
+            log.info("event=rank_op_ended rank=%d op=%s why=%r", group.rank, name, exc)
+        if name == "setup" and ctx.shard is not None:
+            log.info(
+                "event=rank_setup rank=%d model=%s owned=%d", group.rank,
+                ctx.shard.worker.run.model, len(ctx.shard.worker.owned),
+            )  # fmt: skip
+
+
+class SharedFolder:
+    """A follower's ``Fetch`` for the run's dataset: rank 0 downloads every shard the node
+    trains on (it trains on the same step at the same time), so a follower waits for the file
+    to appear in the shared folder; rank 0 also does the read-ahead."""
+
+    def __init__(self, root: Path, stop: threading.Event) -> None:
+        self.root = root
+        self.stop = stop
+
+    def __call__(self, shards: Sequence[ShardInfo], *, wait: bool) -> None:
+        if not wait:
+            return
+        deadline = time.monotonic() + SHARD_WAIT_S
+        for info in shards:
+            while not (self.root / info.name).is_file():
+                if self.stop.is_set():
+                    raise Abandoned()
+                if time.monotonic() > deadline:
+                    raise DataError(f"shard {info.name} never appeared in {self.root}")
+                time.sleep(SHARD_POLL_S)
+
+
+def follower_stream(root: Path, run: RunConfig, stop: threading.Event) -> ShardStream:
+    """The run's dataset as a follower reads it: the folder rank 0 streams it into (``stop``
+    ends a wait for a shard)."""
+    try:
+        manifest = parse_manifest((root / MANIFEST_FILE).read_bytes(), run.dataset)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{root}: the run's dataset manifest is not readable here: {exc}") from exc
+    ctx_len = get_preset(run.model).ctx_len
+    return ShardStream(root, manifest, ctx_len=ctx_len, fetch=SharedFolder(root, stop))

@@ -31,11 +31,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from node.daemon.gather import decode_gather, fetch_gather
-from node.daemon.pending import PendingRound, save_applied
+from node.daemon.gather import Blobs, fetch_gather
+from node.daemon.pending import PendingRound
 from node.daemon.retry import Backoff
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
-from protocol.codec import Payload
 from protocol.messages import Manifest, ManifestView, Mass, RoundReport
 from protocol.signing import verify_manifest
 
@@ -46,7 +45,6 @@ if TYPE_CHECKING:
 #: pruned by retention.
 MISSING_ATTEMPTS = 3
 
-Blobs = dict[str, bytes]
 Rejected = dict[str, str]
 
 
@@ -96,20 +94,21 @@ class RoundFinisher:
         pending = d.pending if d.pending is not None and d.pending.round == r else None
         manifest, blobs, rejected = gathered.manifest, gathered.blobs, gathered.rejected
         if d.attack is not None:
-            d.attack.remember(blobs)
+            d.attack.remember(blobs)  # type: ignore[arg-type]  # a hostile test node: bytes
         t1 = time.perf_counter()
-        payloads, invalid = await d.compute(decode_gather, d.worker, blobs, r)
+        invalid: Rejected = await d.node("read_gather", r, blobs)
         rejected.update(invalid)
         t2 = time.perf_counter()
-        screened = await self.apply(r, payloads)
+        screened = await self.apply(r)
         rejected.update(screened)
-        applied = {node: p for node, p in payloads.items() if node not in screened}
+        applied = {node for node in blobs if node not in invalid and node not in screened}
         t3 = time.perf_counter()
         mass = await self.settle(pending, manifest, applied)
         # The state on disk is written only without a trained round to finish again from, and
         # at the run's end (``save_applied``).
         trained = pending is not None and r + 1 < d.worker.run.rounds
-        fingerprint, eval_loss, eval_s = await d.compute(self.save, r, trained)
+        fingerprint, eval_loss, eval_s = await d.node("after_apply", trained, self.evaluates(r))
+        d.drop_spool(r)
         t4 = time.perf_counter()
         if pending is not None:
             pending.timings.update(
@@ -123,7 +122,7 @@ class RoundFinisher:
             "fingerprint": fingerprint,
             "rejected": rejected,
             "bytes_up": pending.bytes_up if pending else 0,
-            "bytes_down": sum(len(b) for b in blobs.values()),
+            "bytes_down": sum(e.size for e in manifest.gather if e.node_id in blobs),
             "retries": d.retries_since_last_report(),
         }
         measured = {
@@ -189,7 +188,7 @@ class RoundFinisher:
             if ours is None:
                 return False
         else:
-            ours = await d.compute(d.worker.fingerprint)
+            ours = await d.node("fingerprint")
         if ours == base:
             return False
         d.log("diverged", ours=ours, manifest=base)
@@ -241,6 +240,7 @@ class RoundFinisher:
                     view,
                     manifest,
                     parallel=d.settings.parallel_downloads,
+                    spool=d.spool(r),
                 )
             except TransferError as exc:
                 if exc.status == 404:
@@ -286,36 +286,36 @@ class RoundFinisher:
         # Our own payload of this round (after a restart) was either aggregated by the
         # others, so e already lacks it, or not, so it goes back into e: nothing is lost.
         if pending is not None and d.node_id not in {e.node_id for e in manifest.gather}:
-            await d.return_own(pending)
+            await d.give_back(pending.round)
         d.pending = None
-        await d.compute(d.save_idle)
+        d.drop_spool(r)
+        await d.save_idle()
         d.log("skipped_to_checkpoint", checkpoint=info.round)
         return True
 
-    async def apply(self, r: int, payloads: dict[str, Payload]) -> dict[str, str]:
-        """Aggregate and apply (θ becomes θ_{r+1}); the peers screened out, with the reason.
-        Also the chaos suite's faults of this point."""
+    async def apply(self, r: int) -> dict[str, str]:
+        """Aggregate and apply the payloads ``read_gather`` validated (θ becomes θ_{r+1}); the
+        peers screened out, with the reason. Also the chaos suite's faults of this point."""
         d = self.d
-        screened = await d.compute(d.worker.apply, payloads)
+        screened: dict[str, str] = await d.node("apply")
         d.faults.crash_point(r, "mid_apply")
         if d.faults.corrupt_now(r):
-            await d.compute(d.worker.corrupt)
+            await d.node("corrupt")
         return screened
 
     async def settle(
-        self, pending: PendingRound | None, manifest: Manifest, payloads: dict[str, Payload]
+        self, pending: PendingRound | None, manifest: Manifest, applied: set[str]
     ) -> Mass | None:
         """The own contribution: sent if aggregated, else back into e; its mass account."""
         d = self.d
         if pending is None:
             return None
-        recon = await d.own_recon(pending)
-        carried = await d.compute(d.worker.sent_mass, recon)  # Σĉ
-        if d.node_id in payloads:
+        aggregated = d.node_id in applied
+        carried, held_now = await d.node("settle", pending.round, aggregated)  # Σĉ, Σe
+        if aggregated:
             sent = carried
         else:
             sent = 0.0
-            await d.compute(d.worker.return_own, recon)
             d.log("contribution_kept", reason=repr(manifest.excluded.get(d.node_id, "rejected")))
         if pending.computed is None or pending.scale is None:
             return None
@@ -324,25 +324,14 @@ class RoundFinisher:
             # left (measured then), plus ĉ if it came back.
             if pending.held is None:
                 return None
-            held = pending.held + (carried if sent == 0.0 and d.node_id not in payloads else 0.0)
+            held = pending.held + (0.0 if aggregated else carried)
         else:
-            held = await d.compute(d.worker.held_mass)
+            held = held_now
         try:
             return Mass(computed=pending.computed, sent=sent, held=held, scale=pending.scale)
         except ValidationError:  # a diverged buffer's sums leave the wire's bounds
             d.log("mass_unreportable", computed=pending.computed, held=held)
             return None
-
-    def save(self, r: int, trained: bool) -> tuple[str, float | None, float]:
-        """(compute thread) After applying round r: the held-out loss if this round is on the
-        evaluation schedule (and its seconds), then ``save_applied``. θ_{r+1}'s fingerprint,
-        the loss (None when not evaluated), the seconds."""
-        d = self.d
-        worker = d.worker
-        t0 = time.perf_counter()
-        eval_loss = worker.evaluate() if self.evaluates(r) else None
-        eval_s = time.perf_counter() - t0
-        return save_applied(d.settings.state_dir, worker, trained=trained), eval_loss, eval_s
 
     def evaluates(self, r: int) -> bool:
         """Whether the node measures the held-out loss after round r: the run's schedule, or

@@ -3,7 +3,8 @@
 It builds the coordinator client (``node.daemon.client``) and the presigned transfers
 (``node.daemon.transfer``, with the node's bandwidth caps) over one aiohttp session, and runs a
 ``node.daemon.loop.NodeDaemon`` with them on uvloop. Under torchrun (``WORLD_SIZE`` > 1) each
-process takes its part of one node instead (``node.daemon.ranks``): rank 0 runs the daemon.
+process takes its part of one node instead (``node.daemon.ranks``): rank 0 runs the daemon,
+whose every compute step the other ranks take with it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from dataclasses import replace
 
 import aiohttp
 
-from node.compute.ranks import Ranks
+from node.compute.group import Group
 from node.daemon.client import ClientTimeouts, CoordinatorClient
 from node.daemon.instance import claim
 from node.daemon.loop import NodeDaemon
-from node.daemon.ranks import RankZeroDaemon, run_ranks, torchrun_world
+from node.daemon.ranks import run_ranks, torchrun_world
 from node.daemon.ratelimit import Limits
 from node.daemon.retry import FOREVER
 from node.daemon.settings import NodeSettings
@@ -24,9 +25,9 @@ from node.daemon.tls import connector
 from node.daemon.transfer import HttpTransfers, TransferTimeouts
 
 
-async def serve(settings: NodeSettings, ranks: Ranks | None = None) -> int:
+async def serve(settings: NodeSettings, group: Group | None = None) -> int:
     """The daemon with its HTTP seams: the coordinator client and presigned transfers; with
-    ``ranks`` (rank 0 of a torchrun node) its inner steps run on all of the node's processes."""
+    ``group`` (rank 0 of a torchrun node) its compute runs on all of the node's processes."""
     timeouts = ClientTimeouts(
         connect_s=settings.connect_timeout_s, request_s=settings.request_timeout_s
     )
@@ -47,17 +48,13 @@ async def serve(settings: NodeSettings, ranks: Ranks | None = None) -> int:
         )
         transfers = HttpTransfers(http, transfer_timeouts, limits=Limits.of(settings))
         links = (api.link, transfers.link)
-        daemon = (
-            NodeDaemon(settings, api, transfers, links=links)
-            if ranks is None
-            else RankZeroDaemon(settings, api, transfers, links=links, ranks=ranks)
-        )
+        daemon = NodeDaemon(settings, api, transfers, links=links, group=group)
         return await daemon.run()
 
 
 def run_node(settings: NodeSettings) -> int:
     """Run a node to completion on uvloop; the exit status."""
-    if torchrun_world() > 1:
+    if torchrun_world() >= 1:  # under torchrun, one process or more
         return run_ranks(settings)
     import uvloop
 

@@ -2,12 +2,19 @@
 
 Asks the coordinator for the newest committed checkpoint (``GET /v1/checkpoints/latest``, with
 any valid node token: nothing is joined, nothing changes on the coordinator), downloads it
-through the presigned GET, and keeps it only if every check holds:
+through the presigned GET to a file in a staging folder next to ``--out`` (``get_to_file``:
+streamed, never held in memory), and keeps it only if every check holds:
 
-- the bytes have the size and sha256 the coordinator recorded when the checkpoint was committed;
+- the bytes have the size and sha256 the coordinator recorded when the checkpoint was committed
+  (checked by the download, which leaves no file otherwise);
 - the file holds exactly the run's model, by names and shapes, in fp32 (safetensors holds only
   tensors, never code);
-- the fingerprint of those tensors is the one the nodes agreed on for that round.
+- the fingerprint of those tensors is the one the nodes agreed on for that round (the file read
+  once more in chunks, ``protocol.fingerprint.digest_file``).
+
+Nothing holds the whole model: the file is verified chunk by chunk and written out tensor by
+tensor, so the process holds at most one tensor of it at a time (models larger than any one
+process's memory export as they train).
 
 Writes ``model.safetensors`` and ``run.json`` (run id, round, fingerprint, sha256, and the full
 run config: the model preset and everything needed to rebuild the model) into ``--out``,
@@ -25,6 +32,7 @@ anything is written (``TokenizerError``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tempfile
 from dataclasses import dataclass, replace
@@ -38,15 +46,19 @@ from node.daemon.tls import connector
 from node.daemon.transfer import HttpTransfers
 from node.errors import CheckpointError, CoordinatorError, Refused
 from node.tools.hf import (
+    FileTensors,
     HfTokenizer,
     TokenizerError,
     byte_tokenizer,
     check_tokenizer,
     load_tokenizer,
+    move_atomically,
     write_atomically,
     write_hf,
 )
 from protocol.dataset import MANIFEST_FILE, TOKENIZER_FILE, dataset_hex, parse_manifest
+from protocol.errors import PayloadError
+from protocol.fingerprint import CheckedFile, digest_file
 from protocol.messages import CheckpointInfo, StatusView
 from protocol.runconfig import RunConfig
 
@@ -65,33 +77,37 @@ class Exported:
     tokenizer: str | None = None
 
 
-def verify_checkpoint(data: bytes, info: CheckpointInfo, run: RunConfig) -> None:
-    """Raise ``CheckpointError`` unless ``data`` is the run's model with ``info.fingerprint``."""
+def verify_checkpoint(path: Path, info: CheckpointInfo, run: RunConfig) -> CheckedFile:
+    """What the checked file at ``path`` holds; ``CheckpointError`` unless it is the run's model
+    with ``info.fingerprint``. Reads the file in chunks: never the whole model in memory."""
     import torch
-    from safetensors.torch import load as load_safetensors
 
     from node.compute.model import get_preset, model_class
-    from protocol.fingerprint import fingerprint
 
+    wrong_model = CheckpointError(
+        f"checkpoint of round {info.round} does not hold the run's {run.model!r} model"
+    )
     try:
-        tensors = load_safetensors(data)
-    except Exception as exc:  # safetensors raises several types for bad bytes
+        checked = digest_file(path)
+    except PayloadError as exc:
+        if exc.field.endswith(".dtype"):  # a well-formed file of another dtype
+            raise wrong_model from exc
         raise CheckpointError(f"checkpoint of round {info.round} is unreadable: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the downloaded checkpoint {path}: {exc}") from exc
     with torch.device("meta"):
         cfg = get_preset(run.model)
         model = model_class(cfg)(cfg)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    got = {n: tuple(t.shape) for n, t in tensors.items()}
-    if got != expected or any(t.dtype != torch.float32 for t in tensors.values()):
+    got = {name: shape for name, (_, shape, _, _) in checked.entries.items()}
+    if got != expected:
+        raise wrong_model
+    if checked.fingerprint != info.fingerprint:
         raise CheckpointError(
-            f"checkpoint of round {info.round} does not hold the run's {run.model!r} model"
+            f"checkpoint of round {info.round} has fingerprint {checked.fingerprint}, the nodes"
+            f" agreed on {info.fingerprint}"
         )
-    actual = fingerprint(tensors)
-    if actual != info.fingerprint:
-        raise CheckpointError(
-            f"checkpoint of round {info.round} has fingerprint {actual}, the nodes agreed on"
-            f" {info.fingerprint}"
-        )
+    return checked
 
 
 async def export(
@@ -128,12 +144,22 @@ async def export(
                 f" {status.run.checkpoint_every} rounds); try again later"
             )
         info = view.info
-        data = await HttpTransfers(http).get(view.url, size=info.size, sha256=info.sha256)
-    verify_checkpoint(data, info, status.run)
-    out.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Next to the output, so the verified file can be renamed into it.
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staging:
+            checkpoint = Path(staging) / "model.safetensors"
+            await HttpTransfers(http).get_to_file(
+                view.url, checkpoint, size=info.size, sha256=info.sha256
+            )
+            # Reading and writing the model are long and blocking: on a thread, off the loop.
+            run = status.run
+            checked = await asyncio.to_thread(verify_checkpoint, checkpoint, info, run)
+            out.mkdir(parents=True, exist_ok=True)
+            layout = await asyncio.to_thread(
+                _write_model, checkpoint, checked, run, status.run_id, out, info, tok
+            )
     model = out / "model.safetensors"
     manifest = out / "run.json"
-    layout = _write_model(data, status.run, status.run_id, out, info, tok)
     document = {
         "format": layout,
         "run_id": status.run_id,
@@ -200,7 +226,8 @@ def _tokenizer_for(run: RunConfig, given: HfTokenizer | None) -> HfTokenizer | N
 
 
 def _write_model(
-    data: bytes,
+    checkpoint: Path,
+    checked: CheckedFile,
     run: RunConfig,
     run_id: str,
     out: Path,
@@ -208,15 +235,14 @@ def _write_model(
     tokenizer: HfTokenizer | None = None,
 ) -> str:
     """The verified checkpoint into ``out``: for a LLaMA-style model as a ``transformers``
-    directory (``node.tools.hf``), else the file as it is; which of the two."""
-    from safetensors.torch import load as load_safetensors
-
+    directory (``node.tools.hf``, written tensor by tensor from the file), else the file as it
+    is (moved there); which of the two."""
     from node.compute.model import get_preset
 
     cfg = get_preset(run.model)
     if cfg.arch != "llama":
-        write_atomically(out / "model.safetensors", data)
+        move_atomically(checkpoint, out / "model.safetensors")
         return "safetensors"
     meta = {"run_id": run_id, "round": str(info.round), "fingerprint": info.fingerprint}
-    write_hf(load_safetensors(data), cfg, out, meta, tokenizer)
+    write_hf(FileTensors(checkpoint, checked), cfg, out, meta, tokenizer)
     return "transformers"

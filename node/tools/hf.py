@@ -6,8 +6,14 @@ rebuilds the model and generates. ``node.compute.llama`` already uses the Huggin
 (the rotate-half pairing of rotary positions, RMSNorm in fp32, SwiGLU, key/value heads repeated
 in groups), so the tensors are renamed, never transformed: the decoder's parameters take the
 ``model.`` prefix, a separate output head stays ``lm_head.weight``, and a tied head is left out
-(``tie_word_embeddings``). Nothing here imports ``transformers``: writing needs only safetensors
-(and the ``tokenizers`` library for a tokenizer).
+(``tie_word_embeddings``). Nothing here imports ``transformers``: writing needs only torch (and
+the ``tokenizers`` library for a tokenizer).
+
+No process may hold a large model whole, so ``model.safetensors`` is written tensor by tensor:
+the header first (names, shapes and offsets are known up front), then each tensor's bytes,
+fetched from the mapping only when its turn comes and dropped after. With ``FileTensors`` (the
+tensors of a checkpoint on disk, checked by ``protocol.fingerprint.digest_file``, each read
+when asked for) the export holds one tensor of the model at a time.
 
 With a tokenizer (``HfTokenizer``: ``load_tokenizer`` of a tokenizer.json or of a folder from
 ``sparseloco data prepare``, or ``byte_tokenizer`` for the byte-level models) the folder also
@@ -24,24 +30,31 @@ before anything is written.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
-from safetensors.torch import save as save_safetensors
 
 from node.compute.model import ModelConfig
 from node.errors import CheckpointError, DataError
+from protocol.fingerprint import CheckedFile
 
 #: Where ``LlamaForCausalLM`` keeps the decoder's parameters.
 PREFIX = "model."
 HEAD = "lm_head.weight"
+#: torch dtype -> (safetensors' name, bytes per element) of what a model may be written in.
+ST_DTYPES = {torch.float32: ("F32", 4), torch.bfloat16: ("BF16", 2), torch.float16: ("F16", 2)}
+#: A safetensors header is padded with spaces to a multiple of this, as the library does.
+HEADER_ALIGN = 8
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -71,12 +84,41 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def hf_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The parameters under ``LlamaForCausalLM``'s names."""
-    return {
-        name if name == HEAD else PREFIX + name: t.detach().cpu().contiguous()
-        for name, t in tensors.items()
-    }
+def hf_name(name: str) -> str:
+    """The name ``LlamaForCausalLM`` gives our parameter ``name``."""
+    return name if name == HEAD else PREFIX + name
+
+
+class FileTensors(Mapping[str, torch.Tensor]):
+    """The F32 tensors of a checked safetensors file, each read from disk when asked for and
+    never kept: the mapping itself holds no tensor."""
+
+    def __init__(self, path: Path, checked: CheckedFile) -> None:
+        self.path = path
+        self.checked = checked
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.checked.entries[name][1]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        _, shape, begin, end = self.checked.entries[name]
+        t = torch.empty(shape, dtype=torch.float32)
+        into = t.reshape(-1).view(torch.uint8).numpy().data  # the new tensor's own memory
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.checked.data_start + begin)
+            done = 0
+            while done < end - begin:
+                n = f.readinto(into[done:])
+                if not n:
+                    raise CheckpointError(f"{self.path} ends inside tensor {name!r}")
+                done += n
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.checked.entries)
+
+    def __len__(self) -> int:
+        return len(self.checked.entries)
 
 
 def write_hf(
@@ -88,7 +130,8 @@ def write_hf(
 ) -> list[Path]:
     """Write ``config.json`` and ``model.safetensors`` for ``transformers`` into ``out``, and the
     tokenizer's files when one is given, each atomically; the paths written. ``metadata`` goes
-    into the safetensors header. Everything is checked before the first file is written."""
+    into the safetensors header. Everything is checked before the first file is written; the
+    tensors are taken from ``tensors`` one at a time (``FileTensors``: read from disk)."""
     config = hf_config(cfg)
     files: list[tuple[str, bytes]] = []
     if tokenizer is not None:
@@ -96,15 +139,62 @@ def write_hf(
         files = tokenizer_files(tokenizer, cfg)
         if tokenizer.eot_id is not None:
             config |= {"bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id}
-    weights = save_safetensors(hf_tensors(tensors), metadata={"format": "pt", **metadata})
-    files = [("model.safetensors", weights), *files, ("config.json", _json(config))]
+    files.append(("config.json", _json(config)))
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    weights = out / "model.safetensors"
+    save_streaming(weights, tensors, {"format": "pt", **metadata}, rename=hf_name)
+    written = [weights]
     for name, data in files:
         path = out / name
         write_atomically(path, data)
         written.append(path)
     return written
+
+
+def save_streaming(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: dict[str, str],
+    *,
+    rename: Any = None,
+) -> None:
+    """A safetensors file of ``tensors`` (each under ``rename(name)`` when given) at ``path``,
+    atomically, holding one tensor at a time: the header from the shapes, then the bytes."""
+    names = {name if rename is None else rename(name): name for name in tensors}
+    header: dict[str, Any] = {"__metadata__": metadata}
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    offset = 0
+    for saved in sorted(names):
+        shape, dtype = _spec(tensors, names[saved])
+        size = math.prod(shape) * ST_DTYPES[dtype][1]
+        header[saved] = {
+            "dtype": ST_DTYPES[dtype][0],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        specs.append((names[saved], shape, dtype))
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % HEADER_ALIGN)
+    with atomic_writer(path) as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for name, shape, dtype in specs:
+            t = tensors[name].detach().cpu().contiguous()
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise CheckpointError(f"tensor {name!r} changed while it was written")
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            del t  # before the next one is read
+
+
+def _spec(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of ``tensors[name]``, without reading it from a ``FileTensors``."""
+    if isinstance(tensors, FileTensors):
+        return tensors.shape(name), torch.float32
+    t = tensors[name]
+    if t.dtype not in ST_DTYPES:
+        raise CheckpointError(f"tensor {name!r} is {t.dtype}; only {sorted(map(str, ST_DTYPES))}")
+    return tuple(t.shape), t.dtype
 
 
 class TokenizerError(DataError):
@@ -234,15 +324,37 @@ def _json(document: Mapping[str, Any]) -> bytes:
     return (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode()
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """``data`` to ``path`` through a synced temporary file in the same folder and a rename."""
+@contextlib.contextmanager
+def atomic_writer(path: Path) -> Iterator[BinaryIO]:
+    """A file to write ``path`` through: a temporary file in the same folder, synced and renamed
+    over ``path`` when the block ends, removed if it raises."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` through a synced temporary file in the same folder and a rename."""
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
+def move_atomically(source: Path, path: Path) -> None:
+    """``source`` to ``path`` by a rename, or where they are on two file systems, by a copy
+    written as ``atomic_writer`` writes (``source`` is removed either way)."""
+    try:
+        os.replace(source, path)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        with open(source, "rb") as src, atomic_writer(path) as f:
+            while chunk := src.read(1 << 20):
+                f.write(chunk)
+        source.unlink()

@@ -13,8 +13,12 @@ best of ``--repeat``.
 
 Then, unless ``--no-nodes``, ``gpu_nodes.py``: a real run (SeaweedFS, a coordinator, node
 processes) of ``--gpu-nodes`` nodes on the GPU and ``--cpu-nodes`` on the CPU, which must agree
-on θ's fingerprint after every round, with each node's tokens/s and MFU. The summary of both
-goes to ``$OUT/gpu_check.json`` when ``OUT`` is set (and to ``--json``).
+on θ's fingerprint after every round, with each node's tokens/s and MFU; then (unless
+``--no-ranked``) a second run of sharded nodes: a torchrun node of one process on the GPU,
+whose θ, error buffer, codec and aggregation live on the device, beside a torchrun node of
+``--cpu-ranks`` processes on the CPU (FSDP over gloo, the outer state sharded over them), which
+must agree as well; its table has each node's speed and the reports' phase timings. The
+summary of all of it goes to ``$OUT/gpu_check.json`` when ``OUT`` is set (and to ``--json``).
 
 Exits 0 when everything matched, 1 on any difference, and 0 with a "no CUDA device" line
 (checking nothing) where torch sees no GPU. ``--smoke`` runs all of it on the CPU: the codec on
@@ -89,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()  # the nodes are other processes on the same GPU
     nodes = gpu_nodes.run_nodes(args) if args.nodes else {"ok": True, "skipped": True}
     summary["nodes"] = nodes
-    ok = bool(codec["ok"] and nodes["ok"])
+    ranked = (
+        gpu_nodes.run_ranked(args) if args.nodes and args.ranked else {"ok": True, "skipped": True}
+    )
+    summary["ranked"] = ranked
+    ok = bool(codec["ok"] and nodes["ok"] and ranked["ok"])
     summary["ok"] = ok
     text = json.dumps(summary, indent=2) + "\n"
     for path in [

@@ -59,6 +59,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the CPU check of this script: llama_tiny, 2 rounds, every node on --device cpu",
     )
+    ap.add_argument(
+        "--ranked-model",
+        default="llama_bpe4k_12m",
+        help="model of the sharded-node part: a 1-GPU torchrun node (its outer state on the GPU)"
+        " beside a torchrun node of --cpu-ranks processes on the CPU (gloo)",
+    )
+    ap.add_argument("--cpu-ranks", type=int, default=4, help="processes of the CPU FSDP node")
+    ap.add_argument("--no-ranked", dest="ranked", action="store_false", help="skip that part")
 
 
 def _params(model: str) -> int:
@@ -96,9 +104,6 @@ def _threads(gpu_nodes: int, cpu_nodes: int) -> list[int]:
 
 def run_nodes(args: argparse.Namespace) -> dict[str, Any]:
     """Run the check; its summary (``ok`` says whether every round agreed)."""
-    from node.cluster.up import UpConfig, up
-    from node.errors import UpError
-
     if args.smoke:
         args.model, args.rounds, args.inner_steps, args.batch_size = "llama_tiny", 2, 2, 2
     made = args.run_dir is None
@@ -111,10 +116,47 @@ def run_nodes(args: argparse.Namespace) -> dict[str, Any]:
         print(f"gpu_nodes: {fallback}")
     gpu = "cpu" if args.smoke else "cuda:0"
     devices = [gpu] * gpu_nodes + ["cpu"] * args.cpu_nodes
-    nodes = len(devices)
     threads = _threads(gpu_nodes, args.cpu_nodes)
+    ranks = [1] * len(devices)
+    return _run(args, run_dir, made, model, devices, ranks, threads, fallback, "gpu_nodes")
+
+
+def run_ranked(args: argparse.Namespace) -> dict[str, Any]:
+    """The sharded-node part: a torchrun node of one process on the GPU (θ, e, the codec and
+    the aggregation on the device) beside a torchrun node of ``--cpu-ranks`` processes on the
+    CPU (FSDP over gloo, the outer state sharded over them). Every round must agree."""
+    model = "llama_tiny" if args.smoke else args.ranked_model
+    cpu_ranks = 2 if args.smoke else args.cpu_ranks
+    batch = max(args.batch_size, cpu_ranks)
+    Path("runs").mkdir(exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu-ranked-", dir="runs"))
+    gpu = "cpu" if args.smoke else "cuda:0"
+    cores = os.cpu_count() or 1
+    threads = [min(4, cores), max(1, (cores - 4) // cpu_ranks)]
+    ranked = argparse.Namespace(**{**vars(args), "batch_size": batch})
+    devices, ranks = [gpu, "cpu"], [1, cpu_ranks]
+    return _run(ranked, run_dir, True, model, devices, ranks, threads, None, "gpu_ranked")
+
+
+def _run(
+    args: argparse.Namespace,
+    run_dir: Path,
+    remove: bool,
+    model: str,
+    devices: list[str],
+    ranks: list[int],
+    threads: list[int],
+    fallback: str | None,
+    label: str,
+) -> dict[str, Any]:
+    """One ``up`` run of these nodes; its summary. ``label`` names the logs' folder in $OUT."""
+    from node.cluster.up import UpConfig, up
+    from node.errors import UpError
+
+    nodes = len(devices)
+    shown = [d if r == 1 else f"{d} x{r} (torchrun)" for d, r in zip(devices, ranks, strict=True)]
     print(
-        f"gpu_nodes: {nodes} nodes ({', '.join(devices)}; threads {threads}) on {model}"
+        f"gpu_nodes: {nodes} nodes ({', '.join(shown)}; threads {threads}) on {model}"
         f" ({_params(model) / 1e6:,.1f} M parameters), H={args.inner_steps},"
         f" batch {args.batch_size}, {args.rounds} rounds; run folder {run_dir}"
     )
@@ -125,6 +167,7 @@ def run_nodes(args: argparse.Namespace) -> dict[str, Any]:
         run_dir=run_dir,
         round_timeout_s=args.round_timeout,
         device=",".join(devices),
+        ranks=",".join(map(str, ranks)),
     )
     overrides = {
         "model": model,
@@ -135,6 +178,8 @@ def run_nodes(args: argparse.Namespace) -> dict[str, Any]:
     }
     # One short held-out batch: a CPU node evaluating a 1 B model longer would hold every round.
     env = {"SPARSELOCO_NODE_EVAL_BATCHES": "1", "SPARSELOCO_NODE_EVAL_BATCH_SIZE": "1"}
+    if any(r > 1 for r in ranks):  # every process of a node evaluates its rows of the batch
+        env["SPARSELOCO_NODE_EVAL_BATCH_SIZE"] = str(max(ranks))
     t0 = time.monotonic()
     try:
         result = up(cfg, run_overrides=overrides, node_env=env, node_threads=threads)
@@ -144,10 +189,11 @@ def run_nodes(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         out = os.environ.get("OUT")
         if out and (run_dir / "logs").is_dir():  # the logs travel back with the summary
-            shutil.copytree(run_dir / "logs", Path(out) / "gpu_nodes-logs", dirs_exist_ok=True)
-        if made and not args.keep:
+            logs = Path(out) / f"{label}-logs"
+            shutil.copytree(run_dir / "logs", logs, dirs_exist_ok=True)
+        if remove and not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
-    return summarize(result, devices, model, fallback, time.monotonic() - t0, args)
+    return summarize(result, shown, model, fallback, time.monotonic() - t0, args)
 
 
 def summarize(
@@ -194,6 +240,19 @@ def summarize(
             "tokens_per_s": sum(tps) / len(tps) if tps else None,
             "mfu": sum(mfu) / len(mfu) if mfu else None,
         }
+    phases = ("train", "encode", "save", "decode", "aggregate_apply")
+    print("\n| node | device | " + " | ".join(f"{p} s" for p in phases) + " |")
+    print("|---|---|" + "---:|" * len(phases))
+    for name, device in zip(names, devices, strict=True):
+        # Median over the rounds after the first: the node's own work beside its training.
+        seen = [e["timings"].get(name, {}) for e in rounds[1:]] or [
+            e["timings"].get(name, {}) for e in rounds
+        ]
+        cells = []
+        for phase in phases:
+            values = sorted(t[phase] for t in seen if phase in t)
+            cells.append(f"{values[len(values) // 2]:.3f}" if values else "-")
+        print(f"| {name} | {device} | " + " | ".join(cells) + " |")
     ok = not failures
     loss = result["final_eval_loss"]
     print(
@@ -232,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_nodes: no CUDA device visible to torch; nothing checked (or use --smoke)")
             return 0
     summary = run_nodes(args)
+    if args.ranked:
+        summary["ranked"] = run_ranked(args)
+        summary["ok"] = summary["ok"] and summary["ranked"]["ok"]
     out = os.environ.get("OUT")
     if out:
         path = Path(out) / "gpu_nodes.json"

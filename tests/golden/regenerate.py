@@ -1,4 +1,4 @@
-"""Rewrite the golden payload files that pin the wire format (format version 1).
+"""Rewrite the golden payload files that pin the wire format (format version 2).
 
 Run from the repository root: ``python tests/golden/regenerate.py``. Only do so together with
 a format version bump: ``tests/test_codec_golden.py`` fails whenever the encoder's bytes for
@@ -6,10 +6,13 @@ these inputs change, and that failure is the point.
 
 Each case is a ``<name>.slc`` payload and a ``<name>.json`` sidecar holding the codec
 parameters, header fields, every tensor's shape and input recipe, the sha256 of both the input
-values and the payload, and the zstd library version that compressed it. Inputs come from
-Python's ``random.Random(seed).random()``, whose sequence Python guarantees across versions,
-summed in float64 (twelve uniforms minus 6, roughly standard normal) and rounded once to fp32:
-no dependence on torch's or numpy's generators.
+values and the payload, the header's length and where each record lies (offset, the three
+section lengths, CRC-32, whether the codes are a zstd frame) as FORMAT.md defines them. The
+cases hold records of both forms of codes: raw, and zstd frames (the equal codes of "ones"); a
+frame's bytes are zstd's, so the sidecar also records the zstd release that wrote them. Inputs
+come from Python's ``random.Random(seed).random()``, whose sequence Python guarantees across
+versions, summed in float64 (twelve uniforms minus 6, roughly standard normal) and rounded once
+to fp32: no dependence on torch's or numpy's generators.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ CASES: dict[str, dict[str, Any]] = {
             "layer.bias": {"shape": [100], "kind": "normal", "seed": 2},
         },
     },
-    "odd_k5_t8": {  # small enough that zstd does not pay: the one plain body
+    "odd_k5_t8": {
         "topk": 5,
         "tile": 8,
         "header": {"run_id": "r", "round": 0, "node_id": "n", "base": ""},
@@ -43,7 +46,7 @@ CASES: dict[str, dict[str, Any]] = {
             "t": {"shape": [3, 5, 7], "kind": "normal", "seed": 3},
         },
     },
-    "ties_zstd_k64_t64": {
+    "ties_k64_t64": {  # equal magnitudes everywhere, and a scalar
         "topk": 64,
         "tile": 64,
         "header": {"run_id": "golden-run", "round": 7, "node_id": "node-ties", "base": "f00d"},
@@ -90,14 +93,40 @@ def input_digest(tensors: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def build(case: dict[str, Any]) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
-    """``(payload, reconstruction, sidecar)`` for one case."""
+def layout(payload: bytes) -> tuple[int, dict[str, dict[str, int]]]:
+    """The header length and each record's place, read from the bytes per FORMAT.md."""
+    import msgpack
+
+    length = struct.unpack_from("<I", payload, 6)[0]
+    header = msgpack.unpackb(payload[14 : 14 + length], raw=False)
+    records, at = {}, 14 + length
+    for name, _, _, _, codes, unary, remainders, crc, codes_zstd in header["tensors"]:
+        records[name] = {
+            "offset": at,
+            "codes_len": codes,
+            "unary_len": unary,
+            "remainders_len": remainders,
+            "crc32": crc,
+            "codes_zstd": codes_zstd,
+        }
+        at += codes + unary + remainders
+    return length, records
+
+
+def zstd_version() -> str:
+    """The release of the zstd library that compresses codes here, e.g. ``"1.5.7"``."""
     import zstandard
 
+    return ".".join(map(str, zstandard.ZSTD_VERSION))
+
+
+def build(case: dict[str, Any]) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
+    """``(payload, reconstruction, sidecar)`` for one case."""
     from protocol.codec import encode
 
     tensors = make_inputs(case)
     payload, recon = encode(tensors, topk=case["topk"], tile=case["tile"], **case["header"])
+    header_length, records = layout(payload)
     sidecar = {
         "format_version": payload[4],
         "flags": payload[5],
@@ -105,8 +134,9 @@ def build(case: dict[str, Any]) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
         "input_sha256": input_digest(tensors),
         "payload_size": len(payload),
         "payload_sha256": hashlib.sha256(payload).hexdigest(),
-        # zstd's output may change between library versions although the format does not.
-        "zstd_version": ".".join(map(str, zstandard.ZSTD_VERSION)),
+        "header_length": header_length,
+        "records": records,
+        "zstd_version": zstd_version(),
     }
     return payload, recon, sidecar
 
@@ -118,9 +148,7 @@ def main() -> None:
         payload, _, sidecar = build(case)
         (HERE / f"{name}.slc").write_bytes(payload)
         (HERE / f"{name}.json").write_text(json.dumps(sidecar, indent=2) + "\n")
-        print(
-            f"{name}: {len(payload)} bytes, flags {payload[5]}, sha256 {sidecar['payload_sha256']}"
-        )
+        print(f"{name}: {len(payload)} bytes, sha256 {sidecar['payload_sha256']}")
 
 
 if __name__ == "__main__":

@@ -87,8 +87,8 @@ class Harness:
         ``test_worker_state``'s).
         """
         previous = self.daemons.get(node_id)
-        if previous is not None and previous._worker is not None:
-            previous._worker.writes.wait()
+        if previous is not None and previous.ctx.shard is not None:
+            previous.ctx.shard.worker.writes.wait()
         values: dict[str, Any] = {
             "coordinator": "http://coordinator.invalid",
             "allow_insecure_http": True,  # a placeholder: the fakes never dial it
@@ -182,7 +182,7 @@ def _reference(run: RunConfig, node_id: str) -> list[str]:
         assert pending is not None
         following = None
         if r + 1 < run.rounds:
-            offset = w.eager_offset(pending.recon) if run.overlap == "eager" else None
+            offset = w.eager_offset(r) if run.overlap == "eager" else None
             following = w.train_and_compress(r + 1, offset)
         w.apply({node_id: w.read(pending.payload)})
         out.append(w.fingerprint())

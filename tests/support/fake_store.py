@@ -4,7 +4,10 @@
 it: a PUT URL is bound to its key, size and sha256 and the key is write-once (a repeat of the
 same bytes answers "already there", as S3's ``If-None-Match: *`` does), a GET URL names a key.
 Each node gets its own ``Transfers`` view (``store.transfers(node_id)``), so a test can make the
-GETs of one node fail (``failing_gets``) or hang (``blocked``) while its peers are fine.
+GETs of one node fail (``failing_gets``) or hang (``blocked``) while its peers are fine. The file
+transfers (``put_file``, ``get_to_file``) are the same PUT and GET with the bytes read from or
+written to a local file (a download through a temporary name, as the real one), so a plan
+applies to them alike.
 
 ``FakeClock`` is the daemon's and the coordinator's time: it moves only when a test calls
 ``advance``. A sleep ends when its time has come or when the clock is ``kick``-ed: the fake
@@ -17,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from node.errors import DigestError, RetriesExhausted, TransferError
 
@@ -168,6 +173,20 @@ class NodeTransfers:
         if len(data) != size or _sha(data) != sha256:
             raise DigestError(f"download: {key} does not match the manifest")
         return data
+
+    async def put_file(
+        self, url: str, headers: Mapping[str, str], path: Path, *, size: int
+    ) -> bool:
+        data = Path(path).read_bytes()
+        if len(data) != size:
+            raise TransferError(f"upload: {path} holds {len(data)} bytes, not {size}")
+        return await self.put(url, headers, data)
+
+    async def get_to_file(self, url: str, path: Path, *, size: int, sha256: str) -> None:
+        data = await self.get(url, size=size, sha256=sha256)
+        tmp = Path(path).with_name(f".{Path(path).name}.part")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
 
 
 def _sha(data: bytes) -> str:

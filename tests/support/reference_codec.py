@@ -17,9 +17,11 @@ Use it on small tensors only.
   ``j`` (0 if empty); shift and levels are rounded to fp32 and the dequantised value is
   ``fp32(level) + fp32(shift)`` computed in fp32.
 
-The wire helpers at the end (``split_payload``, ``build_payload``, ``rice_streams``,
-``decode_positions``, ``pack_codes``) follow the payload format of DESIGN.md and
-``protocol/envelope.py``'s layout table; tests use them to read payloads independently and to
+The wire helpers at the end (``split_payload``, ``build_payload``, ``wrap_header``,
+``fix_checksums``, ``rice_streams``, ``decode_positions``, ``pack_codes``, ``store_codes``,
+``raw_codes``, ``zstd_frame``, ``with_raw_codes``) are a second implementation of format
+version 2, written from ``protocol/FORMAT.md`` with the libraries (``struct``, ``zlib``,
+``msgpack``, ``zstandard``) directly; tests use them to read payloads independently and to
 craft malformed ones.
 """
 
@@ -239,8 +241,23 @@ def decode_positions(
 # --------------------------------------------------------------------------- wire helpers
 
 MAGIC = b"SLCP"
-HEADER = struct.Struct("<4sBBI")  # magic, version, flags, CRC-32 of the stored body
-RECORD_FIELDS = ("name", "shape", "rice_bits", "stats", "codes", "unary", "remainders")
+VERSION = 2
+PREFIX = struct.Struct("<4sBBII")  # magic, version, flags, header length L, CRC-32 of the header
+HEADER_KEYS = ("run", "round", "node", "base", "tile", "topk", "tensors")
+ENTRY_FIELDS = (
+    "name",
+    "shape",
+    "rice_bits",
+    "stats",
+    "codes_len",
+    "unary_len",
+    "remainders_len",
+    "crc32",
+    "codes_zstd",
+)
+ZSTD = ENTRY_FIELDS.index("codes_zstd")
+SECTIONS = ("codes", "unary", "remainders")
+Record = tuple[bytes, bytes, bytes]  # codes, unary stream, remainder stream
 
 
 def pack_bits(bits: list[int]) -> bytes:
@@ -258,6 +275,40 @@ def pack_codes(codes: list[int]) -> bytes:
     for code in codes:
         bits += [(code >> 1) & 1, code & 1]
     return pack_bits(bits)
+
+
+def zstd_frame(
+    data: bytes, *, level: int = 1, content_size: bool = True, checksum: bool = False
+) -> bytes:
+    """One zstd frame of ``data`` (by default as FORMAT.md's writers make it: level 1, the
+    content size declared, no checksum, no dictionary id)."""
+    return zstandard.ZstdCompressor(
+        level=level,
+        write_content_size=content_size,
+        write_checksum=checksum,
+        write_dict_id=False,
+    ).compress(data)
+
+
+def store_codes(raw: bytes) -> tuple[bytes, int]:
+    """``(stored, codes_zstd)``: a writer's choice, the frame when strictly shorter."""
+    frame = zstd_frame(raw)
+    return (frame, 1) if len(frame) < len(raw) else (raw, 0)
+
+
+def raw_codes(stored: bytes, codes_zstd: int, size: int) -> bytes:
+    """The raw codes of a record, asserting FORMAT.md's rules for a zstd frame: the magic,
+    a declared content size of exactly ``size``, no dictionary, a window within the content,
+    nothing after the frame."""
+    if not codes_zstd:
+        assert len(stored) == size
+        return stored
+    assert len(stored) < size and stored[:4] == b"\x28\xb5\x2f\xfd"
+    params = zstandard.get_frame_parameters(stored)
+    assert params.content_size == size and params.dict_id == 0 and params.window_size <= size
+    raw = zstandard.ZstdDecompressor().decompress(stored, allow_extra_data=False)
+    assert len(raw) == size
+    return raw
 
 
 def rice_streams(gaps: list[int], rice_bits: int) -> tuple[bytes, bytes]:
@@ -279,23 +330,125 @@ def gaps_of(positions: list[list[int]]) -> list[int]:
     return out
 
 
-def split_payload(data: bytes) -> tuple[int, int, dict[str, Any]]:
-    """``(version, flags, body)`` of a well-formed payload, read with the libraries directly."""
-    magic, version, flags, crc = HEADER.unpack_from(data)
-    assert magic == MAGIC
-    body = data[HEADER.size :]
-    assert zlib.crc32(body) == crc
-    if flags & 1:
-        body = zstandard.ZstdDecompressor().decompress(body)
-    obj = msgpack.unpackb(body, raw=False)
-    assert isinstance(obj, dict)
-    return version, flags, obj
+@dataclass(frozen=True)
+class SplitPayload:
+    """A well-formed payload taken apart: prefix fields, header map, each record's sections."""
+
+    version: int
+    flags: int
+    header_length: int
+    header: dict[str, Any]
+    records: list[Record]
+    offsets: list[int]  # absolute offset of each record
 
 
-def build_payload(obj: Any, *, flags: int = 0, version: int = 1, raw: bytes | None = None) -> bytes:
-    """A payload with a correct header around ``obj`` packed with msgpack (or around ``raw``,
-    the body exactly as stored). ``flags & 1`` compresses the packed body with zstd."""
-    body = raw if raw is not None else msgpack.packb(obj, use_bin_type=True)
-    if raw is None and flags & 1:
-        body = zstandard.ZstdCompressor(write_content_size=True).compress(body)
-    return HEADER.pack(MAGIC, version, flags, zlib.crc32(body)) + body
+def record_crc(record: Record) -> int:
+    """CRC-32 of the record as stored: codes ‖ unary ‖ remainders."""
+    return zlib.crc32(b"".join(record))
+
+
+def split_payload(data: bytes) -> SplitPayload:
+    """Read a well-formed payload with the libraries directly, asserting every layout rule of
+    FORMAT.md (prefix, header CRC, key set, entry lengths and CRCs, exact total size)."""
+    magic, version, flags, length, crc = PREFIX.unpack_from(data)
+    assert magic == MAGIC and version == VERSION and flags == 0
+    header_bytes = data[PREFIX.size : PREFIX.size + length]
+    assert len(header_bytes) == length and zlib.crc32(header_bytes) == crc
+    header = msgpack.unpackb(header_bytes, raw=False)
+    assert isinstance(header, dict) and set(header) == set(HEADER_KEYS)
+    at = PREFIX.size + length
+    records, offsets = [], []
+    for entry in header["tensors"]:
+        assert len(entry) == len(ENTRY_FIELDS) and entry[ZSTD] in (0, 1)
+        assert not isinstance(entry[ZSTD], bool)
+        offsets.append(at)
+        sections = []
+        for size in entry[4:7]:
+            sections.append(data[at : at + size])
+            at += size
+        record = (sections[0], sections[1], sections[2])
+        assert record_crc(record) == entry[7]
+        records.append(record)
+    assert at == len(data), "nothing may follow the last record"
+    return SplitPayload(version, flags, length, header, records, offsets)
+
+
+def wrap_header(
+    header: bytes,
+    data: bytes = b"",
+    *,
+    version: int = VERSION,
+    flags: int = 0,
+    length: int | None = None,
+    crc: int | None = None,
+) -> bytes:
+    """The prefix (correct unless ``length``/``crc`` are given) + ``header`` as stored +
+    ``data``."""
+    length = len(header) if length is None else length
+    crc = zlib.crc32(header) if crc is None else crc
+    return PREFIX.pack(MAGIC, version, flags, length, crc) + header + data
+
+
+def build_payload(
+    header: Any,
+    records: list[Record] | tuple[Record, ...] = (),
+    *,
+    sync: bool = True,
+    version: int = VERSION,
+    flags: int = 0,
+) -> bytes:
+    """``header`` packed with msgpack behind a correct prefix, then ``records``' sections in
+    order. With ``sync``, each well-formed entry's three lengths and CRC are first set from
+    the record at its place (so any sections can be written and the deep checks still run);
+    its ``codes_zstd`` stays as the entry has it."""
+    if sync and isinstance(header, dict) and isinstance(header.get("tensors"), list):
+        header = {**header, "tensors": list(header["tensors"])}
+        for i, (entry, record) in enumerate(zip(header["tensors"], records, strict=False)):
+            if isinstance(entry, list) and len(entry) == len(ENTRY_FIELDS):
+                lengths = [len(part) for part in record]
+                header["tensors"][i] = [*entry[:4], *lengths, record_crc(record), *entry[8:]]
+    raw = msgpack.packb(header, use_bin_type=True)
+    data = b"".join(part for record in records for part in record)
+    return wrap_header(raw, data, version=version, flags=flags)
+
+
+def with_raw_codes(data: bytes, *, topk: int, tile: int) -> bytes:
+    """The well-formed payload ``data`` with every record's codes stored raw (what a writer
+    that never compresses would send): the same tensors, the records' other bytes as they are."""
+    split = split_payload(data)
+    header = {**split.header, "tensors": [list(e) for e in split.header["tensors"]]}
+    records = []
+    for entry, (stored, unary, rem) in zip(header["tensors"], split.records, strict=True):
+        g = geometry(tuple(entry[1]), topk=topk, tile=tile)
+        records.append((raw_codes(stored, entry[ZSTD], (g.n_tiles * g.k + 3) // 4), unary, rem))
+        entry[ZSTD] = 0
+    return build_payload(header, records)
+
+
+def fix_checksums(data: bytes) -> bytes:
+    """``data`` with its checksums made to match whatever it holds: each record's CRC as its
+    entry's lengths cut it (when the header still parses as a map with such entries), then the
+    header's CRC; lengths and every other byte as they are."""
+    if len(data) < PREFIX.size:
+        return data
+    _, version, flags, length, _ = PREFIX.unpack_from(data)
+    header_bytes = data[PREFIX.size : PREFIX.size + length]
+    rest = data[PREFIX.size + length :]
+    try:
+        header = msgpack.unpackb(header_bytes, raw=False)
+        entries = header["tensors"]
+        at = PREFIX.size + length
+        changed = False
+        for entry in entries:
+            sizes = entry[4:7]
+            if not all(isinstance(n, int) and n >= 0 for n in sizes):
+                raise ValueError("not a well-formed entry")
+            crc = zlib.crc32(data[at : at + sum(sizes)])
+            at += sum(sizes)
+            changed |= entry[7] != crc
+            entry[7] = crc
+        if changed:
+            header_bytes = msgpack.packb(header, use_bin_type=True)
+    except Exception:  # an unreadable header keeps its bytes: only its own CRC is fixed
+        pass
+    return wrap_header(header_bytes, rest, version=version, flags=flags)

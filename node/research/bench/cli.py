@@ -8,7 +8,8 @@ pass/fail).
 - ``overlap``: utilisation on capped links with and without overlap (``utilisation``);
 - ``coordinator``: the coordinator under N simulated nodes (``coordinator_load``);
 - ``project``: round time and utilisation projected to 1-70 B parameters (``projection``);
-- ``sweep``: SparseLoCo's loss over H and k at equal tokens (``sweep``).
+- ``sweep``: SparseLoCo's loss over H and k at equal tokens (``sweep``);
+- ``node-work``: the node's own work per round and rank, memory per rank (``node_work``).
 
 Each module is imported only when its command runs, so ``--help`` stays fast.
 """
@@ -23,7 +24,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     bench = p.add_subparsers(
         dest="bench",
         required=True,
-        metavar="{codec,quality,robust,round,overlap,coordinator,project,sweep}",
+        metavar="{codec,quality,robust,round,overlap,coordinator,project,sweep,node-work}",
     )
     c = bench.add_parser("codec", help="payload size, encode and decode+aggregate speed, memory")
     c.add_argument("--preset", default="base", help="model whose shapes are encoded")
@@ -91,6 +92,25 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
     w = bench.add_parser("sweep", help="SparseLoCo's loss over H and k at equal tokens")
     sweep.add_flags(w).set_defaults(func=_cmd_bench_sweep)
+    n = bench.add_parser(
+        "node-work", help="the node's own work per round and rank, memory per rank (1, 2, 4 ranks)"
+    )
+    node_work_flags(n).set_defaults(func=_cmd_bench_node_work)
+
+
+def node_work_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``bench node-work``'s flags (``node.research.bench.node_work``)."""
+    p.add_argument("--preset", help="model preset (default: the 81 M benchmark shape)")
+    p.add_argument("--ranks", default="1,2,4", help="rank counts to measure (default 1,2,4)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--peers", type=int, default=16)
+    p.add_argument("--train-steps", type=int, default=0, help="real inner steps a round (0: none)")
+    p.add_argument("--batch-size", type=int, default=4, help="the node's batch (>= every ranks)")
+    p.add_argument("--ctx-len", type=int, help="another context length for the model")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--state-dir", help="where the state files go (default: a temp dir)")
+    p.add_argument("--json", dest="json_out", metavar="OUT")
+    return p
 
 
 def _cmd_bench_codec(args: argparse.Namespace) -> int:
@@ -165,6 +185,12 @@ def _cmd_bench_project(args: argparse.Namespace) -> int:
     from node.research.bench.projection import run
 
     return run(args)
+
+
+def _cmd_bench_node_work(args: argparse.Namespace) -> int:
+    from node.research.bench.node_work import run_args
+
+    return run_args(args)
 
 
 def _cmd_bench_sweep(args: argparse.Namespace) -> int:

@@ -1,38 +1,41 @@
-"""The node's own work per round, in nanoseconds per parameter, on a large tensor set.
+"""The node's own work per round, per rank, for nodes of 1, 2, 4... processes.
 
-``python -m node.research.bench.node_work``: one real ``Worker`` on the 81 M-parameter shape
-(``SHAPE``, the benchmark's model dict; ``--preset`` takes a model preset instead), with the
-inner steps replaced by a no-op so that only what a round costs *besides* training is left. Per
-round it runs what the daemon runs on its compute thread, in order, and times each part:
+``sparseloco bench node-work`` (or ``python -m node.research.bench.node_work``): for each rank
+count of ``--ranks``, a node of that many spawned processes (gloo on loopback, what torchrun
+starts) builds its real ``Worker``s on the 81 M-parameter shape (``SHAPE``; ``--preset`` takes a
+model preset instead) and runs, rank by rank, what the daemon's ops run for a round it trains,
+``--peers`` payloads of other nodes included, timing each part on every rank:
 
     bookkeeping | encode | save_trained | fingerprint | decode | aggregate_apply | settle
     | save_applied
 
-- ``bookkeeping``: ``train_and_compress`` minus the inner steps (θ_r kept aside and put back,
-  the pseudo-gradient, θ_r's fingerprint when it is not remembered yet);
-- ``encode``: error feedback, the two mass sums, Top-k + quantise + code, the payload's sha256;
-- ``save_trained``: ``save_submitting`` (the pending payload and the state file);
+- ``bookkeeping``: ``train_and_compress`` minus the inner steps and the encode (θ into the
+  model that trains, the pseudo-gradient back; on several ranks FSDP's chunks both ways);
+- ``encode``: error feedback, the mass sums, Top-k + quantise + code (each rank its tensors),
+  rank 0 assembling the payload and its sha256;
+- ``save_trained``: the commit after training (every rank its e; rank 0 the payload);
 - ``fingerprint``: θ's fingerprint as the divergence check asks for it;
-- ``decode``: validate ``--peers`` payloads (lazily, as the node does);
-- ``aggregate_apply``: screen, aggregate and apply them;
+- ``decode``: validate the peers' payloads, each rank its tensors' records, from files;
+- ``aggregate_apply``: screen (counts summed over the ranks), aggregate and apply;
 - ``settle``: the own contribution's mass account;
-- ``save_applied``: what the daemon does after applying (before this change: evaluation aside, a
-  second full state file and θ_{r+1}'s fingerprint).
+- ``save_applied``: θ_{r+1}'s fingerprint and its write behind.
 
-The error buffer starts as ``codec_bench.error_buffer`` (realistic magnitudes for the codec),
-AdamW holds moments for every parameter (so the state is 16 B/param as in a real run), and the
-peers' payloads are ``codec_bench``'s. Work handed to a background thread is timed where the
-round waits for it; the process's CPU time per round (every thread, the writes behind included,
-waited for at the round's end) is the last row. ``--json`` writes every sample. Evaluation is
-left out (its cost is the eval schedule's business, ``RunConfig.eval_every``), as is everything
-on the network.
+The ranks meet at a barrier before every part, so a part's time on the node is its slowest
+rank's. By default the inner steps are a no-op (only the round's other work is left); with
+``--train-steps`` they are real (FSDP on several ranks), which is what the peak RSS needs: each
+rank's high-water mark of resident memory (``VmHWM``) above an idle process that imported torch
+and the node. The error buffer starts as ``codec_bench.error_buffer``, AdamW holds moments for
+every parameter. ``--json`` writes every sample. Nothing here touches the network.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -43,12 +46,13 @@ from typing import Any, TypeVar
 import torch
 
 import node.compute.inner as inner_module
-import node.compute.worker as worker_module
-import node.daemon.pending as pending_module
-from node.compute.model import PRESETS, ModelConfig
+from node.compute.group import Group
+from node.compute.model import PRESETS, ModelConfig, get_preset, model_shapes
+from node.compute.sharding import balance
 from node.compute.worker import Worker
-from node.daemon.pending import PendingRound, save_idle, save_submitting
+from node.daemon.pending import Shard, save_applied, save_submitting
 from node.research.bench.codec_bench import error_buffer
+from node.research.bench.spawn import spawn
 from protocol.codec import encode
 from protocol.runconfig import RunConfig
 
@@ -72,12 +76,15 @@ PARTS = (
 
 
 @contextmanager
-def _registered(preset: str | None) -> Iterator[str]:
-    """The model preset to build: ``preset``, or ``SHAPE`` under ``SHAPE_NAME`` for the run."""
-    if preset is not None:
+def registered(preset: str | None, ctx_len: int | None = None) -> Iterator[str]:
+    """The model preset to build: ``preset`` (or ``SHAPE``), with another context length when
+    ``ctx_len`` is given, registered under a temporary name for the length of a run."""
+    base = SHAPE if preset is None else get_preset(preset)
+    if preset is not None and ctx_len is None:
         yield preset
         return
-    PRESETS[SHAPE_NAME] = SHAPE
+    cfg = base if ctx_len is None else base.model_copy(update={"ctx_len": ctx_len})
+    PRESETS[SHAPE_NAME] = cfg
     try:
         yield SHAPE_NAME
     finally:
@@ -95,114 +102,195 @@ def _no_training() -> Iterator[None]:
         inner_module.inner_step = real
 
 
-def _timed(fn: Callable[[], T]) -> tuple[T, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+def _peak_rss_mb() -> float:
+    """This process's high-water mark of resident memory, in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
-def _make_worker(model: str, seed: int) -> Worker:
-    run = RunConfig(name="bench", model=model, inner_steps=1, batch_size=1, rounds=1000)
-    worker = Worker(run, run_id=run.run_id, node_id="node-0", slot=0)
+def idle_rss_mb() -> float:
+    """Resident memory of a fresh process that imported torch and the node, in MB."""
+    code = (
+        "import node.compute.worker, node.daemon.ops, torch\n"
+        "from node.research.bench.node_work import _peak_rss_mb\n"
+        "print(_peak_rss_mb())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _run_config(model: str, train_steps: int, batch_size: int) -> RunConfig:
+    return RunConfig(
+        name="bench", model=model, inner_steps=max(1, train_steps), batch_size=batch_size,
+        rounds=1000, robust=True,
+    )  # fmt: skip
+
+
+def _make_worker(run: RunConfig, group: Group, seed: int) -> Worker:
+    worker = Worker(run, run_id=run.run_id, node_id="node-0", slot=0, group=group)
     for name, e in worker.error.items():  # a realistic buffer for the codec
         e.copy_(error_buffer({name: tuple(e.shape)}, seed)[name])
-    # AdamW moments for every parameter, as after any real step (16 B/param of state in all).
-    for p in worker.model.parameters():
+    # AdamW moments for every parameter (its FSDP chunk), as after any real step.
+    for p in worker.placement.train_model.parameters():
         p.grad = torch.zeros_like(p)
     worker.opt.step()
     worker.opt.zero_grad(set_to_none=True)
     return worker
 
 
-def _peers(
-    shapes: dict[str, tuple[int, ...]], n: int, topk: int, tile: int, seed: int
-) -> list[bytes]:
-    """``n`` peers' payloads of distinct error buffers (``codec_bench``'s stand-in)."""
-    return [encode(error_buffer(shapes, seed + 1 + i), topk=topk, tile=tile)[0] for i in range(n)]
+def _timed(group: Group, fn: Callable[[], T]) -> tuple[T, float]:
+    group.barrier("starting a part")
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
 
 
-def _save_applied(state_dir: Path, worker: Worker) -> str:
-    """What the daemon does after applying a round it trained: ``save_applied`` where this
-    code has it, else (before issue 11) a second full state file."""
-    step = getattr(pending_module, "save_applied", None)
-    if step is None:
-        return save_idle(state_dir, worker)
-    return str(step(state_dir, worker, trained=True))
-
-
-def one_round(worker: Worker, state_dir: Path, peers: list[bytes]) -> dict[str, float]:
-    """Seconds of each part of one round (see the module docstring)."""
+def one_round(shard: Shard, peers: list[Path]) -> dict[str, float]:
+    """Seconds of each part of one round on this rank (see the module docstring)."""
+    worker, group = shard.worker, shard.group
     seconds: dict[str, float] = {}
     r = worker.round
-    result, total = _timed(worker.train_and_compress)
-    seconds["bookkeeping"] = total - result.encode_s
+    result, total = _timed(group, worker.train_and_compress)
+    seconds["inner_steps"] = result.inner_s
+    seconds["bookkeeping"] = total - result.encode_s - result.inner_s
     seconds["encode"] = result.encode_s
-    pending = PendingRound.trained(r, result)
-    _, seconds["save_trained"] = _timed(lambda: save_submitting(state_dir, worker, pending))
-    _, seconds["fingerprint"] = _timed(worker.fingerprint)
-    payloads, seconds["decode"] = _timed(
-        lambda: {f"peer-{i:02d}": worker.read(data) for i, data in enumerate(peers)}
+    mass = [result.computed, result.scale, result.held]
+    payload = result.payload if group.leader else None
+    _, seconds["save_trained"] = _timed(
+        group,
+        lambda: save_submitting(shard, r, mass, payload),  # type: ignore[arg-type]
     )
-    _, seconds["aggregate_apply"] = _timed(lambda: worker.apply(payloads))
-    recon = pending.recon or {}
-    _, seconds["settle"] = _timed(lambda: (worker.sent_mass(recon), worker.held_mass()))
-    _, seconds["save_applied"] = _timed(lambda: _save_applied(state_dir, worker))
+    _, seconds["fingerprint"] = _timed(group, worker.fingerprint)
+    payloads, seconds["decode"] = _timed(
+        group, lambda: {p.stem: worker.read(str(p)) for p in peers}
+    )
+    _, seconds["aggregate_apply"] = _timed(group, lambda: worker.apply(payloads))
+    recon = worker.own_recon(r)
+    _, seconds["settle"] = _timed(group, lambda: (worker.sent_mass(recon), worker.held_mass()))
+    worker.forget(r)
+    _, seconds["save_applied"] = _timed(group, lambda: save_applied(shard, trained=True))
     return seconds
+
+
+def _rank_main(
+    group: Group,
+    out: Path,
+    model: str,
+    model_json: str,
+    rounds: int,
+    peers_dir: str,
+    train_steps: int,
+    batch_size: int,
+    seed: int,
+) -> None:
+    """One rank of a benchmarked node: its samples, its peak RSS and what it holds."""
+    PRESETS.setdefault(model, ModelConfig.model_validate_json(model_json))  # a spawned process
+    run = _run_config(model, train_steps, batch_size)
+    peers = sorted(Path(peers_dir).glob("*.slc"))
+    with _no_training() if train_steps == 0 else _nothing():
+        worker = _make_worker(run, group, seed)
+        shard = Shard(out / "state", group, worker)
+        samples = []
+        for _ in range(rounds + 1):  # the first round loads the compiled codec: left out
+            cpu = time.process_time()
+            seconds = one_round(shard, peers)
+            worker.writes.wait()
+            seconds["cpu"] = time.process_time() - cpu
+            samples.append(seconds)
+    total = sum(t.numel() for t in worker.params.values())
+    chunks = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                 for p in worker.placement.train_model.parameters())  # fmt: skip
+    every = sum(math.prod(shape) for shape in worker.shapes.values())
+    report = {
+        "rank": group.rank,
+        "samples": samples,
+        "peak_rss_mb": _peak_rss_mb(),
+        "theta_share": total / every,
+        "fsdp_share": chunks / every,
+        "threads": torch.get_num_threads(),
+    }
+    (out / f"rank{group.rank}.json").write_text(json.dumps(report))
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def summarize(
+    world: int, ranks: list[dict[str, Any]], params: int, idle_mb: float
+) -> dict[str, Any]:
+    """One node's numbers: per part the slowest rank's median ns/param, each rank's CPU time,
+    peak RSS above idle and share of the model."""
+
+    def median(rank: dict[str, Any], part: str) -> float:
+        return statistics.median(s[part] for s in rank["samples"][1:])
+
+    ns = {p: 1e9 * max(median(r, p) for r in ranks) / params for p in PARTS}
+    return {
+        "ranks": world,
+        "ns_per_param": ns,
+        "total_ns_per_param": sum(ns.values()),
+        "cpu_ns_per_param_per_rank": [1e9 * median(r, "cpu") / params for r in ranks],
+        "inner_steps_s": max(median(r, "inner_steps") for r in ranks),
+        "peak_rss_above_idle_mb": [r["peak_rss_mb"] - idle_mb for r in ranks],
+        "theta_share": [r["theta_share"] for r in ranks],
+        "fsdp_share": [r["fsdp_share"] for r in ranks],
+        "samples": ranks,
+    }
 
 
 def run(
     *,
     preset: str | None = None,
+    ranks: tuple[int, ...] = (1, 2, 4),
     rounds: int = 3,
     peers: int = 16,
+    train_steps: int = 0,
+    batch_size: int = 4,
+    ctx_len: int | None = None,
+    threads: int = 1,
     seed: int = 0,
     state_dir: str | None = None,
     json_out: str | None = None,
 ) -> dict[str, Any]:
-    """Rounds of the node's own work; prints the table and returns the samples."""
-    hashed = 0
-    real_fingerprint = worker_module.fingerprint
-
-    def counting(tensors: Any) -> str:
-        nonlocal hashed
-        hashed += 1
-        return real_fingerprint(tensors)
-
-    with (
-        _registered(preset) as model,
-        _no_training(),
-        tempfile.TemporaryDirectory(dir=state_dir) as tmp,
-    ):
-        worker = _make_worker(model, seed)
-        params = sum(p.numel() for p in worker.params.values())
-        run_cfg = worker.run
-        peer_data = _peers(worker.shapes, peers, run_cfg.topk, run_cfg.tile, seed)
-        worker_module.fingerprint = counting
-        try:
-            samples = []
-            for _ in range(rounds + 1):  # the first round loads the compiled codec: left out
-                hashed = 0
-                cpu = time.process_time()
-                seconds = one_round(worker, Path(tmp), peer_data)
-                if hasattr(worker, "writes"):  # the code before issue 11 wrote nothing behind
-                    worker.writes.wait()
-                seconds["cpu"] = time.process_time() - cpu
-                seconds["fingerprints_of_theta"] = hashed
-                samples.append(seconds)
-        finally:
-            worker_module.fingerprint = real_fingerprint
-    steady = samples[1:]
-    ns = {p: 1e9 * statistics.median(s[p] for s in steady) / params for p in PARTS}
+    """Every rank count's node work; prints the tables and returns the numbers."""
+    if batch_size < max(ranks):
+        raise ValueError(f"--batch-size {batch_size} must be at least the largest rank count")
+    with registered(preset, ctx_len) as model, tempfile.TemporaryDirectory(dir=state_dir) as tmp:
+        shapes = model_shapes(get_preset(model))
+        params = sum(math.prod(s) for s in shapes.values())
+        run_cfg = _run_config(model, train_steps, batch_size)
+        peers_dir = Path(tmp) / "peers"
+        peers_dir.mkdir()
+        for i in range(peers):
+            data, _ = encode(
+                error_buffer(shapes, seed + 1 + i), topk=run_cfg.topk, tile=run_cfg.tile,
+                run_id=run_cfg.run_id, round=0, node_id=f"peer-{i:02d}",
+            )  # fmt: skip
+            (peers_dir / f"peer-{i:02d}.slc").write_bytes(data)
+        idle = idle_rss_mb()
+        nodes = []
+        for world in ranks:
+            out = Path(tmp) / f"ranks-{world}"
+            model_json = get_preset(model).model_dump_json()
+            args = (model, model_json, rounds, str(peers_dir), train_steps, batch_size, seed)
+            codes = spawn(world, _rank_main, out, *args, threads=threads)
+            if codes != [0] * world:
+                raise RuntimeError(f"the {world}-rank node failed: exit codes {codes}")
+            reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+            nodes.append(summarize(world, reports, params, idle))
     report = {
         "params": params,
         "peers": peers,
         "rounds": rounds,
-        "threads": torch.get_num_threads(),
-        "ns_per_param": ns,
-        "total_ns_per_param": sum(ns.values()),
-        "cpu_ns_per_param": 1e9 * statistics.median(s["cpu"] for s in steady) / params,
-        "fingerprints_of_theta": statistics.median(s["fingerprints_of_theta"] for s in steady),
-        "samples": samples,
+        "train_steps": train_steps,
+        "threads_per_rank": threads,
+        "idle_rss_mb": idle,
+        "balance": {str(w): balance(shapes, w).over_ideal for w in ranks},
+        "nodes": nodes,
     }
     print(markdown(report))
     if json_out:
@@ -212,39 +300,50 @@ def run(
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The per-part table in ns/param, with the total."""
-    ns = report["ns_per_param"]
-    params = report["params"]
-    rows = ["| part | ns/param | ms/round |", "|---|---:|---:|"]
+    """Per part, ns/param on the node's path for each rank count; then memory and shares."""
+    nodes = report["nodes"]
+    head = ["| part | " + " | ".join(f"{n['ranks']} rank(s)" for n in nodes) + " |"]
+    head.append("|---|" + "---:|" * len(nodes))
+    rows = []
     for part in PARTS:
-        ms = ns[part] * params / 1e6
-        rows.append(f"| {part.replace('_', ' ')} | {ns[part]:.1f} | {ms:.0f} |")
-    total = report["total_ns_per_param"]
-    rows.append(f"| **total on the round's path** | **{total:.1f}** | {total * params / 1e6:.0f} |")
-    cpu = report["cpu_ns_per_param"]
-    rows.append(
-        f"| CPU time, all threads (writes behind too) | {cpu:.1f} | {cpu * params / 1e6:.0f} |"
+        cells = " | ".join(f"{n['ns_per_param'][part]:.1f}" for n in nodes)
+        rows.append(f"| {part.replace('_', ' ')} | {cells} |")
+    cells = " | ".join(f"**{n['total_ns_per_param']:.1f}**" for n in nodes)
+    rows.append(f"| **total on the node's path** | {cells} |")
+    cells = " | ".join(f"{max(n['cpu_ns_per_param_per_rank']):.1f}" for n in nodes)
+    rows.append(f"| CPU time of the busiest rank (writes behind too) | {cells} |")
+    cells = " | ".join(f"{max(n['peak_rss_above_idle_mb']):.0f}" for n in nodes)
+    rows.append(f"| peak RSS above idle, largest rank (MB) | {cells} |")
+    cells = " | ".join(f"{max(n['theta_share']):.3f}" for n in nodes)
+    rows.append(f"| largest rank's share of θ and e | {cells} |")
+    cells = " | ".join(f"{max(n['fsdp_share']):.3f}" for n in nodes)
+    rows.append(f"| largest rank's FSDP chunk (params, AdamW) | {cells} |")
+    title = (
+        f"{report['params'] / 1e6:.1f} M parameters, {report['peers']} peers, median of"
+        f" {report['rounds']} rounds, {report['threads_per_rank']} torch thread(s) per rank,"
+        f" inner steps: {report['train_steps'] or 'none'};"
+        f" idle process {report['idle_rss_mb']:.0f} MB"
     )
-    head = (
-        f"{params / 1e6:.1f} M parameters, {report['peers']} peers, median of"
-        f" {report['rounds']} rounds, {report['threads']} torch threads,"
-        f" {report['fingerprints_of_theta']:g} fingerprints of θ per round"
-    )
-    return "\n".join([head, "", *rows])
+    return "\n".join([title, "", *head, *rows])
 
 
 def main(argv: list[str] | None = None) -> int:
+    from node.research.bench.cli import node_work_flags
+
     p = argparse.ArgumentParser(prog="python -m node.research.bench.node_work", description=__doc__)
-    p.add_argument("--preset", help=f"model preset (default: the {SHAPE_NAME} shape)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--peers", type=int, default=16)
-    p.add_argument("--state-dir", help="where the state files go (default: the temp dir)")
-    p.add_argument("--json", dest="json_out", metavar="OUT")
-    a = p.parse_args(argv)
+    return run_args(node_work_flags(p).parse_args(argv))
+
+
+def run_args(a: argparse.Namespace) -> int:
     run(
         preset=a.preset,
+        ranks=tuple(int(x) for x in str(a.ranks).split(",") if x),
         rounds=a.rounds,
         peers=a.peers,
+        train_steps=a.train_steps,
+        batch_size=a.batch_size,
+        ctx_len=a.ctx_len,
+        threads=a.threads,
         state_dir=a.state_dir,
         json_out=a.json_out,
     )

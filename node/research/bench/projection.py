@@ -37,11 +37,15 @@ from protocol.errors import ConfigError, Problem, config_error
 Method = Literal[
     "sparseloco, CPU work",
     "sparseloco, device work (assumed)",
+    "sparseloco, CPU work sharded over the ranks",
     "DiLoCo fp32, ring all-reduce",
     "DiLoCo bf16, via the store",
     "DDP bf16, all-reduce per step",
 ]
 Positive = Annotated[float, Field(gt=0.0)]
+#: README benchmark 15's fit of the busiest rank's CPU ns/param at 81 M (1, 2 and 4 ranks).
+SHARD_FIXED_NS = 0.0
+SHARD_SCALED_NS = 0.0
 
 
 class Assumptions(BaseModel):
@@ -83,6 +87,13 @@ class Assumptions(BaseModel):
     device_work_ns: float = Field(5.0, ge=0.0)
     #: Of that, the host checks (README benchmark 9), overlappable as on the CPU path.
     device_overlappable_ns: float = Field(2.4, ge=0.0)
+    #: A node of ``gpus`` ranks, each with CPU cores of its own (README benchmark 15, the
+    #: busiest rank's CPU time per round at 81 M on 1, 2 and 4 ranks, fitted as
+    #: ``fixed + sharded / ranks``): the part that does not shrink with the rank count
+    #: (rank 0 assembling and hashing the payload, the exchanges between ranks) ...
+    shard_fixed_ns: float = Field(SHARD_FIXED_NS, ge=0.0)
+    #: ... and the part each rank does for its own tensors only (codec, aggregation, saves).
+    shard_scaled_ns: float = Field(SHARD_SCALED_NS, ge=0.0)
 
 
 class Row(BaseModel):
@@ -148,14 +159,24 @@ def _row(
     )
 
 
-def _sparse(a: Assumptions, n: float, link: float, device: bool) -> Row:
+def sharded_work_ns(a: Assumptions) -> float:
+    """The node's own work per parameter on the busiest of its ``gpus`` ranks (CPU path)."""
+    return a.shard_fixed_ns + a.shard_scaled_ns / a.gpus
+
+
+def _sparse(a: Assumptions, n: float, link: float, kind: str) -> Row:
     payload = a.bits_per_param * n / 8.0
-    work_ns, free_ns = (
-        (a.device_work_ns, a.device_overlappable_ns)
-        if device
-        else (a.cpu_work_ns, a.cpu_overlappable_ns)
-    )
-    method: Method = "sparseloco, device work (assumed)" if device else "sparseloco, CPU work"
+    method: Method
+    if kind == "device":
+        work_ns, free_ns = a.device_work_ns, a.device_overlappable_ns
+        method = "sparseloco, device work (assumed)"
+    elif kind == "sharded":
+        work_ns = sharded_work_ns(a)
+        free_ns = a.cpu_overlappable_ns * work_ns / max(a.cpu_work_ns, 1e-12)
+        method = "sparseloco, CPU work sharded over the ranks"
+    else:
+        work_ns, free_ns = a.cpu_work_ns, a.cpu_overlappable_ns
+        method = "sparseloco, CPU work"
     return _row(
         a,
         n,
@@ -179,13 +200,14 @@ def _dense(a: Assumptions, n: float, link: float, method: Method) -> Row:
 
 
 def project(a: Assumptions | None = None) -> list[Row]:
-    """Every (size, link, method) row: SparseLoCo twice (CPU, device work), then the dense ones."""
+    """Every (size, link, method) row: SparseLoCo three times (one CPU process, the CPU work
+    sharded over the node's ranks, device work), then the dense ones."""
     a = a or Assumptions()
     rows: list[Row] = []
     for n in a.sizes:
         for link in a.links_mbit:
-            rows += [_sparse(a, n, link, device=False), _sparse(a, n, link, device=True)]
-            rows += [_dense(a, n, link, m) for m in get_args(Method)[2:]]
+            rows += [_sparse(a, n, link, kind) for kind in ("cpu", "sharded", "device")]
+            rows += [_dense(a, n, link, m) for m in get_args(Method)[3:]]
     return rows
 
 
@@ -210,7 +232,13 @@ def markdown(a: Assumptions, rows: list[Row]) -> str:
     ]
     for r in rows:
         if r.method.startswith("sparseloco"):
-            kind = "device (assumed)" if "device" in r.method else "CPU (2 cores)"
+            kind = (
+                "device (assumed)"
+                if "device" in r.method
+                else f"CPU, {a.gpus} ranks"
+                if "sharded" in r.method
+                else "CPU, one process"
+            )
             out.append(
                 f"| {_size(r.params)} | {_link(r.link_mbit)} | {kind} | {r.train_s:,.1f}"
                 f" | {r.up_s:,.2f} | {r.down_s:,.1f} | {r.work_s:,.1f} | {r.round_s:,.1f}"
@@ -223,7 +251,7 @@ def markdown(a: Assumptions, rows: list[Row]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        if r.method != "sparseloco, CPU work":
+        if not r.method.startswith("sparseloco, CPU work"):
             out.append(
                 f"| {_size(r.params)} | {_link(r.link_mbit)} | {r.method}"
                 f" | {r.bytes_moved / 1e9:,.2f} | {r.comm_s:,.1f} | {r.round_s:,.1f} | {r.util:.1%}"
@@ -245,6 +273,10 @@ def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--bits-per-param", type=float, help="payload size (default 0.1465)")
     p.add_argument("--cpu-work-ns", type=float, help="node work, CPU path (default 28.5)")
     p.add_argument("--device-work-ns", type=float, help="device path (assumed 5.0)")
+    p.add_argument(
+        "--shard-fixed-ns", type=float, help="per-rank work that does not shrink with ranks"
+    )
+    p.add_argument("--shard-scaled-ns", type=float, help="per-rank work divided by the ranks")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write inputs and rows here")
     return p
 

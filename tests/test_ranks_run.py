@@ -1,0 +1,126 @@
+"""Nodes of 2 and 4 processes under torchrun in a real run, beside single-process nodes.
+
+SeaweedFS, a coordinator and every node as real processes, each multi-process node started
+with the README's command (``torchrun --standalone --nproc-per-node N -m node node ...``). The
+run goes through what happens to such a node in the field, keyed to the run's rounds:
+
+1. a 2-rank, a 4-rank and a single-process node train rounds together;
+2. one rank of the 4-rank node is killed with SIGKILL: all of that node's processes end, and
+   the run goes on without it;
+3. the 2-rank node is stopped with SIGTERM: it leaves the run and every rank ends;
+4. the killed node comes back with 2 ranks instead of 4 (its state is resharded) and catches
+   up; a new 2-rank node joins late, from the newest checkpoint, and catches up; the stopped
+   node comes back;
+5. the run finishes with every node in it.
+
+Every closed round has one fingerprint among the nodes that reported it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from node.cluster.process import Process
+from node.compute.presets import get_run_preset
+from protocol.messages import RoundState, StatusView
+from protocol.runconfig import RunConfig, Timing
+from support.cluster import Cluster, closed_count
+
+TIMING = Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=20)
+#: Safety net for processes that should be gone.
+GONE_S = 60.0
+
+
+def _rank_pids(log: str) -> dict[int, int]:
+    """rank -> pid of the processes a torchrun node logged (the latest start of each rank)."""
+    found = re.findall(r"event=rank_ready rank=(\d+) world=\d+ backend=\S+ pid=(\d+)", log)
+    return {int(rank): int(pid) for rank, pid in found}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def _wait_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + GONE_S
+    while time.monotonic() < deadline and not all(map(_gone, pids)):
+        time.sleep(0.2)
+    assert all(map(_gone, pids)), f"processes still running: {[p for p in pids if not _gone(p)]}"
+
+
+def _wait_ranks(proc: Process, world: int) -> dict[int, int]:
+    deadline = time.monotonic() + GONE_S
+    while time.monotonic() < deadline:
+        pids = _rank_pids(proc.output())
+        if len(pids) == world:
+            return pids
+        assert proc.poll() is None, proc.tail(40)
+        time.sleep(0.2)
+    raise AssertionError(f"{world} ranks never came up:\n{proc.tail(40)}")
+
+
+def _gathered(status: StatusView, node: str) -> list[int]:
+    return [r.round for r in status.rounds if r.state == RoundState.CLOSED and node in r.gather]
+
+
+def test_torchrun_nodes_of_2_and_4_processes_train_beside_single_ones(tmp_path, store) -> None:
+    shape = get_run_preset("tiny")
+    run = RunConfig(
+        name="ranks", model=shape.model, rounds=9, inner_steps=shape.inner_steps,
+        batch_size=shape.batch_size, min_nodes=2, checkpoint_every=3, retention_rounds=4,
+        timing=TIMING,
+    )  # fmt: skip
+    cluster = Cluster(tmp_path, store, run, 4)
+    try:
+        cluster.start_coordinator()
+        two = cluster.start_node("node-0", ranks=2)
+        four = cluster.start_node("node-1", ranks=4)
+        cluster.start_node("node-2")
+        first_two, first_four = _wait_ranks(two, 2), _wait_ranks(four, 4)
+        cluster.wait_for(
+            "2 rounds with all three nodes",
+            lambda s: sum(1 for r in s.rounds if len(r.gather) == 3) >= 2,
+        )
+
+        # kill -9 of one rank of the 4-process node: the whole node ends, the run goes on.
+        del cluster.nodes["node-1"]
+        os.kill(first_four[2], signal.SIGKILL)
+        assert four.popen.wait(timeout=GONE_S) != 0
+        _wait_gone(list(first_four.values()))
+        done = closed_count(cluster.status())
+        cluster.wait_closed(done + 1)
+
+        # SIGTERM to the 2-process node: every rank ends cleanly (the node leaves, rank 0
+        # releases rank 1). torchrun itself, signalled too, reports its own SignalException.
+        del cluster.nodes["node-0"]
+        two.stop(timeout=GONE_S)
+        log = two.output()
+        assert "event=stop_requested node=node-0" in log and "event=left node=node-0" in log
+        assert "event=rank_stopped rank=1" in log, log[-3000:]
+        _wait_gone(list(first_two.values()))
+
+        # Back with another rank count, a late joiner, and the stopped node again.
+        four_again = cluster.start_node("node-1", ranks=2)
+        late = cluster.start_node("node-3", ranks=2)
+        cluster.start_node("node-0", ranks=2)
+        status = cluster.wait_finished()
+    finally:
+        cluster.stop()
+    assert "event=state_resharded from_world=4 to_world=2" in four_again.output()
+    assert "event=checkpoint_loaded node=node-3" in late.output(), late.tail(40)
+    closed = [r for r in status.rounds if r.state == RoundState.CLOSED]
+    assert [r.round for r in closed] == list(range(run.rounds))
+    for summary in closed:
+        assert len(set(summary.fingerprints.values())) == 1, (summary.round, summary.fingerprints)
+    last = closed[-1]
+    assert set(last.gather) == {"node-0", "node-1", "node-2", "node-3"}
+    assert set(last.fingerprints) == {"node-0", "node-1", "node-2", "node-3"}
+    assert {0, 1} <= set(_gathered(status, "node-1"))  # the 4-rank node's rounds counted
