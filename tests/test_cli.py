@@ -50,7 +50,7 @@ def readme_commands() -> list[tuple[list[str], list[str]]]:
         rest = words[words.index("sparseloco") + 1 :]
         sub = []
         for word in rest:
-            if not re.fullmatch(r"[a-z]+", word):
+            if not re.fullmatch(r"[a-z][a-z-]*", word):
                 break
             sub.append(word)
         commands.append((sub, re.findall(r"--[a-z][a-z-]*", " ".join(rest))))

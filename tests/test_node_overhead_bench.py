@@ -29,7 +29,14 @@ def test_evaluation_is_amortised_over_the_rounds_it_skips() -> None:
 
 
 def test_the_node_work_bench_runs_a_round_and_hashes_theta_once(tmp_path) -> None:
-    report = node_work.run(preset="tiny", rounds=1, peers=2, state_dir=str(tmp_path))
-    assert report["fingerprints_of_theta"] == 1
-    assert set(report["ns_per_param"]) == set(node_work.PARTS)
+    report = node_work.run(preset="tiny", ranks=(1, 2), rounds=1, peers=2, state_dir=str(tmp_path))
+    one, two = report["nodes"]
+    assert (one["ranks"], two["ranks"]) == (1, 2)
+    for node in (one, two):
+        assert node["fingerprints_of_theta"] == 1
+        assert set(node["ns_per_param"]) == set(node_work.PARTS)
+        assert all(mb > 0 for mb in node["peak_rss_above_idle_mb"])
+    # One process holds the whole model; two share it, each at most one tensor over half.
+    assert one["theta_share"] == [1.0] and sum(two["theta_share"]) == pytest.approx(1.0)
+    assert sum(two["fsdp_share"]) == pytest.approx(1.0)
     assert list(tmp_path.iterdir()) == []  # the state files went with the temp dir

@@ -57,6 +57,15 @@ def test_a_hand_computed_round() -> None:
     assert ddp.comm_s == pytest.approx(300.0) and ddp.round_overlap_s == pytest.approx(300.0)
 
 
+def test_a_sharded_node_does_the_fixed_part_and_its_share_of_the_rest() -> None:
+    a = HAND.model_copy(update={"gpus": 4, "shard_fixed_ns": 1.0, "shard_scaled_ns": 8.0})
+    rows = _by_method(project(a))
+    s = rows["sparseloco, CPU work sharded over the ranks"]
+    assert s.work_s == pytest.approx(3.0)  # (1 + 8 / 4) ns/param · 1e9
+    # Its overlappable share is the single process's (2 of 10 ns/param): 0.6 s of 3.
+    assert s.round_overlap_s == pytest.approx(max(s.train_s, 5.0) + 2.4)
+
+
 def test_default_training_time_is_the_stated_formula() -> None:
     a = Assumptions()
     expected = 6 * 1e9 * (8 * 16 * 2048) * 30 / (8 * 989e12 * 0.40)
@@ -67,7 +76,7 @@ def test_default_training_time_is_the_stated_formula() -> None:
 def test_doubling_the_link_halves_every_transfer() -> None:
     slow = project(Assumptions(links_mbit=(100.0,)))
     fast = project(Assumptions(links_mbit=(200.0,)))
-    assert len(slow) == len(fast) == 15
+    assert len(slow) == len(fast) == 18
     for s, f in zip(slow, fast, strict=True):
         assert f.up_s == pytest.approx(s.up_s / 2) and f.down_s == pytest.approx(s.down_s / 2)
         assert f.comm_s == pytest.approx(s.comm_s / 2)
@@ -76,7 +85,7 @@ def test_doubling_the_link_halves_every_transfer() -> None:
 
 def test_overlap_never_lowers_utilisation_and_bytes_rank_the_methods() -> None:
     rows = project()
-    assert len(rows) == 3 * 2 * 5
+    assert len(rows) == 3 * 2 * 6
     for r in rows:
         assert 0 < r.util <= r.util_overlap <= 1
     for n in (1e9, 8e9, 70e9):
@@ -99,7 +108,7 @@ def test_every_term_is_linear_so_utilisation_does_not_depend_on_size() -> None:
 
 def test_measured_defaults_match_the_readme_numbers() -> None:
     a = Assumptions()
-    assert a.bits_per_param == 0.1465  # README benchmark 1, EF-like, k=64
+    assert a.bits_per_param == 0.1445  # README benchmark 1, EF-like, k=64 (format 2)
     # README benchmark 10, the quiet rerun: the parts on the round's path add up to the total.
     assert a.cpu_work_ns == pytest.approx(0.6 + 4.9 + 7.1 + 0.0 + 3.6 + 9.7 + 1.7 + 0.9)
     assert (a.peers, a.inner_steps, a.gpus, a.mfu) == (16, 30, 8, 0.40)
@@ -124,7 +133,8 @@ def test_command_prints_the_tables_and_writes_json(
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "| model | link | node work | train s |" in text
-    assert "| 8 B | 100 Mbit/s | CPU (2 cores) |" in text
+    assert "| 8 B | 100 Mbit/s | CPU, one process |" in text
+    assert "| 8 B | 100 Mbit/s | CPU, 8 ranks |" in text
     report = json.loads(out.read_text())
     assert report["assumptions"]["peers"] == 8
     assert report["assumptions"]["sizes"] == [1e9, 8e9]

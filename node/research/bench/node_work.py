@@ -20,12 +20,14 @@ model preset instead) and runs, rank by rank, what the daemon's ops run for a ro
 - ``settle``: the own contribution's mass account;
 - ``save_applied``: θ_{r+1}'s fingerprint and its write behind.
 
-The ranks meet at a barrier before every part, so a part's time on the node is its slowest
-rank's. By default the inner steps are a no-op (only the round's other work is left); with
-``--train-steps`` they are real (FSDP on several ranks), which is what the peak RSS needs: each
-rank's high-water mark of resident memory (``VmHWM``) above an idle process that imported torch
-and the node. The error buffer starts as ``codec_bench.error_buffer``, AdamW holds moments for
-every parameter. ``--json`` writes every sample. Nothing here touches the network.
+A node of one rank is a plain process (``sparseloco node`` without torchrun: θ in the model,
+no FSDP); more ranks are what torchrun starts. The ranks meet at a barrier before every part,
+so a part's time on the node is its slowest rank's. By default the inner steps are a no-op
+(only the round's other work is left); with ``--train-steps`` they are real (FSDP on several
+ranks), which is what the peak RSS needs: each rank's high-water mark of resident memory
+(``VmHWM``) above an idle process that imported torch and the node. The error buffer starts as
+``codec_bench.error_buffer``, AdamW holds moments for every parameter. ``--json`` writes every
+sample. Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Any, TypeVar
 import torch
 
 import node.compute.inner as inner_module
+import node.compute.worker as worker_module
 from node.compute.group import Group
 from node.compute.model import PRESETS, ModelConfig, get_preset, model_shapes
 from node.compute.sharding import balance
@@ -189,15 +192,17 @@ def _rank_main(
     PRESETS.setdefault(model, ModelConfig.model_validate_json(model_json))  # a spawned process
     run = _run_config(model, train_steps, batch_size)
     peers = sorted(Path(peers_dir).glob("*.slc"))
-    with _no_training() if train_steps == 0 else _nothing():
+    with _no_training() if train_steps == 0 else _nothing(), _counting() as hashed:
         worker = _make_worker(run, group, seed)
         shard = Shard(out / "state", group, worker)
         samples = []
         for _ in range(rounds + 1):  # the first round loads the compiled codec: left out
+            hashed.clear()
             cpu = time.process_time()
             seconds = one_round(shard, peers)
             worker.writes.wait()
             seconds["cpu"] = time.process_time() - cpu
+            seconds["fingerprints_of_theta"] = len(hashed)
             samples.append(seconds)
     total = sum(t.numel() for t in worker.params.values())
     chunks = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
@@ -219,6 +224,29 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+@contextmanager
+def _counting() -> Iterator[list[int]]:
+    """Every fingerprint of θ the worker computes, counted (one per round is the design)."""
+    calls: list[int] = []
+    plain, combined = worker_module.fingerprint, worker_module.node_fingerprint
+
+    def count_plain(tensors: Any) -> str:
+        calls.append(1)
+        return plain(tensors)
+
+    def count_combined(group: Group, tensors: Any) -> str:
+        calls.append(1)
+        return combined(group, tensors)
+
+    worker_module.fingerprint = count_plain  # type: ignore[assignment]
+    worker_module.node_fingerprint = count_combined  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        worker_module.fingerprint = plain  # type: ignore[assignment]
+        worker_module.node_fingerprint = combined  # type: ignore[assignment]
+
+
 def summarize(
     world: int, ranks: list[dict[str, Any]], params: int, idle_mb: float
 ) -> dict[str, Any]:
@@ -235,6 +263,7 @@ def summarize(
         "total_ns_per_param": sum(ns.values()),
         "cpu_ns_per_param_per_rank": [1e9 * median(r, "cpu") / params for r in ranks],
         "inner_steps_s": max(median(r, "inner_steps") for r in ranks),
+        "fingerprints_of_theta": max(median(r, "fingerprints_of_theta") for r in ranks),
         "peak_rss_above_idle_mb": [r["peak_rss_mb"] - idle_mb for r in ranks],
         "theta_share": [r["theta_share"] for r in ranks],
         "fsdp_share": [r["fsdp_share"] for r in ranks],
@@ -277,7 +306,8 @@ def run(
             out = Path(tmp) / f"ranks-{world}"
             model_json = get_preset(model).model_dump_json()
             args = (model, model_json, rounds, str(peers_dir), train_steps, batch_size, seed)
-            codes = spawn(world, _rank_main, out, *args, threads=threads)
+            # One rank: a plain process (``sparseloco node``); more: what torchrun starts.
+            codes = spawn(world, _rank_main, out, *args, threads=threads, plain=world == 1)
             if codes != [0] * world:
                 raise RuntimeError(f"the {world}-rank node failed: exit codes {codes}")
             reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

@@ -71,7 +71,7 @@ class Assumptions(BaseModel):
     #: G=16 nodes a 4.2 M-token global batch, the size of large open pre-training runs').
     tokens_per_step: int = Field(8 * 16 * 2048, ge=1)
     #: Payload size, bits/param: README benchmark 1, our format, EF-like input, k=64.
-    bits_per_param: float = Field(0.1465, gt=0.0)
+    bits_per_param: float = Field(0.1445, gt=0.0)
     #: The node's own work on the round's path, ns/param, on the 2-core CPU: README benchmark 10,
     #: 81 M, the rerun on a quiet machine (bookkeeping 0.6 + encode 4.9 + save 7.1 + fingerprint
     #: 0 + decode 3.6 + aggregate+apply 9.7 + settle 1.7 + after applying 0.9).
@@ -270,7 +270,7 @@ def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-step", type=int, help="per node (default 262144)")
     p.add_argument("--inner-steps", "-H", type=int, help="H (default 30)")
     p.add_argument("--peers", "-G", type=int, help="G, payloads gathered (default 16)")
-    p.add_argument("--bits-per-param", type=float, help="payload size (default 0.1465)")
+    p.add_argument("--bits-per-param", type=float, help="payload size (default 0.1445)")
     p.add_argument("--cpu-work-ns", type=float, help="node work, CPU path (default 28.5)")
     p.add_argument("--device-work-ns", type=float, help="device path (assumed 5.0)")
     p.add_argument(

@@ -31,15 +31,19 @@ def _main(
     threads: int,
     child: Callable[..., None],
     args: tuple[Any, ...],
+    plain: bool = False,
 ) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
 
     from node.compute.group import Group
 
     torch.set_num_threads(threads)
-    group = Group.from_env(init_method=f"file://{init}")
+    if plain:  # a plain process, as ``sparseloco node`` without torchrun runs
+        group = Group.solo()
+    else:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        group = Group.from_env(init_method=f"file://{init}")
     try:
         child(group, Path(out), *args)
     except BaseException:
@@ -56,14 +60,20 @@ def spawn(
     *args: Any,
     threads: int = 1,
     wait_s: float = WAIT_S,
+    plain: bool = False,
 ) -> list[int | None]:
     """Run ``child(group, out, *args)`` on ``world`` ranks (``threads`` torch threads each);
-    their exit codes."""
+    their exit codes. ``plain`` (``world`` 1 only): one process without a process group, as
+    ``sparseloco node`` runs without torchrun (``Group.solo()``)."""
+    if plain and world != 1:
+        raise ValueError("a plain process is a node of one rank")
     out.mkdir(parents=True, exist_ok=True)
     init = out.parent / f".rendezvous-{os.getpid()}-{time.monotonic_ns()}"
     context = mp.get_context("spawn")
     procs = [
-        context.Process(target=_main, args=(r, world, str(init), str(out), threads, child, args))
+        context.Process(
+            target=_main, args=(r, world, str(init), str(out), threads, child, args, plain)
+        )
         for r in range(world)
     ]
     for proc in procs:
