@@ -143,37 +143,43 @@ def _make_worker(run: RunConfig, group: Group, seed: int) -> Worker:
     return worker
 
 
-def _timed(group: Group, fn: Callable[[], T]) -> tuple[T, float]:
-    group.barrier("starting a part")
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+class _Clock:
+    """Each part's wall seconds on this rank after the ranks meet, and its CPU seconds (every
+    thread of this process: numba's, the writes behind) as ``cpu_<part>``."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, part: str, fn: Callable[[], T]) -> T:
+        self.group.barrier("starting a part")
+        cpu, t0 = time.process_time(), time.perf_counter()
+        out = fn()
+        self.seconds[part] = time.perf_counter() - t0
+        self.seconds[f"cpu_{part}"] = time.process_time() - cpu
+        return out
 
 
 def one_round(shard: Shard, peers: list[Path]) -> dict[str, float]:
     """Seconds of each part of one round on this rank (see the module docstring)."""
     worker, group = shard.worker, shard.group
-    seconds: dict[str, float] = {}
+    clock = _Clock(group)
     r = worker.round
-    result, total = _timed(group, worker.train_and_compress)
+    result = clock("train_and_compress", worker.train_and_compress)
+    seconds = clock.seconds
     seconds["inner_steps"] = result.inner_s
-    seconds["bookkeeping"] = total - result.encode_s - result.inner_s
+    seconds["bookkeeping"] = seconds["train_and_compress"] - result.encode_s - result.inner_s
     seconds["encode"] = result.encode_s
-    mass = [result.computed, result.scale, result.held]
+    mass: list[float | None] = [result.computed, result.scale, result.held]
     payload = result.payload if group.leader else None
-    _, seconds["save_trained"] = _timed(
-        group,
-        lambda: save_submitting(shard, r, mass, payload),  # type: ignore[arg-type]
-    )
-    _, seconds["fingerprint"] = _timed(group, worker.fingerprint)
-    payloads, seconds["decode"] = _timed(
-        group, lambda: {p.stem: worker.read(str(p)) for p in peers}
-    )
-    _, seconds["aggregate_apply"] = _timed(group, lambda: worker.apply(payloads))
+    clock("save_trained", lambda: save_submitting(shard, r, mass, payload))
+    clock("fingerprint", worker.fingerprint)
+    payloads = clock("decode", lambda: {p.stem: worker.read(str(p)) for p in peers})
+    clock("aggregate_apply", lambda: worker.apply(payloads))
     recon = worker.own_recon(r)
-    _, seconds["settle"] = _timed(group, lambda: (worker.sent_mass(recon), worker.held_mass()))
+    clock("settle", lambda: (worker.sent_mass(recon), worker.held_mass()))
     worker.forget(r)
-    _, seconds["save_applied"] = _timed(group, lambda: save_applied(shard, trained=True))
+    clock("save_applied", lambda: save_applied(shard, trained=True))
     return seconds
 
 
@@ -238,13 +244,13 @@ def _counting() -> Iterator[list[int]]:
         calls.append(1)
         return combined(group, tensors)
 
-    worker_module.fingerprint = count_plain  # type: ignore[assignment]
-    worker_module.node_fingerprint = count_combined  # type: ignore[assignment]
+    worker_module.fingerprint = count_plain
+    worker_module.node_fingerprint = count_combined
     try:
         yield calls
     finally:
-        worker_module.fingerprint = plain  # type: ignore[assignment]
-        worker_module.node_fingerprint = combined  # type: ignore[assignment]
+        worker_module.fingerprint = plain
+        worker_module.node_fingerprint = combined
 
 
 def summarize(
@@ -257,11 +263,15 @@ def summarize(
         return statistics.median(s[part] for s in rank["samples"][1:])
 
     ns = {p: 1e9 * max(median(r, p) for r in ranks) / params for p in PARTS}
+    cpu_parts = ("train_and_compress", *PARTS[2:])
+    cpu = {p: [1e9 * median(r, f"cpu_{p}") / params for r in ranks] for p in cpu_parts}
     return {
         "ranks": world,
         "ns_per_param": ns,
         "total_ns_per_param": sum(ns.values()),
         "cpu_ns_per_param_per_rank": [1e9 * median(r, "cpu") / params for r in ranks],
+        #: Per part (bookkeeping and encode together: ``train_and_compress``), each rank's CPU.
+        "cpu_ns_per_param_by_part": cpu,
         "inner_steps_s": max(median(r, "inner_steps") for r in ranks),
         "fingerprints_of_theta": max(median(r, "fingerprints_of_theta") for r in ranks),
         "peak_rss_above_idle_mb": [r["peak_rss_mb"] - idle_mb for r in ranks],
@@ -348,6 +358,11 @@ def markdown(report: dict[str, Any]) -> str:
     rows.append(f"| largest rank's share of θ and e | {cells} |")
     cells = " | ".join(f"{max(n['fsdp_share']):.3f}" for n in nodes)
     rows.append(f"| largest rank's FSDP chunk (params, AdamW) | {cells} |")
+    rows += ["", "CPU ns/param of each part, busiest rank (every thread of its process):", ""]
+    rows += head
+    for part in nodes[0]["cpu_ns_per_param_by_part"]:
+        cells = " | ".join(f"{max(n['cpu_ns_per_param_by_part'][part]):.1f}" for n in nodes)
+        rows.append(f"| {part.replace('_', ' ')} | {cells} |")
     title = (
         f"{report['params'] / 1e6:.1f} M parameters, {report['peers']} peers, median of"
         f" {report['rounds']} rounds, {report['threads_per_rank']} torch thread(s) per rank,"
