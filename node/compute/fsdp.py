@@ -11,13 +11,14 @@ The outer state is sharded differently (``node.compute.sharding``: whole tensors
 each), so θ meets the FSDP chunks twice a round, one tensor at a time:
 
 - ``begin``: each tensor's owner sends every rank the rows of its FSDP chunk of θ_r (or of
-  θ_r - offset) in one ``all_to_all_single``: the model starts the round at θ_r;
+  θ_r - offset): the model starts the round at θ_r;
 - ``finish``: every rank sends its chunk of the trained tensor back to the owner, which forms
   the pseudo-gradient θ_r - θ_trained in its own memory.
 
-Nothing here holds a whole model: a rank has its chunks, its own tensors and, for one tensor at a
-time, the rows in flight. Evaluation runs the same FSDP model, each rank on its rows of every
-held-out batch, the token-weighted sums added over the ranks.
+Both go bucket by bucket of tensors (``BUCKET_ELEMENTS`` of the model each), one
+``all_to_all_single`` a bucket. Nothing here holds a whole model: a rank has its chunks, its own
+tensors and, for one bucket at a time, the rows in flight. Evaluation runs the same FSDP model,
+each rank on its rows of every held-out batch, the token-weighted sums added over the ranks.
 
 Same interface as ``node.compute.placement.Placement`` (``begin``, ``finish``, ``abandon``,
 ``synchronize``, ``evaluate``), which is what a single process uses.
@@ -37,6 +38,10 @@ from torch.distributed.tensor import DTensor
 
 from node.compute.group import Group, phase
 from node.compute.model import LanguageModel, ModelConfig, autocast, model_class
+
+#: Elements of the model one exchange between θ's owners and FSDP's chunks moves: few calls (a
+#: call costs every rank a synchronisation), bounded scratch (a rank's part of a bucket).
+BUCKET_ELEMENTS = 1 << 24
 
 
 def chunk_rows(rows: int, world: int) -> list[int]:
@@ -82,6 +87,16 @@ class ShardedPlacement:
         #: The model the inner steps train (its parameters are DTensors of FSDP chunks).
         self.train_model: LanguageModel = model
         self._params: dict[str, DTensor] = dict(model.named_parameters())  # type: ignore[arg-type]
+        #: Tensors in sorted name order, grouped so that one exchange moves at most
+        #: ``BUCKET_ELEMENTS`` of the model (one tensor more at most).
+        self._buckets: list[list[str]] = []
+        size = BUCKET_ELEMENTS
+        for name in sorted(self._params):
+            if size >= BUCKET_ELEMENTS:
+                self._buckets.append([])
+                size = 0
+            self._buckets[-1].append(name)
+            size += self._params[name].numel()
         for name, p in self._params.items():
             rows, _ = _rows_cols(tuple(p.shape))
             mine = chunk_rows(rows, group.world)[group.rank]
@@ -98,64 +113,100 @@ class ShardedPlacement:
 
     def begin(self, offset: Mapping[str, Tensor] | None = None) -> None:
         """Every rank's FSDP chunks := θ (minus ``offset``, given for the owned tensors)."""
-        theta = self.theta
         with torch.no_grad(), phase("sending θ to the FSDP chunks"):
-            for name in self.names:
-                source = None
-                if name in theta:
-                    source = theta[name] if offset is None else torch.sub(theta[name], offset[name])
-                self._scatter(name, source)
+            for bucket in self._buckets:
+                self._scatter(bucket, offset)
 
-    def _scatter(self, name: str, source: Tensor | None) -> None:
-        p = self._params[name]
-        owner = self.owners[name]
-        rows, cols = _rows_cols(tuple(p.shape))
+    def _rows(self, name: str) -> tuple[int, list[int], list[int]]:
+        """A tensor's row width, its FSDP chunks' row counts and their first rows."""
+        rows, cols = _rows_cols(tuple(self._params[name].shape))
         chunks = chunk_rows(rows, self.group.world)
-        local = p.to_local()
-        dev = local.device
-        if self.group.rank == owner:
-            if source is None:
-                raise RuntimeError(f"rank {owner} owns {name} but has no θ for it")
-            send = source.detach().reshape(-1).to(dev, torch.float32).contiguous()
-            in_splits = [c * cols for c in chunks]
-        else:
-            send = torch.empty(0, dtype=torch.float32, device=dev)
-            in_splits = [0] * self.group.world
-        out_splits = [
-            chunks[self.group.rank] * cols if q == owner else 0 for q in range(self.group.world)
-        ]
-        received = torch.empty(chunks[self.group.rank] * cols, dtype=torch.float32, device=dev)
+        starts = [sum(chunks[:q]) for q in range(self.group.world)]
+        return cols, chunks, starts
+
+    def _scatter(self, bucket: list[str], offset: Mapping[str, Tensor] | None) -> None:
+        """One ``all_to_all_single`` for ``bucket``: each owner sends every rank the rows of
+        its FSDP chunk of each tensor it owns there; each rank copies them into its chunks."""
+        world, rank = self.group.world, self.group.rank
+        dev = next(iter(self._params.values())).to_local().device
+        pieces: list[Tensor] = []
+        in_splits = [0] * world
+        for q in range(world):
+            for name in bucket:
+                if self.owners[name] != rank:
+                    continue
+                cols, chunks, starts = self._rows(name)
+                if cols == 0:  # an empty tensor: nothing to send
+                    continue
+                rows = slice(starts[q], starts[q] + chunks[q])
+                part = self.theta[name].reshape(-1, cols)[rows]
+                if offset is not None:
+                    part = part - offset[name].reshape(-1, cols)[rows]
+                pieces.append(part.reshape(-1).to(dev, torch.float32))
+                in_splits[q] += chunks[q] * cols
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=dev)
+        out_splits = [0] * world
+        places: list[tuple[str, int, int]] = []
+        at = 0
+        for q in range(world):
+            for name in bucket:
+                if self.owners[name] == q:
+                    cols, chunks, _ = self._rows(name)
+                    n = chunks[rank] * cols
+                    places.append((name, at, n))
+                    at += n
+                    out_splits[q] += n
+        received = torch.empty(at, dtype=torch.float32, device=dev)
         dist.all_to_all_single(received, send, out_splits, in_splits)
-        local.copy_(received.view_as(local))
+        for name, begin, n in places:
+            local = self._params[name].to_local()
+            local.copy_(received[begin : begin + n].view_as(local))
 
     def finish(self) -> dict[str, Tensor]:
         """The pseudo-gradient θ - θ_trained of the owned tensors, in fresh memory beside θ."""
-        theta = self.theta
         delta: dict[str, Tensor] = {}
         with torch.no_grad(), phase("collecting the trained tensors"):
-            for name in self.names:
-                trained = self._gather(name)
-                if trained is not None:
-                    t = theta[name]
+            for bucket in self._buckets:
+                for name, trained in self._gather(bucket).items():
+                    t = self.theta[name]
                     trained = trained.view(t.shape).to(t.device)
                     delta[name] = torch.sub(t, trained, out=trained)
         return delta
 
-    def _gather(self, name: str) -> Tensor | None:
-        p = self._params[name]
-        owner = self.owners[name]
-        rows, cols = _rows_cols(tuple(p.shape))
-        chunks = chunk_rows(rows, self.group.world)
-        local = p.to_local().detach().reshape(-1).to(torch.float32).contiguous()
-        in_splits = [local.numel() if q == owner else 0 for q in range(self.group.world)]
-        if self.group.rank == owner:
-            out_splits = [c * cols for c in chunks]
-            received = torch.empty(rows * cols, dtype=torch.float32, device=local.device)
-        else:
-            out_splits = [0] * self.group.world
-            received = torch.empty(0, dtype=torch.float32, device=local.device)
-        dist.all_to_all_single(received, local, out_splits, in_splits)
-        return received if self.group.rank == owner else None
+    def _gather(self, bucket: list[str]) -> dict[str, Tensor]:
+        """One ``all_to_all_single`` for ``bucket``: every rank sends its chunk of each tensor
+        to the tensor's owner; the owner's trained tensors, whole."""
+        world, rank = self.group.world, self.group.rank
+        dev = next(iter(self._params.values())).to_local().device
+        pieces: list[Tensor] = []
+        in_splits = [0] * world
+        for q in range(world):
+            for name in bucket:
+                if self.owners[name] == q:
+                    local = self._params[name].to_local().detach().reshape(-1)
+                    pieces.append(local.to(torch.float32))
+                    in_splits[q] += local.numel()
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=dev)
+        mine = [n for n in bucket if self.owners[n] == rank]
+        out_splits = [0] * world
+        places: list[tuple[str, int, int, int]] = []
+        at = 0
+        for q in range(world):
+            for name in mine:
+                cols, chunks, starts = self._rows(name)
+                places.append((name, q, at, chunks[q] * cols))
+                at += chunks[q] * cols
+                out_splits[q] += chunks[q] * cols
+        received = torch.empty(at, dtype=torch.float32, device=dev)
+        dist.all_to_all_single(received, send, out_splits, in_splits)
+        trained = {
+            n: torch.empty(self._params[n].shape, dtype=torch.float32, device=dev) for n in mine
+        }
+        for name, q, begin, n in places:
+            cols, chunks, starts = self._rows(name)
+            flat = trained[name].view(-1)
+            flat[starts[q] * cols : starts[q] * cols + n] = received[begin : begin + n]
+        return trained
 
     def abandon(self) -> None:
         """Training stopped part-way: nothing to undo (θ was never touched)."""

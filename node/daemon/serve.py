@@ -14,6 +14,7 @@ from dataclasses import replace
 import aiohttp
 
 from node.compute.group import Group
+from node.compute.heap import return_large_blocks
 from node.daemon.client import ClientTimeouts, CoordinatorClient
 from node.daemon.instance import claim
 from node.daemon.loop import NodeDaemon
@@ -54,6 +55,7 @@ async def serve(settings: NodeSettings, group: Group | None = None) -> int:
 
 def run_node(settings: NodeSettings) -> int:
     """Run a node to completion on uvloop; the exit status."""
+    return_large_blocks()  # freed tensors go back to the system (node.compute.heap)
     if torchrun_world() >= 1:  # under torchrun, one process or more
         return run_ranks(settings)
     import uvloop

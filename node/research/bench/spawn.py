@@ -36,7 +36,9 @@ def _main(
     import torch
 
     from node.compute.group import Group
+    from node.compute.heap import return_large_blocks
 
+    return_large_blocks()  # as ``sparseloco node`` does
     torch.set_num_threads(threads)
     if plain:  # a plain process, as ``sparseloco node`` without torchrun runs
         group = Group.solo()
