@@ -40,6 +40,11 @@ def _main(
 
     return_large_blocks()  # as ``sparseloco node`` does
     torch.set_num_threads(threads)
+    import numba
+
+    # The codec's compiled loops get the same threads (``sparseloco up`` sets
+    # NUMBA_NUM_THREADS likewise): ranks on shared cores do not oversubscribe them.
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     if plain:  # a plain process, as ``sparseloco node`` without torchrun runs
         group = Group.solo()
     else:
