@@ -1,9 +1,11 @@
 """The inner steps of a node of several ranks: torch's FSDP2 over the node's processes.
 
 Under ``torchrun`` the model the H inner steps train is wrapped with
-``torch.distributed.fsdp.fully_shard``, each transformer block first, then the root: every rank
-holds a dim-0 chunk of every parameter (FSDP's own layout), one AdamW steps over those chunks,
-and a forward or backward gathers one block's parameters at a time. On CUDA the blocks compute
+``torch.distributed.fsdp.fully_shard``, each transformer block first (and, for a model with an
+output head of its own, the embedding and the head: with a 32 K vocabulary each is bigger than a
+block), then the root: every rank holds a dim-0 chunk of every parameter (FSDP's own layout),
+one AdamW steps over those chunks, and a forward or backward gathers one unit's parameters at a
+time. On CUDA the blocks compute
 in bf16 with fp32 master weights and gradient reductions in fp32 (``MixedPrecisionPolicy``),
 over NCCL; on the CPU everything stays fp32, over gloo.
 
@@ -80,7 +82,7 @@ class ShardedPlacement:
             if device.type == "cuda"
             else MixedPrecisionPolicy()
         )
-        for unit in model.units():
+        for unit in (*model.units(), *model.edges()):
             fully_shard(unit, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         model.to_empty(device=device)

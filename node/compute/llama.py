@@ -127,11 +127,17 @@ class Llama(LanguageModel):
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
         x = self.norm(x)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head)
+        if self.lm_head is not None:
+            return self.lm_head(x)  # through the module: FSDP shards it as a unit of its own
+        return F.linear(x, self.embed_tokens.weight)
 
     def units(self) -> list[nn.Module]:
         return list(self.layers)
+
+    def edges(self) -> list[nn.Module]:
+        # The embedding alone when the head is a matrix of its own; tied, the embedding's
+        # weight is also read outside its module's forward and stays with the root.
+        return [] if self.lm_head is None else [self.embed_tokens, self.lm_head]
 
     def reset_buffers(self) -> None:
         """The rotary tables again (after ``to_empty``, which leaves buffers uninitialised)."""

@@ -279,6 +279,11 @@ class LanguageModel(nn.Module):
         """The transformer blocks, in order: what FSDP shards one by one (``node.compute.fsdp``)."""
         raise NotImplementedError
 
+    def edges(self) -> list[nn.Module]:
+        """Modules outside the blocks that FSDP may shard as units of their own (the embedding
+        and a separate output head: with a large vocabulary, more than a block each)."""
+        return []
+
     def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy in nats over all (B, T) positions."""
         logits = self(idx)

@@ -50,6 +50,7 @@ import torch
 import node.compute.inner as inner_module
 import node.compute.worker as worker_module
 from node.compute.group import Group
+from node.compute.heap import return_large_blocks
 from node.compute.model import PRESETS, ModelConfig, get_preset, model_shapes
 from node.compute.sharding import balance
 from node.compute.worker import Worker
@@ -298,6 +299,7 @@ def run(
     """Every rank count's node work; prints the tables and returns the numbers."""
     if batch_size < max(ranks):
         raise ValueError(f"--batch-size {batch_size} must be at least the largest rank count")
+    return_large_blocks()  # the peers' buffers this process makes go back before the nodes run
     with registered(preset, ctx_len) as model, tempfile.TemporaryDirectory(dir=state_dir) as tmp:
         shapes = model_shapes(get_preset(model))
         params = sum(math.prod(s) for s in shapes.values())
