@@ -179,41 +179,38 @@ class Group:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.short)
         return t.numpy()
 
+    def _sized(self, data: bytes) -> tuple[list[int], torch.Tensor]:
+        """Every rank's byte count, and ``data`` in a buffer of the longest one's length (gloo
+        gathers equal sizes only)."""
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.short)
+        counts = [int(s) for s in sizes]
+        mine = torch.zeros(max(counts), dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return counts, mine
+
     def all_gather_bytes(self, data: bytes, what: str = "exchanging digests") -> list[bytes]:
         """Every rank's ``data``, in rank order, on every rank."""
         if self.world == 1:
             return [data]
         with phase(what):
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.short)
-            longest = max(int(s) for s in sizes)
-            mine = torch.zeros(longest, dtype=torch.uint8)
-            if data:
-                mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
+            counts, mine = self._sized(data)
+            bufs = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(bufs, mine, group=self.short)
-        return [b[: int(s)].numpy().tobytes() for b, s in zip(bufs, sizes, strict=True)]
+        return [b[:n].numpy().tobytes() for b, n in zip(bufs, counts, strict=True)]
 
     def gather_bytes(self, data: bytes, what: str = "collecting records") -> list[bytes] | None:
         """Every rank's ``data`` in rank order on rank 0 (None elsewhere)."""
         if self.world == 1:
             return [data]
         with phase(what):
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.short)
-            longest = max(int(s) for s in sizes)
-            mine = torch.zeros(longest, dtype=torch.uint8)
-            if data:
-                mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            bufs = (
-                [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
-                if self.leader
-                else None
-            )
+            counts, mine = self._sized(data)
+            bufs = [torch.empty_like(mine) for _ in range(self.world)] if self.leader else None
             dist.gather(mine, bufs, dst=0, group=self.short)
         if bufs is None:
             return None
-        return [b[: int(s)].numpy().tobytes() for b, s in zip(bufs, sizes, strict=True)]
+        return [b[:n].numpy().tobytes() for b, n in zip(bufs, counts, strict=True)]
 
     def gather_floats(
         self, values: Sequence[float], what: str = "collecting sums"

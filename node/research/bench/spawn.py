@@ -44,7 +44,7 @@ def _main(
 
     # The codec's compiled loops get the same threads (``sparseloco up`` sets
     # NUMBA_NUM_THREADS likewise): ranks on shared cores do not oversubscribe them.
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(min(threads, int(getattr(numba.config, "NUMBA_NUM_THREADS", threads))))
     if plain:  # a plain process, as ``sparseloco node`` without torchrun runs
         group = Group.solo()
     else:
