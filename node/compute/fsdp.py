@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -82,9 +83,12 @@ class ShardedPlacement:
             if device.type == "cuda"
             else MixedPrecisionPolicy()
         )
+        # The mesh on the training device's type: a CPU node on a machine with GPUs (gloo) as
+        # well as a GPU node (NCCL), whatever torch would guess.
+        mesh = init_device_mesh(device.type, (group.world,))
         for unit in (*model.units(), *model.edges()):
-            fully_shard(unit, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         model.to_empty(device=device)
         model.reset_buffers()
         #: The model the inner steps train (its parameters are DTensors of FSDP chunks).
