@@ -31,9 +31,11 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 from node.compute.group import STOP, Group
 from node.compute.model import get_preset
@@ -65,21 +67,29 @@ def torchrun_world() -> int:
 
 
 def run_ranks(settings: NodeSettings) -> int:
-    """This process's part of a torchrun node: the daemon on rank 0, a follower elsewhere."""
+    """This process's part of a torchrun node: the daemon on rank 0, a follower elsewhere.
+
+    Every rank leaves through ``os._exit`` once its part is done, without tearing down its gloo
+    groups: by then everything it owns is saved (every save is an op, committed before rank 0
+    says ``STOP``), and tearing a group down while the peers leave theirs can abort the process
+    in gloo's threads (``std::terminate``, seen in CI on rank 0 and on followers alike), which
+    torchrun then reports as a failed node."""
     group = Group.from_env()
-    if group.leader:
-        try:
-            return _lead(settings, group)
-        finally:
-            group.close()
     try:
-        code = follow(settings, group)
+        code = _lead(settings, group) if group.leader else follow(settings, group)
+    except SparseLoCoError as exc:
+        print(f"sparseloco: error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("sparseloco: interrupted", file=sys.stderr)
+        code = 130
     except BaseException:
-        group.close()
-        raise
-    # Told to stop, a follower has saved what it owns already (every save is an op). Tearing
-    # down its gloo groups while rank 0 tears down its own and exits can abort the process
-    # (std::terminate, seen in CI: torchrun then calls the node failed), so it leaves at once.
+        traceback.print_exc()
+        code = 1
+    _leave(code)
+
+
+def _leave(code: int) -> NoReturn:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
