@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import IO
 
 from coordinator.errors import BackupError
 from coordinator.schema import DB_FILE
@@ -134,7 +135,7 @@ def _private_file(path: Path) -> int:
     return fd
 
 
-def _add(tar: tarfile.TarFile, name: str, data: io.BufferedIOBase | io.BytesIO, size: int) -> None:
+def _add(tar: tarfile.TarFile, name: str, data: IO[bytes], size: int) -> None:
     member = tarfile.TarInfo(name)
     member.size, member.mode, member.mtime = size, 0o600, int(time.time())
     tar.addfile(member, data)
@@ -166,7 +167,7 @@ def take_backup(state_dir: Path, out: Path) -> BackupInfo:
             with tarfile.open(fileobj=f, mode="w:gz") as tar:
                 _add(tar, INFO_FILE, io.BytesIO(meta), len(meta))
                 with copy.open("rb") as db:
-                    _add(tar, DB_FILE, db, copy.stat().st_size)  # type: ignore[arg-type]
+                    _add(tar, DB_FILE, db, copy.stat().st_size)
                 _add(tar, KEY_FILE, io.BytesIO(key), len(key))
             f.flush()
             os.fsync(f.fileno())
@@ -190,7 +191,7 @@ def read_info(tar: tarfile.TarFile, archive: Path) -> BackupInfo:
     return info
 
 
-def _member(tar: tarfile.TarFile, name: str, archive: Path) -> tarfile.ExFileObject:
+def _member(tar: tarfile.TarFile, name: str, archive: Path) -> IO[bytes]:
     try:
         member = tar.getmember(name)
     except KeyError:
@@ -216,7 +217,7 @@ def restore_backup(archive: Path, state_dir: Path) -> BackupInfo:
             " --state-dir (never over a coordinator's state)"
         )
     try:
-        tar = tarfile.open(archive, "r:gz")
+        tar = tarfile.open(archive, "r:gz")  # noqa: SIM115 (closed by the with below)
     except (OSError, tarfile.TarError) as exc:
         raise BackupError(f"cannot read {archive} as a coordinator backup: {exc}") from exc
     with tar:

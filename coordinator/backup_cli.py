@@ -33,7 +33,9 @@ def build_parser(prog: str, action: str) -> argparse.ArgumentParser:
             description="Write a consistent snapshot of a coordinator's state (database and"
             " manifest signing key) to one file, mode 0600; also while it runs.",
         )
-        parser.add_argument("--out", required=True, help="the backup file to write (replaced)")
+        parser.add_argument(
+            "--out", required=True, metavar="FILE", help="the backup file to write (replaced)"
+        )
         where = "the state directory to back up"
     else:
         parser = argparse.ArgumentParser(
@@ -43,10 +45,10 @@ def build_parser(prog: str, action: str) -> argparse.ArgumentParser:
             " closed since the backup from the store, and nodes carry on.",
         )
         parser.add_argument(
-            "--from", dest="archive", required=True, help="a file written by `backup`"
+            "--from", dest="archive", required=True, metavar="FILE", help="a file from `backup`"
         )
         where = "the new state directory to restore into (must hold no database)"
-    parser.add_argument("--state-dir", help=where)
+    parser.add_argument("--state-dir", metavar="DIR", help=where)
     parser.add_argument("--config", help="the coordinator's TOML config (for its state_dir)")
     return parser
 

@@ -253,11 +253,11 @@ class Database(CheckpointTables):
         """Mark a round this database has not closed as closed by ``signed``, a manifest the
         store already holds (``coordinator.catchup``); ``False`` if it is closed here."""
         self._newest = None
+        closed = RoundState.CLOSED.value
         cur = self._conn.execute(
             "UPDATE rounds SET state=?, started_at=?, closed_at=?, base_fingerprint=?,"
             " signed_manifest=?, published=1 WHERE round=? AND state!=?",
-            (RoundState.CLOSED.value, started_at, closed_at, base, signed, round_)
-            + (RoundState.CLOSED.value,),
+            (closed, started_at, closed_at, base, signed, round_, closed),
         )
         return cur.rowcount == 1
 

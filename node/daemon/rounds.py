@@ -178,10 +178,10 @@ class RoundFinisher:
         pending = d.pending
         if pending is None or pending.round != r or pending.submitted_at is None:
             return
-        if view.round == r and view.state == RoundState.OPEN and view.expected:
-            if not view.submitted:
-                d.log("resubmit", submitted_round=r, why="unknown_to_coordinator")
-                await submit(d, pending)
+        lost = view.round == r and view.state == RoundState.OPEN and not view.submitted
+        if lost and view.expected:
+            d.log("resubmit", submitted_round=r, why="unknown_to_coordinator")
+            await submit(d, pending)
 
     def verify(self, view: ManifestView, r: int) -> Manifest:
         """The manifest, once signed by the key from the join and for this run and round."""
