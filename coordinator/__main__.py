@@ -8,6 +8,8 @@ missing bucket). No message or log line shows a secret.
 
 ``python -m coordinator token add|list|revoke ...`` manages the node tokens in the state
 directory, also while the coordinator runs (``coordinator.admin``; ``token --help``).
+``python -m coordinator backup|restore ...`` copies the state directory into one file, also while
+the coordinator runs, and back into a new state directory (``coordinator.backup_cli``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         " Before it writes anything it binds the port and checks the object store. Exit status:"
         " 0 after a clean stop (SIGTERM, Ctrl-C), 1 when a start-up check fails, 2 for a bad"
         " configuration.",
-        epilog=f"token administration: {prog()} token {{add,list,revoke}} --help",
+        epilog=f"token administration: {prog()} token {{add,list,revoke}} --help; state:"
+        f" {prog()} {{backup,restore}} --help",
     )
     parser.add_argument("--version", action="version", version=version_line("sparseloco"))
     parser.add_argument("--config", required=True, help="TOML file (see deploy/run.example.toml)")
@@ -60,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coordinator.admin import main as token_main
 
         return token_main(args_in[1:], prog=f"{prog()} token")
+    if args_in[:1] in (["backup"], ["restore"]):
+        from coordinator.backup_cli import main as backup_main
+
+        return backup_main(args_in[0], args_in[1:], prog=f"{prog()} {args_in[0]}")
     args = parse_args(args_in)
     logging.basicConfig(
         level=args.log_level.upper(),

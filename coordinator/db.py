@@ -247,6 +247,20 @@ class Database(CheckpointTables):
         )
         return cur.rowcount == 1
 
+    def adopt_round(
+        self, round_: int, started_at: float, closed_at: float, base: str | None, signed: str
+    ) -> bool:
+        """Mark a round this database has not closed as closed by ``signed``, a manifest the
+        store already holds (``coordinator.catchup``); ``False`` if it is closed here."""
+        self._newest = None
+        closed = RoundState.CLOSED.value
+        cur = self._conn.execute(
+            "UPDATE rounds SET state=?, started_at=?, closed_at=?, base_fingerprint=?,"
+            " signed_manifest=?, published=1 WHERE round=? AND state!=?",
+            (closed, started_at, closed_at, base, signed, round_, closed),
+        )
+        return cur.rowcount == 1
+
     def unpublished(self) -> list[tuple[int, str]]:
         # published=0 first: the partial index rounds_unpublished (coordinator.schema.INDEXES).
         rows = self._conn.execute(

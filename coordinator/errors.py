@@ -24,9 +24,12 @@ other module knows which library talks to the store::
     ├── StartupError (RuntimeError)            a start-up check failed (port in use, store
     │                                          unreachable, credentials, bucket): nothing was
     │                                          written, the process exits with status 1
-    └── TokenAdminError (ValueError)           ``coordinator token ...`` refused (a node that
-                                               already has a token, nothing to revoke, no
-                                               database in the state directory)
+    ├── TokenAdminError (ValueError)           ``coordinator token ...`` refused (a node that
+    │                                          already has a token, nothing to revoke, no
+    │                                          database in the state directory)
+    └── BackupError (ValueError)               ``coordinator backup|restore`` refused (no state
+                                               to back up, a damaged or foreign archive, a
+                                               state directory that is not empty)
 
 ``RuntimeError`` for a refused request mirrors the node's side of the same answer
 (``node.errors.CoordinatorError``). ``TRANSIENT`` names the errors a background task retries.
@@ -130,6 +133,10 @@ class StartupError(SparseLoCoError, RuntimeError):
 
 class TokenAdminError(SparseLoCoError, ValueError):
     """An operator's token command cannot be done as asked; the message says why."""
+
+
+class BackupError(SparseLoCoError, ValueError):
+    """A backup cannot be taken or restored as asked (no state, a damaged or foreign file)."""
 
 
 #: Errors a background task (publisher, retention) retries: the store is down, slow or refusing

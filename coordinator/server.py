@@ -2,12 +2,13 @@
 
 ``serve`` runs on one uvloop event loop. Before anything is written it binds the port and checks
 the object store (``coordinator.preflight``: a ``StartupError`` names what to fix); only then
-does it open the state directory. Once the socket listens it writes
-``{state_dir}/coordinator.json`` (``url``, ``pid``, ``run_id``) atomically, so tests and
-``sparseloco up`` can find a port chosen with ``--port 0``. SIGTERM or SIGINT stops it in a fixed
-order: stop accepting, release long-polls, let in-flight requests finish, cancel the ticker, then
-the publisher, close the database, remove ``coordinator.json``. Every connection is held to the
-``[limits]`` of ``coordinator.limits`` (request head and idle timeout, header sizes).
+does it open the state directory, first closing the rounds the store knows closed and the state
+directory does not (``coordinator.catchup``: a state restored from a backup). Once the socket
+listens it writes ``{state_dir}/coordinator.json`` (``url``, ``pid``, ``run_id``) atomically, so
+tests and ``sparseloco up`` can find a port chosen with ``--port 0``. SIGTERM or SIGINT stops it
+in a fixed order: stop accepting, release long-polls, let in-flight requests finish, cancel the
+ticker, then the publisher, close the database, remove ``coordinator.json``. Every connection is
+held to the ``[limits]`` of ``coordinator.limits`` (request head and idle timeout, header sizes).
 
 With ``[server] tls_cert`` and ``tls_key`` set it serves HTTPS itself (``tls_context``; the
 certificate is loaded before the port is bound, so a bad file stops it with exit 2), and the
@@ -33,6 +34,7 @@ from pathlib import Path
 from aiohttp import web
 
 from coordinator.app import create_app, s3_store
+from coordinator.catchup import learn_closed_rounds
 from coordinator.config import CoordinatorConfig, ServerConfig
 from coordinator.datasets import check_dataset
 from coordinator.limits import server_settings
@@ -102,6 +104,7 @@ async def serve(config: CoordinatorConfig) -> None:
             prefix=config.storage.prefix,
             run_id=config.run_id,
         )
+        await learn_closed_rounds(config, store)  # a state dir restored from a backup
         app = create_app(config, store=store)
         await check_dataset(app[COORDINATOR].datasets)
     except BaseException:

@@ -304,8 +304,10 @@ class NodeDaemon:
             view = await self.api.round()
             if r > view.round:
                 raise StateError(
-                    f"local state is at round {r} but the coordinator is at {view.round};"
-                    " this state dir belongs to another coordinator database"
+                    f"local state is at round {r} but the coordinator is at {view.round}: it"
+                    " lost rounds this node applied (restored from an old backup, with their"
+                    " manifests missing from the store) or this state dir belongs to another"
+                    " coordinator database; nothing was applied, tell the run's operator"
                 )
             if run.overlaps and overlap.beside(self, view):
                 await overlap.step(self)

@@ -34,8 +34,9 @@ from pydantic import ValidationError
 from node.daemon.gather import Blobs, fetch_gather
 from node.daemon.pending import PendingRound
 from node.daemon.retry import Backoff
+from node.daemon.upload import submit
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
-from protocol.messages import Manifest, ManifestView, Mass, RoundReport
+from protocol.messages import Manifest, ManifestView, Mass, RoundReport, RoundState, RoundView
 from protocol.signing import verify_manifest
 
 if TYPE_CHECKING:
@@ -160,7 +161,27 @@ class RoundFinisher:
             out = await d.until_stopped(d.api.manifest(r))
             if isinstance(out, ManifestView):
                 return out
+            if isinstance(out, RoundView):
+                await self.resubmit_if_lost(r, out)
         return None
+
+    async def resubmit_if_lost(self, r: int, view: RoundView) -> None:
+        """Submit again a payload of round r the coordinator says it never got.
+
+        After ``submit`` the coordinator either holds the submission or closed the round; a
+        round still open that expects this node and holds nothing from it means the coordinator
+        lost it: it was restored from a backup taken before the submission
+        (``coordinator.catchup``). The payload is still in hand, so the round need not go on
+        without it.
+        """
+        d = self.d
+        pending = d.pending
+        if pending is None or pending.round != r or pending.submitted_at is None:
+            return
+        lost = view.round == r and view.state == RoundState.OPEN and not view.submitted
+        if lost and view.expected:
+            d.log("resubmit", submitted_round=r, why="unknown_to_coordinator")
+            await submit(d, pending)
 
     def verify(self, view: ManifestView, r: int) -> Manifest:
         """The manifest, once signed by the key from the join and for this run and round."""
