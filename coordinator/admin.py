@@ -31,14 +31,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from coordinator.config import state_dir_of
+from coordinator.config_file import state_dir_of
 from coordinator.db import Database
 from coordinator.errors import TokenAdminError
-from coordinator.invite import manifest_key_fingerprint, public_url
 from coordinator.schema import DB_FILE
 from coordinator.tokens import TokenRow, TokenSource, TokenState, TokenTable, digest, new_token
 from protocol.errors import ConfigError
-from protocol.invite import Invite
 from protocol.keys import check_id
 
 
@@ -138,6 +136,11 @@ def _when(t: float | None) -> str:
 
 def _add(table: TokenTable, args: argparse.Namespace, state_dir: Path) -> None:
     """``token add``: the token (or the invite) on stdout, what to do with it on stderr."""
+    # Imported here: the signing key's library is only for ``add``; ``list`` and ``revoke``
+    # stay quick to start (``revoke`` is what an operator runs when it is urgent).
+    from coordinator.invite import manifest_key_fingerprint, public_url
+    from protocol.invite import Invite
+
     fingerprint = manifest_key_fingerprint(state_dir)
     # The URL is worked out before the token exists: a bad --url must not use up a token.
     url = public_url(args.url, args.config, state_dir) if args.invite else None
