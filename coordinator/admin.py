@@ -15,9 +15,14 @@ every change within a request or a tick (``coordinator.tokens``):
   without ``--invite`` stderr shows the fingerprint for ``--manifest-key-fingerprint``.
 - ``list`` prints every token's node, state, source, creation, last use and revocation, never
   a token.
-- ``revoke NODE_ID`` revokes the node's active tokens: its next request is answered 401
-  ``token_revoked``, and a running coordinator takes it out of the run within a second (an open
-  round stops waiting for it). A config token revoked this way stays revoked at the next start.
+- ``revoke NODE_ID`` revokes the node's active tokens: its next request, at the latest its next
+  heartbeat, is answered 401 ``token_revoked`` (the node then stops), and a running coordinator
+  takes it out of the run within a tick (an open round stops waiting for it; its live figures
+  leave ``/metrics``). A config token revoked this way stays revoked at the next start.
+
+These commands import no more than the database needs (``coordinator.config_file``, not the
+server's libraries), so they answer in a fraction of a second even on a busy machine: a revoke is
+what an operator runs when it is urgent.
 
 Exit status: 0 done; 1 refused (nothing to revoke, already has a token); 2 a usage or config
 error (no database in that state directory).
@@ -137,7 +142,7 @@ def _when(t: float | None) -> str:
 def _add(table: TokenTable, args: argparse.Namespace, state_dir: Path) -> None:
     """``token add``: the token (or the invite) on stdout, what to do with it on stderr."""
     # Imported here: the signing key's library is only for ``add``; ``list`` and ``revoke``
-    # stay quick to start (``revoke`` is what an operator runs when it is urgent).
+    # stay quick to start (see the module docstring).
     from coordinator.invite import manifest_key_fingerprint, public_url
     from protocol.invite import Invite
 
@@ -182,8 +187,8 @@ def main(argv: Sequence[str], *, prog: str = "python -m coordinator token") -> i
             n = revoke(table, args.node_id, time.time())
             print(
                 f"revoked {n} token{'s' if n > 1 else ''} of {args.node_id}; a running"
-                " coordinator refuses it at once and takes the node out of the run within a"
-                " second"
+                " coordinator refuses it at once and takes the node out of the run; the node"
+                " stops at its next heartbeat"
             )
     except TokenAdminError as exc:
         print(f"error: {exc}", file=sys.stderr)
