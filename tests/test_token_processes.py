@@ -167,6 +167,7 @@ def test_a_second_process_is_refused_at_once_and_a_restart_takes_over(cluster_fa
     cluster.wait_for("node-0 to join", lambda s: [m.node_id for m in s.members] == ["node-0"])
 
     # The same token on another state directory: a mistake, told at once.
+    cpu_before = _children_cpu_s()
     start = time.monotonic()
     second = start_node(
         "node-0-second",
@@ -180,7 +181,8 @@ def test_a_second_process_is_refused_at_once_and_a_restart_takes_over(cluster_fa
         code = _wait("the second process to exit", second.poll, [first])
     finally:
         second.stop(timeout=20)
-    print(f"\nthe second process exited with {code} after {time.monotonic() - start:.1f} s")
+    took_s, cpu_s = time.monotonic() - start, _children_cpu_s() - cpu_before
+    print(f"\nthe second process exited with {code} after {took_s:.1f} s ({cpu_s:.1f} s of CPU)")
     assert code == 2, second.tail(20)
     last = second.tail(1)
     assert "409 token_in_use" in last and "One token serves one node process" in last, last

@@ -15,7 +15,8 @@ its key is compared with the pinned one and a difference is logged, never adopte
 
 ``refusal`` words the other ways the coordinator stops accepting a running node's token: the
 operator revoked it (401 ``token_revoked``, learnt at the latest by the next heartbeat), it was
-never valid, or a restart on the same state directory took this process's place.
+never valid, or another process took this one's place (a restart on the same state directory,
+or one that joined while this one was silent past the heartbeat timeout).
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def refusal(exc: CoordinatorError) -> Refused:
         )
     elif exc.error == "token_in_use":
         why = (
-            f"{exc}: another process took this node's place (one started on the same"
-            " --state-dir names this one as its predecessor); this one stops, so that the two"
-            " do not both write that directory"
+            f"{exc}: another process now holds this node's place (one started with the same"
+            " token on this --state-dir, or after this one fell silent); this one stops, so"
+            " that the two do not both take part as this node"
         )
     else:
         why = (
