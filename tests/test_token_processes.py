@@ -3,7 +3,10 @@
 - The operator revokes a node while it trains, with the console script a user types
   (``sparseloco coordinator token revoke``): the node learns it from its next heartbeat, leaves
   with exit status 2 and one line that says why, the open round stops waiting for it, and
-  ``/metrics`` drops its live figures.
+  ``/metrics`` drops its live figures. After training that round the node would pause for an
+  hour before its next request (``slow:3600@1``, ``node.daemon.faults``), so only the heartbeat
+  can tell it in time: a node that learnt of it at its next request would outlast the safety
+  net.
 - A second process started with a token a live process holds is refused at once (exit status
   2, a line naming ``token_in_use`` and what to do) and the first keeps its place; a restart of
   the node on its own state directory after a crash (kill -9) takes over at once, with no wait
@@ -94,13 +97,14 @@ def _live_figures(text: str, node: str) -> list[str]:
 
 def test_a_node_revoked_while_it_trains_leaves_at_its_next_heartbeat(cluster_factory) -> None:
     run = RunConfig(
-        name="revoke-it", model="tiny", rounds=6, inner_steps=300, batch_size=4, min_nodes=1,
+        name="revoke-it", model="tiny", rounds=40, inner_steps=300, batch_size=4, min_nodes=1,
         timing=QUICK,
     )  # fmt: skip
     cluster = cluster_factory(run, 2)
     cluster.start_coordinator()
-    for name in cluster.tokens:
-        cluster.start_node(name)
+    # More rounds than node-1 trains before the test ends: it stays alive throughout.
+    cluster.start_node("node-0", faults="slow:3600@1")
+    cluster.start_node("node-1")
     coordinator = cluster.coordinator
     assert coordinator is not None
     victim, other = cluster.nodes["node-0"], cluster.nodes["node-1"]
@@ -126,9 +130,10 @@ def test_a_node_revoked_while_it_trains_leaves_at_its_next_heartbeat(cluster_fac
 
     code = _wait("node-0 to exit", victim.poll, [other, coordinator])
     exited_s = time.monotonic() - start
+    mid_training = "event=trained node=node-0 round=1" not in victim.output()
     print(
         f"\ntoken revoke returned in {took_s:.2f} s ({cpu_s:.2f} s of CPU); node-0 exited"
-        f" {exited_s:.1f} s after it started"
+        f" {exited_s:.1f} s after it started, {'in' if mid_training else 'after'} training"
     )
     assert code == 2, victim.tail(20)
     last = victim.tail(1)
