@@ -20,13 +20,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-import uvloop
-
-from coordinator.config import load_config
-from coordinator.errors import StartupError
-from coordinator.redact import install, scrub
-from coordinator.server import serve
-from protocol.errors import ConfigError
 from protocol.version import version_line
 
 #: Set by ``sparseloco coordinator`` so usage lines name the command the operator typed.
@@ -68,6 +61,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return backup_main(args_in[0], args_in[1:], prog=f"{prog()} {args_in[0]}")
     args = parse_args(args_in)
+    # The service's libraries are imported only now: the token commands above and ``--help``
+    # need none of them, and they take seconds to import on a busy machine.
+    import uvloop
+
+    from coordinator.config import load_config
+    from coordinator.errors import StartupError
+    from coordinator.redact import install, scrub
+    from coordinator.server import serve
+    from protocol.errors import ConfigError
+
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",

@@ -41,6 +41,7 @@ from coordinator.signing import ManifestSigner
 from coordinator.storage import ObjectStore, S3Store
 from coordinator.tokens import TokenBook, TokenTable
 from coordinator.verify import CheckpointVerifier
+from protocol.messages import MemberState
 from protocol.routes import ENDPOINTS, ROUND
 
 log = logging.getLogger("sparseloco.coordinator.app")
@@ -166,6 +167,7 @@ def create_app(
         raise
     metrics = CoordinatorMetrics(totals(db), inner_steps=config.run.inner_steps)
     metrics.nodes.from_reports(db)
+    metrics.nodes.forget(m.node_id for m in db.members() if m.state == MemberState.REVOKED)
     coord = Coordinator(
         config=config,
         machine=machine,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +43,13 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from coordinator.config_file import ENV_PREFIX, read_toml
 from coordinator.limits import LimitsConfig
 from coordinator.redact import scrub, secrets_in, shown
 from protocol.errors import ConfigError, Problem, problems
 from protocol.keys import check_id
 from protocol.runconfig import RunConfig
 
-ENV_PREFIX = "SPARSELOCO_COORD_"
 #: Shortest bearer token accepted: a guessable token lets anyone submit as that node.
 MIN_TOKEN_CHARS = 16
 
@@ -153,19 +152,6 @@ SECTIONS: dict[str, Any] = {
 }
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError as exc:
-        raise ConfigError(
-            f"config file {path} does not exist; pass --config with the path of a TOML file"
-            " (see deploy/run.example.toml)"
-        ) from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
-
-
 def _fix_hint(loc: str) -> str:
     env = ENV_PREFIX + loc.upper().replace(".", "__")
     section, _, key = loc.partition(".")
@@ -257,37 +243,6 @@ def _env_secrets() -> set[str]:
     return {s for s in found if isinstance(s, str)}
 
 
-def state_dir_of(path: str | Path | None, flag: str | Path | None = None) -> Path:
-    """Where a coordinator with this config keeps its state, by the same precedence as ``serve``
-    (``--state-dir``, the environment, the file), without validating the rest of the config:
-    the token commands need no store credentials. ``ConfigError`` if none says."""
-    if flag is not None:
-        return Path(flag)
-    env = os.environ.get(ENV_PREFIX + "SERVER__STATE_DIR")
-    if env:
-        return Path(env)
-    if path is not None:
-        server = _read_toml(Path(path)).get("server")
-        if isinstance(server, dict) and isinstance(server.get("state_dir"), str):
-            return Path(server["state_dir"])
-        raise ConfigError(f"config file {path} has no [server] state_dir; pass --state-dir")
-    raise ConfigError("say which coordinator: --config run.toml or --state-dir DIR")
-
-
-def server_values(path: str | Path | None) -> dict[str, Any]:
-    """The ``[server]`` table as the file and the environment give it, unvalidated (what
-    ``coordinator.invite`` derives the public URL from; no store credentials needed)."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        server = _read_toml(Path(path)).get("server")
-        values = dict(server) if isinstance(server, dict) else {}
-    prefix = ENV_PREFIX + "SERVER__"
-    for name, value in os.environ.items():
-        if name.startswith(prefix):
-            values[name[len(prefix) :].lower()] = value
-    return values
-
-
 def load_config(
     path: str | Path | None, overrides: dict[str, Any] | None = None
 ) -> CoordinatorConfig:
@@ -296,7 +251,7 @@ def load_config(
     ``overrides`` is nested like the file (``{"server": {"port": 0}}``); ``None`` values are
     dropped so absent flags do not hide the file. Raises ``ConfigError`` on any invalid value.
     """
-    file_values = _read_toml(Path(path)) if path is not None else {}
+    file_values = read_toml(Path(path)) if path is not None else {}
     flag_values = _drop_none(overrides or {})
 
     class _Sources(CoordinatorConfig):

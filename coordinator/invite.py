@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from coordinator.config import server_values
+from coordinator.config_file import server_values
 from coordinator.errors import TokenAdminError
 from coordinator.signing import KEY_FILE, ManifestSigner
 from protocol.invite import key_fingerprint

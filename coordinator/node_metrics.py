@@ -17,9 +17,17 @@ by ``node``:
 Like the coordinator's own counters they describe the run, not the process: at start they are
 rebuilt from the reports in the database (``from_reports``), so a restart loses nothing; a stored
 report that no longer validates is skipped rather than stopping the start.
+
+A node whose token the operator revoked takes no further part, so its gauges (the live figures:
+losses, timings, rates, tokens/s, MFU, last round) are dropped (``forget``), at once and at every
+later start; its counters stay, as the run's history of what was moved and retried. A revoked
+token cannot report again; the figures come back only if the node rejoins with a new token.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
@@ -78,6 +86,8 @@ class NodeMetrics:
             "Failed attempts at the coordinator or the store the node reported",
             labels, registry=registry,
         )  # fmt: skip
+        #: Each node's phases with a ``phase_seconds`` series (so ``forget`` can remove them).
+        self._phases: dict[str, set[str]] = {}
 
     def observe(self, node: str, round_: int, report: RoundReport) -> None:
         """Account one report (the newest of ``node``'s so far)."""
@@ -96,6 +106,7 @@ class NodeMetrics:
         t = report.timings
         for phase, seconds in t.items():
             self.phase_seconds.labels(node=node, phase=phase).set(seconds)
+        self._phases.setdefault(node, set()).update(t)
         if "train" in t:
             self.step_seconds.labels(node=node).set(t["train"] / self.inner_steps)
         for direction, moved, phase in (
@@ -104,6 +115,21 @@ class NodeMetrics:
         ):
             if moved and t.get(phase, 0.0) > 0:
                 self.rate.labels(node=node, direction=direction).set(moved / t[phase])
+
+    def forget(self, nodes: Iterable[str]) -> None:
+        """Drop the live figures (every gauge) of ``nodes``, revoked; their counters stay."""
+        for node in nodes:
+            for gauge in (
+                self.train_loss, self.eval_loss, self.step_seconds, self.tokens_per_s,
+                self.mfu, self.last_round,
+            ):  # fmt: skip
+                with contextlib.suppress(KeyError):  # never reported that figure
+                    gauge.remove(node)
+            for direction in ("up", "down"):
+                with contextlib.suppress(KeyError):
+                    self.rate.remove(node, direction)
+            for phase in self._phases.pop(node, set()):
+                self.phase_seconds.remove(node, phase)
 
     def from_reports(self, db: Database) -> None:
         """Rebuild every series from the reports the database holds (at start)."""

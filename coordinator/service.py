@@ -4,10 +4,10 @@
 ``coordinator.handlers`` reads it from the request. It also owns the long-polls (waiting for a
 round to close, or for a waiting round to open; woken in batches, ``coordinator.wakeups``),
 what follows a close (wake them, count it, publish, prune), what follows a token revocation
-made by the operator's command (the member is out, the round stops waiting), and the answer
-every node fetches after a close: the manifest with its presigned download URLs, built once per
-round and served as the same bytes to every reader until its URLs near half their lifetime
-(``manifest_body``).
+made by the operator's command (the member is out, the round stops waiting, its live figures
+leave ``/metrics``), and the answer every node fetches after a close: the manifest with its
+presigned download URLs, built once per round and served as the same bytes to every reader
+until its URLs near half their lifetime (``manifest_body``).
 """
 
 from __future__ import annotations
@@ -105,9 +105,11 @@ class Coordinator:
         self.retention.kick()
 
     def apply_token_changes(self) -> None:
-        """Take out every member whose token was revoked since the last call; note token use."""
+        """Take out every member whose token was revoked since the last call (and its live
+        figures off ``/metrics``); note token use."""
         revoked = self.tokens.take_revoked()
         if revoked:
+            self.metrics.nodes.forget(revoked)
             self.after_close(self.machine.revoke(revoked))
         self.tokens.flush_used()
 

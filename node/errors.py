@@ -77,8 +77,8 @@ class RetriesExhausted(SparseLoCoError, ConnectionError):
 
 
 class Refused(SparseLoCoError, RuntimeError):
-    """The coordinator refused this node for good (a revoked or unknown token, another process
-    holding the token too long); waiting will not help, the message says what will."""
+    """The coordinator refused this node for good (a revoked or unknown token, another live
+    process holding the token); waiting will not help, the message says what will."""
 
 
 class ResyncError(SparseLoCoError, RuntimeError):

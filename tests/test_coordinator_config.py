@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config import load_config, state_dir_of
+from coordinator.config import load_config
+from coordinator.config_file import state_dir_of
 from coordinator.server import ANNOUNCE_FILE
 from protocol.errors import ConfigError
 from protocol.runconfig import RunConfig

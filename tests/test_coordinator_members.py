@@ -76,10 +76,15 @@ async def test_a_restart_on_the_same_state_directory_takes_over_at_once(
     make_api: ApiFactory, tmp_path: Path
 ) -> None:
     api = await make_api(RunConfig(name="inst-restart"))
-    first, none_before = claim(tmp_path / "node")  # what the crashed process recorded
-    assert none_before is None
+    crashed = claim(tmp_path / "node")
+    assert crashed.previous is None
+    first = crashed.id
     assert (await call(api, "POST", "/v1/join", "n0", {"instance": first}, first))[0] == 200
-    second, previous = claim(tmp_path / "node")  # the restart, on the same state directory
+    crashed.bound()  # what the crashed process recorded once its join went through
+    # A restart that stopped before its join went through records nothing...
+    assert claim(tmp_path / "node").previous == first
+    restart = claim(tmp_path / "node")  # ...so the one after it still names the bound one
+    second, previous = restart.id, restart.previous
     assert previous == first != second
     stranger = {"instance": SECOND, "previous_instance": "someone-else-0003"}
     status, err, _ = await call(api, "POST", "/v1/join", "n0", stranger, SECOND)

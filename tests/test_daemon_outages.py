@@ -16,7 +16,7 @@ import pytest
 
 from node.compute.state import load_state
 from node.errors import Refused
-from support.daemon_harness import reference_fingerprints, run_config, until, worker
+from support.daemon_harness import HANG_S, reference_fingerprints, run_config, until, worker
 
 pytestmark = pytest.mark.asyncio
 
@@ -71,16 +71,41 @@ async def test_a_revoked_token_ends_the_node_and_says_what_to_do(harness) -> Non
     task = h.start(h.daemon("node-0"))
     await until(lambda: bool(h.reports(0)), "round 0")
     h.coord.revoked.add("node-0")
-    with pytest.raises(Refused, match="ask the run's operator"):
+    with pytest.raises(Refused, match=r"revoked this node.s token.*ask the operator"):
         await task
 
 
-async def test_a_join_waits_while_another_process_holds_the_token(harness, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="sparseloco.node")
-    run = run_config(rounds=1)
-    h = harness(run)
-    h.coord.in_use["node-0"] = 2  # the previous process has not timed out yet
+async def test_a_join_refused_with_token_in_use_ends_the_node_at_once(harness) -> None:
+    h = harness(run_config(rounds=1))
+    h.coord.in_use["node-0"] = 1  # another live process holds node-0's token
     task = h.start(h.daemon("node-0"))
-    await h.advance_until(task.done, step_s=5)
-    assert task.result() == 0
-    assert sum("event=token_in_use" in m for m in caplog.messages) == 1
+    # No fake time passes: a node that waited for the other process would never end.
+    with pytest.raises(Refused, match="One token serves one node process") as info:
+        await asyncio.wait_for(task, HANG_S)
+    assert "token_in_use" in str(info.value) and "same --state-dir" in str(info.value)
+    assert [endpoint for _, endpoint, _ in h.coord.calls] == ["join"]  # asked once
+
+
+async def test_a_token_revoked_mid_training_ends_the_node_at_its_next_heartbeat(harness) -> None:
+    steps = 100_000  # far more than the test lets it train
+    run = run_config(rounds=2, inner_steps=steps)
+    h = harness(run)
+    daemon = h.daemon("node-0")
+    task = h.start(daemon)
+
+    def training() -> bool:
+        return daemon.ctx.shard is not None and daemon.ctx.shard.worker.local_steps > 0
+
+    await until(training, "node-0 to train")
+    h.coord.revoked.add("node-0")
+    before = len(h.coord.calls)
+    h.coord.advance(run.timing.heartbeat_timeout_s / 4)  # one heartbeat interval
+    with pytest.raises(Refused, match="revoked this node's token") as info:
+        await asyncio.wait_for(task, HANG_S)
+    assert "ask the operator for a new token" in str(info.value)
+    # It learnt it from the heartbeat, abandoned the round in training (no submission), and
+    # did not try to leave with a token that no longer works.
+    assert [endpoint for _, endpoint, _ in h.coord.calls[before:]] == ["heartbeat"]
+    assert daemon.ctx.shard is not None and daemon.ctx.shard.worker.local_steps < steps
+    state = load_state(h.state_dir("node-0"), worker(run).shapes)
+    assert state is not None and state.phase == "idle" and state.round == 0

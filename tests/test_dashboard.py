@@ -195,6 +195,9 @@ def _finished_status() -> dict[str, Any]:
     status["run"]["rounds"] = 2
     status.update(round=2, state="finished")
     status["members"][1]["state"] = "timed out"
+    # A revoked node's last speed is history, not a live figure: the members table hides it.
+    status["members"].append({**status["members"][0], "node_id": "node-1", "slot": 2})
+    status["members"][2]["state"] = "revoked"
     reject = {"node-0": {"node-0": HOSTILE_REASON}}
     status["rounds"] = [
         {
@@ -214,7 +217,7 @@ def _finished_status() -> dict[str, Any]:
             "fingerprints": {"node-0": FP, "node-1": FP, HOSTILE_NODE: FP_OTHER},
             "reports": {
                 "node-0": {**_report(FP, 4.5), "tokens_per_s": 51234.6, "mfu": 0.4123},
-                "node-1": _report(FP, 4.5),
+                "node-1": {**_report(FP, 4.5), "tokens_per_s": 40000.0},
                 HOSTILE_NODE: _report(FP_OTHER, 4.75),
             },
             "duration_s": 0.75,
@@ -300,7 +303,8 @@ async def test_hostile_strings_show_as_text(browser: WebDriver, canned: Any) -> 
     )
     assert page["counter"] == "round 2 of 2"
     assert page["members"][1][:2] == [HOSTILE_NODE, "timed out"]
-    assert [row[5] for row in page["members"]] == ["51,235 · MFU 41.2 %", "–"]
+    assert page["members"][2][:2] == ["node-1", "revoked"]
+    assert [row[5] for row in page["members"]] == ["51,235 · MFU 41.2 %", "–", "–"]
     newest, oldest = page["rounds"]
     assert page["gathers"] == [["node-0", HOSTILE_NODE], ["node-0"]]
     assert oldest[EXCLUDED].splitlines() == [

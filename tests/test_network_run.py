@@ -13,14 +13,12 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from node.cluster.up import start_node
 from protocol.keys import manifest_key
-from protocol.messages import MemberState, RoundState, SignedManifest, StatusView
+from protocol.messages import RoundState, SignedManifest, StatusView
 from protocol.runconfig import RunConfig, Timing
 from protocol.signing import verify_manifest
 from support.cluster import Cluster
@@ -233,51 +231,6 @@ def test_a_damaged_state_file_is_set_aside_and_recovered_from_the_store(cluster_
     assert list((cluster.root / "nodes" / "node-1").glob("state.safetensors.damaged-*"))
     _assert_fingerprints_agree(status, {"node-0", "node-1"})
     assert "node-1" in _closed(status)[-1].gather
-
-
-def test_a_second_process_with_the_same_token_is_refused(cluster_factory) -> None:
-    # min_nodes=2 keeps round 0 waiting, so node-0 idles as an active member while a second
-    # process starts with its token; after node-0's clean leave the second one takes over and
-    # the run finishes with it. Every member of a finished run is "finished", none timed out.
-    run = _run(rounds=2, min_nodes=2)
-    cluster = cluster_factory(run, 2)
-    cluster.start_coordinator()
-    first = cluster.start_node("node-0")
-    cluster.wait_for("node-0 to join", lambda s: [m.node_id for m in s.members] == ["node-0"])
-    second = start_node(
-        "node-0-second",
-        cluster.url,
-        cluster.tokens["node-0"],
-        cluster.root / "nodes" / "node-0-second",
-        cluster.root / "logs" / "node-0-second.log",
-        None,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while "token_in_use" not in second.output() and time.monotonic() < deadline:
-            assert second.poll() is None, second.tail()
-            time.sleep(0.2)
-        assert "token_in_use" in second.output(), second.tail()
-        coordinator_log = (cluster.root / "logs" / "coordinator-1.log").read_text()
-        assert "event=token_in_use node=node-0" in coordinator_log
-        status = cluster.status()
-        assert [(m.node_id, m.state) for m in status.members] == [("node-0", MemberState.ACTIVE)]
-        assert "event=rejoin" not in first.output()  # the first process never lost its place
-
-        assert first.stop() == 0  # SIGTERM: it leaves, and the token is free
-        cluster.nodes["node-0"] = second
-        cluster.start_node("node-1")
-        status = cluster.wait_finished()
-    finally:
-        second.stop(timeout=20)
-    assert {m.node_id: m.state for m in status.members} == {
-        "node-0": MemberState.FINISHED,
-        "node-1": MemberState.FINISHED,
-    }
-    assert all(r.gather == ["node-0", "node-1"] for r in _closed(status))
-    coordinator_log = (cluster.root / "logs" / "coordinator-1.log").read_text()
-    assert "event=timed_out" not in coordinator_log
-    assert "event=run_finished rounds=2 members_finished=2" in coordinator_log
 
 
 def _sparseloco_up(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], dict]:

@@ -3,13 +3,22 @@
 Real coordinator app (aiohttp test client) and the session's SeaweedFS store, as in the other
 coordinator API tests. A node's report carries losses, timings, bytes and retries; the
 coordinator's ``/metrics`` shows them per node, counts a replayed report once, and rebuilds
-every series from the database after a restart.
+every series from the database after a restart. A node whose token is revoked (by the token
+command's own connection to the database, as ``sparseloco coordinator token revoke`` does) loses
+its live figures, there and after a restart; its run counters stay.
 """
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 
+from coordinator import admin
+from coordinator.db import Database
+from coordinator.schema import DB_FILE
+from coordinator.tokens import TokenTable
 from protocol.runconfig import RunConfig
 from support.api import FP_A, ApiFactory
 
@@ -60,3 +69,47 @@ async def test_reports_become_per_node_series_that_survive_a_restart(
     restarted = (await again.call("GET", "/metrics", None))[1]
     for line in expected:
         assert line in restarted, line
+
+
+#: Safety net for the ticker to apply a revocation (it looks every quarter second).
+APPLIED_S = 30.0
+
+
+async def test_a_revoked_node_loses_its_live_figures(make_api: ApiFactory, tmp_path: Path) -> None:
+    run = RunConfig(name="node-metrics-revoked", rounds=3, inner_steps=10, min_nodes=2)
+    api = await make_api(run, prefix="node-metrics-revoked")
+    for node in ("n0", "n1"):
+        await api.call("POST", "/v1/join", node, {})
+    for node in ("n0", "n1"):
+        await api.contribute(node, 0, FP_A)
+    assert (await api.manifest("n0", 0))[0] == 200
+    for node in ("n0", "n1"):
+        assert (await api.call("POST", "/v1/rounds/0/report", node, REPORT))[0] == 200
+    lines = (await api.call("GET", "/metrics", None))[1]
+    assert 'sparseloco_node_tokens_per_second{node="n1"} 51200.0' in lines
+
+    cli = Database(tmp_path / "state" / DB_FILE)  # as `sparseloco coordinator token revoke n1`
+    try:
+        assert admin.revoke(TokenTable(cli), "n1", now=0.0) == 1
+    finally:
+        cli.close()
+    async with asyncio.timeout(APPLIED_S):
+        while 'node="n1"} 51200.0' in (lines := (await api.call("GET", "/metrics", None))[1]):
+            await asyncio.sleep(0.05)
+
+    def live_of(text: str, node: str) -> list[str]:
+        """The node's gauge lines (its counters end in ``_total``/``_created``)."""
+        return [
+            line
+            for line in text.splitlines()
+            if f'node="{node}"' in line and "_total{" not in line and "_created{" not in line
+        ]
+
+    assert live_of(lines, "n1") == []
+    assert len(live_of(lines, "n0")) >= 10  # the other node keeps all of its own
+    assert 'sparseloco_node_bytes_total{direction="up",node="n1"} 3000.0' in lines  # history
+    assert 'sparseloco_members{state="revoked"} 1.0' in lines
+
+    again = await make_api(run, prefix="node-metrics-revoked")  # restarted on its state
+    restarted = (await again.call("GET", "/metrics", None))[1]
+    assert live_of(restarted, "n1") == [] and len(live_of(restarted, "n0")) >= 10

@@ -168,7 +168,8 @@
         h("td", { class: "num" }, String(m.slot)),
         h("td", { class: "num" }, `round ${m.joined_round}`),
         h("td", { class: "num" }, m.state === "active" ? age(m.last_seen_s) : "–"),
-        h("td", { class: "num speed" }, speed.get(m.node_id) || "–"),
+        // A revoked node takes no further part: its last speed is not a live figure.
+        h("td", { class: "num speed" }, (m.state !== "revoked" && speed.get(m.node_id)) || "–"),
       ),
     );
     $("members").tBodies[0].replaceChildren(...rows);

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -89,6 +90,7 @@ class CoordinatorClient:
         policy: RetryPolicy = FOREVER,
         instance: str | None = None,
         previous_instance: str | None = None,
+        on_joined: Callable[[], None] | None = None,
     ) -> None:
         self.session = session
         self.base_url = base_url.rstrip("/")
@@ -96,6 +98,9 @@ class CoordinatorClient:
         self.instance = instance or secrets.token_hex(8)
         #: The process that ran on this node's state directory before (``daemon.instance``).
         self.previous_instance = previous_instance
+        #: Called after every successful join: the coordinator now binds the node to this
+        #: process (``Instance.bound`` records it for the next restart).
+        self.on_joined = on_joined
         self.headers = {"Authorization": f"Bearer {token}", INSTANCE_HEADER: self.instance}
         self.timeouts = timeouts or ClientTimeouts()
         self.policy = policy
@@ -172,7 +177,10 @@ class CoordinatorClient:
         request = JoinRequest(
             client=client, instance=self.instance, previous_instance=self.previous_instance
         )
-        return _as(JoinResponse, await self._call("join", request))
+        joined = _as(JoinResponse, await self._call("join", request))
+        if self.on_joined is not None:
+            self.on_joined()
+        return joined
 
     async def heartbeat(self) -> RoundView:
         return _as(RoundView, await self._call("heartbeat"))

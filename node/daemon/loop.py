@@ -22,6 +22,11 @@ A round, for round r with θ_r in the model:
 SIGTERM or Ctrl-C sets a stop flag: training is abandoned between inner steps (θ and e are
 untouched), a round already submitted stays pending in the saved state, the node leaves and
 exits 0. A restart resumes from the saved state and re-sends a pending payload unchanged.
+
+A token the coordinator stops accepting (the operator revoked it: 401 ``token_revoked``) ends
+the node within one heartbeat interval, whatever it is doing: the heartbeat learns it, the round
+in hand is abandoned at once (training between inner steps, θ and e untouched), and ``run``
+raises ``Refused`` (exit status 2, one line saying why and what to do).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from node.daemon.attacks import Attack
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.dataset import open_waiting
 from node.daemon.faults import Faults
-from node.daemon.join import join, rejoin
+from node.daemon.join import join, refusal, rejoin
 from node.daemon.ops import NodeCompute, RankContext
 from node.daemon.pending import PendingRound
 from node.daemon.retry import Link
@@ -117,6 +122,9 @@ class NodeDaemon:
         #: The furthest round a resync started from, and how many in a row did not get past it.
         self._resync_from = -1
         self._resyncs = 0
+        #: Why the coordinator stopped accepting this node mid-run (``refuse``); None while it
+        #: accepts it.
+        self.refused: Refused | None = None
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -129,10 +137,20 @@ class NodeDaemon:
         """What SIGTERM and Ctrl-C do: finish or abandon the round cleanly, then leave."""
         if not self.stopping.is_set():
             log.info("event=stop_requested node=%s", self.node_id)
-            self.stopping.set()
-            self.compute_stop.set()
-            if self.ctx.shard is not None:
-                self.ctx.shard.worker.stop.set()
+            self._halt()
+
+    def refuse(self, refused: Refused) -> None:
+        """The coordinator stopped accepting this node (its heartbeat learnt it): abandon the
+        round in hand at once, with no grace and no leave, and let ``run`` raise ``refused``."""
+        if self.refused is None:
+            self.refused = refused
+        self._halt()
+
+    def _halt(self) -> None:
+        self.stopping.set()
+        self.compute_stop.set()  # a shard download
+        if self.ctx.shard is not None:
+            self.ctx.shard.worker.stop.set()  # training, between inner steps
 
     @property
     def node_id(self) -> str:
@@ -196,7 +214,7 @@ class NodeDaemon:
         for sig in signals:
             loop.add_signal_handler(sig, self.request_stop)
         try:
-            joined = await self.until_stopped(join(self.api, self.clock, self.settings))
+            joined = await self.until_stopped(join(self.api, self.settings))
             if joined is None:
                 self.log("stopped", before="joining")
                 return 0
@@ -224,6 +242,8 @@ class NodeDaemon:
                 heartbeat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await heartbeat
+            if self.refused is not None:
+                raise self.refused
             if finished:
                 self.log(
                     "run_finished",
@@ -235,11 +255,8 @@ class NodeDaemon:
                     await asyncio.wait_for(self.api.leave(), max(1.0, self.settings.stop_grace_s))
                 self.log("left")
         except CoordinatorError as exc:
-            if exc.status == 401:
-                raise Refused(
-                    f"the coordinator refused this node's token ({exc.error}); the token was"
-                    " revoked or never issued: ask the run's operator for a valid one"
-                ) from exc
+            if exc.status == 401 or exc.error == "token_in_use":
+                raise refusal(exc) from exc
             raise
         finally:
             for sig in signals:
@@ -258,10 +275,11 @@ class NodeDaemon:
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             await asyncio.wait({rounds, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not rounds.done():
+            if not rounds.done() and self.refused is None:
                 await asyncio.wait({rounds}, timeout=self.settings.stop_grace_s)
             if not rounds.done():
-                self.log("stop_cut_round", grace_s=self.settings.stop_grace_s)
+                if self.refused is None:  # a refused node's one line is its refusal
+                    self.log("stop_cut_round", grace_s=self.settings.stop_grace_s)
                 rounds.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await rounds
@@ -285,6 +303,9 @@ class NodeDaemon:
             try:
                 await self.api.heartbeat()
             except CoordinatorError as exc:
+                if exc.status == 401 or exc.error == "token_in_use":
+                    self.refuse(refusal(exc))  # revoked: out within one heartbeat interval
+                    return
                 if exc.error == "not_member" and not self.stopping.is_set():
                     self.log("rejoin")
                     with contextlib.suppress(SparseLoCoError):

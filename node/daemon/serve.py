@@ -36,7 +36,7 @@ async def serve(settings: NodeSettings, group: Group | None = None) -> int:
         connect_s=settings.connect_timeout_s, transfer_s=settings.transfer_timeout_s
     )
     policy = replace(FOREVER, budget_s=settings.outage_budget_s)
-    instance, previous = claim(settings.state_dir)  # who we are, and who ran here before
+    instance = claim(settings.state_dir)  # who we are, and who ran here before
     async with aiohttp.ClientSession(connector=connector(settings.ca_cert)) as http:
         api = CoordinatorClient(
             http,
@@ -44,8 +44,9 @@ async def serve(settings: NodeSettings, group: Group | None = None) -> int:
             settings.token,
             timeouts=timeouts,
             policy=policy,
-            instance=instance,
-            previous_instance=previous,
+            instance=instance.id,
+            previous_instance=instance.previous,
+            on_joined=instance.bound,
         )
         transfers = HttpTransfers(http, transfer_timeouts, limits=Limits.of(settings))
         links = (api.link, transfers.link)

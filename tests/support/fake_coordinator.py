@@ -173,6 +173,7 @@ class FakeApi:
         )
 
     async def heartbeat(self) -> RoundView:
+        self._note("heartbeat")
         await self._reach()
         try:
             return self.c.machine.heartbeat(self.node_id)
