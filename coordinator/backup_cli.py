@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator.backup import restore_backup, take_backup
-from coordinator.config import state_dir_of
+from coordinator.config_file import state_dir_of
 from coordinator.errors import BackupError
 from protocol.errors import ConfigError
 
