@@ -81,7 +81,7 @@ async def _join_waiting(api: CoordinatorApi, clock: Clock) -> JoinResponse:
             if waited_since is None:
                 waited_since = now
                 log.warning(
-                    "event=token_in_use node=? waiting_up_to_s=%.0f message=%r",
+                    "event=token_in_use waiting_up_to_s=%.0f message=%r",
                     TOKEN_IN_USE_WAIT_S,
                     str(exc),
                 )
