@@ -19,6 +19,8 @@ log = logging.getLogger("sparseloco.link")
 
 #: Error codes of an answer that blames the service behind the one asked (``Link.behind``).
 BEHIND_ERRORS = frozenset({"storage_unavailable"})
+#: Longest ``what`` in a line; an object key keeps its end (the round, the file).
+MAX_WHAT = 48
 
 
 class Link:
@@ -76,7 +78,7 @@ class Link:
             "event=unreachable service=%s since=%s what=%r cause=%r%s (retrying until it answers)",
             self.service,
             self._down_at,
-            what,
+            what if len(what) <= MAX_WHAT else "..." + what[3 - MAX_WHAT :],
             cause(exc),
             nxt,
         )

@@ -213,24 +213,12 @@ class NodeDaemon:
                 self.log("stopped", before="joining")
                 return 0
             self.joined = joined
-            try:
-                data = await self._open_data(joined)
-                root = str(data.root) if data is not None else None  # type: ignore[attr-defined]
-                self.pending, resumed = await self.node(
-                    "setup", joined.model_dump_json(), root, data=data
-                )
-                if not resumed:
-                    # No usable local state: start from the newest checkpoint if there is one
-                    # (else θ_0); the loop replays the manifests since.
-                    await self.sync.restore_latest(self.worker)
-                    await self.save_idle()
-            except Abandoned:  # stopped while the dataset, eval shards or checkpoint came
-                self.log("stopped", before="training")
-                return 0
-            self.drop_spool()  # what a killed predecessor downloaded
-            self.log("joined", run=joined.run_id, slot=joined.slot, ranks=self.group.world)
+            # Beats from the join on: a node that waits for the store while it sets up (the
+            # dataset, a checkpoint) is alive, and must not be timed out of the run meanwhile.
             heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
             try:
+                if not await self._set_up(joined):
+                    return 0
                 finished = await self._rounds_until_stopped()
             finally:
                 heartbeat.cancel()
@@ -258,6 +246,26 @@ class NodeDaemon:
                 loop.remove_signal_handler(sig)
             self.executor.shutdown(wait=True)
         return 0
+
+    async def _set_up(self, joined: JoinResponse) -> bool:
+        """Data, model and θ for the run just joined; False if stopped meanwhile."""
+        try:
+            data = await self._open_data(joined)
+            root = str(data.root) if data is not None else None  # type: ignore[attr-defined]
+            self.pending, resumed = await self.node(
+                "setup", joined.model_dump_json(), root, data=data
+            )
+            if not resumed:
+                # No usable local state: start from the newest checkpoint if there is one
+                # (else θ_0); the loop replays the manifests since.
+                await self.sync.restore_latest(self.worker)
+                await self.save_idle()
+        except Abandoned:  # stopped while the dataset, eval shards or checkpoint came
+            self.log("stopped", before="training")
+            return False
+        self.drop_spool()  # what a killed predecessor downloaded
+        self.log("joined", run=joined.run_id, slot=joined.slot, ranks=self.group.world)
+        return True
 
     async def _rounds_until_stopped(self) -> bool:
         """The round loop: True when the run finished, False after a stop request.
