@@ -73,9 +73,9 @@ class Link:
             return
         self.down_since = self._monotonic()
         self._down_at = time.strftime("%H:%M:%S", time.localtime(self._wall()))
-        nxt = "" if retry_in_s is None else f" next_try_in_s={retry_in_s:.1f}"
+        nxt = "later" if retry_in_s is None else f"in_s={retry_in_s:.1f}"
         self.log.warning(
-            "event=unreachable service=%s since=%s what=%r cause=%r%s (retrying until it answers)",
+            "event=unreachable service=%s since=%s what=%r cause=%r next_try_%s",
             self.service,
             self._down_at,
             what if len(what) <= MAX_WHAT else "..." + what[3 - MAX_WHAT :],

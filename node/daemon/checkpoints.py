@@ -143,7 +143,7 @@ class CheckpointSync:
                 if not waiting:
                     log.info(
                         "event=checkpoint_waiting node=%s why=store_unreachable cause=%r"
-                        " (the checkpoint is not at fault; trying again while the store is away)",
+                        " (not the checkpoint's fault; retrying)",
                         worker.node_id, cause(exc),
                     )  # fmt: skip
                     waiting = True
