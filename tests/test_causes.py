@@ -101,7 +101,7 @@ def test_a_response_error_never_quotes_its_url() -> None:
 def test_an_unresolvable_host_is_named() -> None:
     key = type("Key", (), {"host": "store.invalid", "port": 443, "ssl": True})()
     err = socket.gaierror(-2, "Name or service not known")
-    exc = aiohttp.ClientConnectorError(key, err)  # type: ignore[arg-type]
+    exc = aiohttp.ClientConnectorError(key, err)
     assert cause(exc) == "cannot resolve the host name store.invalid"
 
 

@@ -84,3 +84,17 @@ async def test_a_join_waits_while_another_process_holds_the_token(harness, caplo
     await h.advance_until(task.done, step_s=5)
     assert task.result() == 0
     assert sum("event=token_in_use" in m for m in caplog.messages) == 1
+
+
+async def test_a_stop_before_the_join_names_no_unknown_node(harness, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    h = harness(run_config(rounds=1))
+    h.coord.in_use["node-0"] = 1000  # the join keeps waiting for the token
+    daemon = h.daemon("node-0")
+    task = h.start(daemon)
+    await until(lambda: any("event=token_in_use" in m for m in caplog.messages), "the wait")
+    daemon.request_stop()
+    assert await asyncio.wait_for(task, 10) == 0
+    stops = [m for m in caplog.messages if "event=stop" in m]
+    assert "event=stop_requested" in stops and any("before=joining" in m for m in stops)
+    assert not any("node=?" in m for m in caplog.messages)
