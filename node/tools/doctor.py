@@ -62,8 +62,8 @@ FIX_COORDINATOR = (
 )
 FIX_TOKEN = "ask the run's operator for a valid token (sparseloco coordinator token add)"
 FIX_STORE_BEHIND = (
-    "nothing to change here: the run's operator must start or fix the object store"
-    " (sparseloco store, or [storage] in the coordinator's config); run doctor again after"
+    "nothing to change on this machine: the run's operator must start or fix the object store"
+    " (sparseloco store, or [storage] in the coordinator's config); then run doctor again"
 )
 FIX_STORE_REACH = (
     "this machine must reach the store's endpoint over HTTP(S); ask the operator which address"
