@@ -76,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    for name in ("botocore", "boto3", "s3transfer", "urllib3"):  # their chatter, not ours
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     overrides = {"server": {"host": args.host, "port": args.port, "state_dir": args.state_dir}}
     try:
         config = load_config(args.config, overrides)

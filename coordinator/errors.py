@@ -115,6 +115,12 @@ class TooLarge(RoundError, ValueError):
         self.field = field
 
 
+#: Store error codes that mean "not now" (its HTTP 5xx and throttling, as S3 stores spell them).
+UNAVAILABLE_CODES = frozenset(
+    {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown"}
+)
+
+
 class StorageError(SparseLoCoError, OSError):
     """The object store did not answer or refused a request the coordinator needed.
 
@@ -125,6 +131,12 @@ class StorageError(SparseLoCoError, OSError):
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+    @property
+    def unreachable(self) -> bool:
+        """The store did not answer, or answered that it cannot serve now (5xx, throttled):
+        an outage to wait out, not a refusal of this request."""
+        return self.code is None or self.code in UNAVAILABLE_CODES
 
 
 class StartupError(SparseLoCoError, RuntimeError):

@@ -93,7 +93,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPRequestEntityTooLarge as exc:
         return error(413, "too_large", exc.text or "request body too large")
     except StorageError as exc:
-        log.warning("event=storage_error path=%s error=%s", request.path, exc)
+        # An outage was logged once by the store's link; a refusal is worth a line each time.
+        log.log(
+            logging.DEBUG if exc.unreachable else logging.WARNING,
+            "event=storage_error path=%s cause=%r",
+            request.path,
+            str(exc)[:160],
+        )
         return error(503, "storage_unavailable", f"the object store failed: {exc}")
     except web.HTTPException as exc:
         if exc.status < 400:

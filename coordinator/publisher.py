@@ -22,7 +22,7 @@ import random
 from coordinator.db import Database
 from coordinator.errors import TRANSIENT
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.storage import ObjectStore
+from coordinator.storage import ObjectStore, retry_logged
 from protocol.keys import latest_checkpoint_key, manifest_key, sidecar_key
 
 log = logging.getLogger("sparseloco.coordinator.publisher")
@@ -99,7 +99,7 @@ class ManifestPublisher:
                 if self.metrics is not None:
                     self.metrics.publish_failures.inc()
                 wait = min(BACKOFF_MAX_S, delay) * (0.5 + random.random())
-                log.warning("event=manifest_publish_failed retry_in_s=%.1f error=%s", wait, exc)
+                retry_logged(log, "manifest_publish_failed", wait, exc)
                 delay = min(BACKOFF_MAX_S, delay * 2)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from coordinator.db import CheckpointRow, Database
 from coordinator.errors import TRANSIENT
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.storage import ObjectStore
+from coordinator.storage import ObjectStore, retry_logged
 from protocol.keys import round_prefix, sidecar_key
 from protocol.runconfig import RunConfig
 
@@ -149,7 +149,7 @@ class Retention:
             try:
                 await self.prune_once()
             except TRANSIENT as exc:
-                log.warning("event=prune_failed retry_in_s=%.0f error=%s", RETRY_S, exc)
+                retry_logged(log, "prune_failed", RETRY_S, exc)
             except Exception:  # a bug here must not take the coordinator down with it
                 log.exception("event=prune_failed retry_in_s=%.0f", RETRY_S)
             else:

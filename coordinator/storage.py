@@ -19,6 +19,10 @@ Presigned URLs (an upload grant, a manifest's downloads, that HEAD) are signed b
 ``coordinator.presign`` once it has shown, when the store is built, that it gives exactly the
 URLs boto3 gives for this endpoint; boto3 signs them otherwise. Both are local computation.
 
+Every call's outcome goes to ``link`` (``protocol.links``): an outage of the store reads as one
+WARNING when it stops answering and one line when it is back, whatever retries the publisher,
+the retention and the handlers make meanwhile (each of theirs then only at DEBUG).
+
 This is the only module that imports boto3 or botocore: every error of theirs leaves ``S3Store``
 as ``coordinator.errors.StorageError`` (with the store's error code in ``.code``).
 """
@@ -41,6 +45,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from coordinator.errors import StorageError, TooLarge
 from coordinator.presign import SigV4Presigner, matches_botocore
+from protocol.causes import cause
+from protocol.links import Link
 
 log = logging.getLogger("sparseloco.coordinator.storage")
 
@@ -72,6 +78,15 @@ class ObjectInfo:
 def sha256_b64(sha256_hex: str) -> str:
     """The base64 form of a hex sha256, as the ``x-amz-checksum-sha256`` header carries it."""
     return base64.b64encode(bytes.fromhex(sha256_hex)).decode()
+
+
+def retry_logged(logger: logging.Logger, event: str, retry_in_s: float, exc: BaseException) -> None:
+    """A background write that will be tried again. An unreachable store was logged once by its
+    link (``S3Store.link``): each retry of it then only at DEBUG; a refusal (credentials, a
+    full bucket) is a WARNING every time, with its cause in a few words."""
+    logger.debug("event=%s retry_in_s=%.1f error=%r", event, retry_in_s, exc)
+    if not getattr(exc, "unreachable", False):
+        logger.warning("event=%s retry_in_s=%.1f cause=%r", event, retry_in_s, cause(exc))
 
 
 class ObjectStore(Protocol):
@@ -130,6 +145,8 @@ class S3Store:
     ) -> None:
         self.bucket = bucket
         self.expiry_s = expiry_s
+        #: Whether the store answers; logs once when it stops, once when it is back.
+        self.link = Link("store", logger=log)
         self._http: aiohttp.ClientSession | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
         self._client: Any = boto3.client(
@@ -214,15 +231,29 @@ class S3Store:
         return await self._run(what, call)
 
     async def _run(self, what: str, call: Callable[[], Any]) -> Any:
-        """``call()`` in a thread, its botocore errors as ``StorageError``."""
+        """``call()`` in a thread, its botocore errors as ``StorageError``; the outcome told to
+        ``link`` (one log line when the store stops answering, one when it is back)."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(None, call)
+            result = await loop.run_in_executor(None, call)
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", "")) or None
-            raise StorageError(f"{what}: {exc}", code=code) from exc
+            failure = StorageError(f"{what}: {exc}", code=code)
+            self._heard(what, failure, exc)
+            raise failure from exc
         except BotoCoreError as exc:
-            raise StorageError(f"{what}: {exc}") from exc
+            failure = StorageError(f"{what}: {cause(exc)}")
+            self._heard(what, failure, exc)
+            raise failure from exc
+        self.link.answered()
+        return result
+
+    def _heard(self, what: str, failure: StorageError, exc: BaseException) -> None:
+        """A failed call: an outage for the link, or an answer (a refusal, a missing key)."""
+        if failure.unreachable:
+            self.link.failed(what, exc)
+        else:
+            self.link.answered()
 
     async def check_bucket(self) -> None:
         """HEAD the bucket: ``StorageError`` (code ``404``, ``403``...) unless it is reachable."""
@@ -250,14 +281,17 @@ class S3Store:
                     size = resp.headers.get("Content-Length")
                     checksum = resp.headers.get("x-amz-checksum-sha256")
             except (aiohttp.ClientError, TimeoutError) as exc:
-                # The type only: aiohttp's text may carry the presigned URL and its credential.
-                failure = StorageError(f"head {key}: {type(exc).__name__}")
+                # ``cause`` never quotes aiohttp's text: it may carry the presigned URL.
+                failure = StorageError(f"head {key}: {cause(exc)}")
+                self.link.failed(f"head {key}", exc)
                 continue
-            if status == 404:
-                return None
             if status in _HEAD_TRANSIENT:
                 failure = StorageError(f"head {key}: HTTP {status}", code=str(status))
+                self.link.failed(f"head {key}", failure)
                 continue
+            self.link.answered()
+            if status == 404:
+                return None
             if status >= 300 or size is None:
                 raise StorageError(f"head {key}: HTTP {status}", code=str(status))
             return ObjectInfo(size=int(size), sha256_b64=checksum)

@@ -338,6 +338,17 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+#: Libraries whose INFO and DEBUG lines are theirs, not the operator's ("Found credentials in
+#: environment variables"; at DEBUG, every signed request): only their warnings are shown.
+QUIET_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3")
+
+
+def quiet_libraries() -> None:
+    """Our logging setup: the storage libraries' loggers at WARNING and above only."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparseloco`` console script."""
     args = parse(argv)
@@ -345,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    quiet_libraries()
     try:
         return int(args.func(args))
     except SparseLoCoError as exc:

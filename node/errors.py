@@ -66,7 +66,14 @@ class DigestError(TransferError):
 
 
 class TransientError(SparseLoCoError, ConnectionError):
-    """A failure worth retrying (5xx, 429, a dropped connection); carries what happened."""
+    """A failure worth retrying (5xx, 429, a dropped connection); carries what happened, and for
+    an HTTP answer its ``status`` and the coordinator's ``error`` code when it sent one (503
+    ``storage_unavailable``: the coordinator answers, its object store does not)."""
+
+    def __init__(self, message: str, status: int | None = None, error: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error = error
 
 
 class RetriesExhausted(SparseLoCoError, ConnectionError):

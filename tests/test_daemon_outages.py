@@ -109,3 +109,17 @@ async def test_a_token_revoked_mid_training_ends_the_node_at_its_next_heartbeat(
     assert daemon.ctx.shard is not None and daemon.ctx.shard.worker.local_steps < steps
     state = load_state(h.state_dir("node-0"), worker(run).shapes)
     assert state is not None and state.phase == "idle" and state.round == 0
+
+
+async def test_a_stop_before_the_join_names_no_unknown_node(harness, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    h = harness(run_config(rounds=1))
+    h.coord.outage()  # the join keeps waiting for the coordinator
+    daemon = h.daemon("node-0")
+    task = h.start(daemon)
+    await until(lambda: h.coord.waiting > 0, "the join to wait")
+    daemon.request_stop()
+    assert await asyncio.wait_for(task, 10) == 0
+    stops = [m for m in caplog.messages if "event=stop" in m]
+    assert "event=stop_requested" in stops and any("before=joining" in m for m in stops)
+    assert not any("node=?" in m for m in caplog.messages)

@@ -329,3 +329,24 @@ async def test_hostile_strings_show_as_text(browser: WebDriver, canned: Any) -> 
         wait_page, browser, "the lost connection", lambda p: "unreachable" in p["connection"]
     )
     assert page["counter"] == "round 2 of 2"
+
+
+@pytest.mark.asyncio
+async def test_a_sparse_eval_schedule_is_drawn_as_the_plan(browser: WebDriver, canned: Any) -> None:
+    """``eval_every = 10``: nine rounds in, one loss is all there is; the chart says so."""
+    server, holder = canned
+    status = _finished_status()
+    status["run"].update(rounds=40, eval_every=10)
+    status.update(round=1, state="open")
+    status["rounds"] = [*status["rounds"][:1], {"round": 1, "state": "open"}]
+    holder["status"] = status
+    await asyncio.to_thread(browser.get, str(server.make_url(f"/?poll={POLL}")))
+    await asyncio.to_thread(console_errors, browser)  # start the log afresh
+    page = await asyncio.to_thread(wait_page, browser, "the chart", lambda p: len(p["points"]) == 1)
+    assert page["points"] == [["0", "5.25"]]
+    assert page["planned"] == ["9", "19", "29", "39"]  # the rounds still to be evaluated
+    assert page["loss_summary"] == (
+        "round 0: 5.2500 · evaluated after the first round, every 10th and the last"
+        " (eval_every = 10); next: round 9"
+    )
+    assert await asyncio.to_thread(console_errors, browser) == []

@@ -99,7 +99,8 @@ def test_the_command_uploads_a_dataset_to_the_store(tmp_path: Path, store, s3) -
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = DatasetManifest.model_validate_json((tmp_path / "ds" / "manifest.json").read_text())
     root = f"runs/x/datasets/{m.dataset_id.removeprefix('sha256:')}"
-    assert f"s3://{ep.bucket}/{root}/" in proc.stdout
+    assert f"uploaded to s3://{ep.bucket}/{root}/\n" in proc.stdout  # one slash at the end
+    assert "botocore" not in proc.stderr and " INFO " not in proc.stderr  # boto3's chatter
     listed = s3.list_objects_v2(Bucket=ep.bucket, Prefix=root + "/")
     keys = {o["Key"][len(root) + 1 :] for o in listed.get("Contents", [])}
     assert keys == {s.name for s in m.shards} | {"tokenizer.json", "manifest.json"}

@@ -303,12 +303,32 @@
     return { values: out, step };
   }
 
-  function renderChart() {
+  // The rounds the run evaluates after, as RunConfig.evaluates says: the first, the last and
+  // every eval_every-th. A run with eval_every = 10 has one point for its first 9 rounds: the
+  // chart spans the whole run and marks the rounds still to come, so that reads as the plan.
+  function evaluates(run, r) {
+    const every = run.eval_every || 1;
+    return r === 0 || r === run.rounds - 1 || (r + 1) % every === 0;
+  }
+
+  function cadence(run) {
+    const every = run.eval_every || 1;
+    if (every === 1) return "evaluated after every round";
+    return `evaluated after the first round, every ${every}th and the last (eval_every = ${every})`;
+  }
+
+  function renderChart(run) {
     const box = $("loss-chart");
     const points = [...evalLoss].sort((a, b) => a[0] - b[0]);
+    const planned = [];
+    for (let r = 0; r < run.rounds; r++) {
+      if (evaluates(run, r) && !evalLoss.has(r)) planned.push(r);
+    }
+    const next = planned.find((r) => !points.length || r > points[points.length - 1][0]);
+    const plan = cadence(run) + (next === undefined ? "" : `; next: round ${next}`);
     if (!points.length) {
       box.replaceChildren(h("p", { class: "empty" }, "no evaluated rounds yet"));
-      setText("loss-summary", "");
+      setText("loss-summary", plan);
       return;
     }
     const W = 560;
@@ -316,8 +336,8 @@
     const m = { left: 58, right: 16, top: 14, bottom: 44 };
     const xs = points.map(([r]) => r);
     const ys = points.map(([, y]) => y);
-    const xlo = Math.min(...xs);
-    const xhi = Math.max(Math.max(...xs), xlo + 1);
+    const xlo = 0;
+    const xhi = Math.max(Math.max(...xs), run.rounds - 1, 1);
     let ylo = Math.min(...ys);
     let yhi = Math.max(...ys);
     const pad = (yhi - ylo) * 0.08 || Math.abs(yhi) * 0.05 || 0.5;
@@ -360,6 +380,11 @@
       }, "eval loss"),
     );
     svg.append(s("polyline", { class: "line", points: points.map(([r, y]) => `${px(r)},${py(y)}`).join(" ") }));
+    for (const r of planned) {
+      const mark = s("circle", { class: "planned", cx: px(r), cy: H - m.bottom, r: 3, "data-round": r });
+      mark.append(s("title", {}, `round ${r}: evaluated when it closes`));
+      svg.append(mark);
+    }
     for (const [r, y] of points) {
       const dot = s("circle", { class: "point", cx: px(r), cy: py(y), r: 3.5, "data-round": r, "data-loss": y });
       dot.append(s("title", {}, `round ${r}: ${y.toFixed(4)}`));
@@ -368,12 +393,11 @@
     box.replaceChildren(svg);
     const [r0, y0] = points[0];
     const [r1, y1] = points[points.length - 1];
-    setText(
-      "loss-summary",
+    const shown =
       points.length === 1
         ? `round ${r0}: ${y0.toFixed(4)}`
-        : `round ${r0}: ${y0.toFixed(4)} → round ${r1}: ${y1.toFixed(4)} (${points.length} rounds)`,
-    );
+        : `round ${r0}: ${y0.toFixed(4)} → round ${r1}: ${y1.toFixed(4)} (${points.length} rounds)`;
+    setText("loss-summary", `${shown} · ${plan}`);
   }
 
   // ---- polling ----
@@ -391,7 +415,7 @@
     renderMembers(status);
     renderCheckpoint(status);
     renderRounds(status);
-    renderChart();
+    renderChart(status.run);
   }
 
   function setConnection(ok, detail) {

@@ -11,7 +11,9 @@
   sha256 checked as it lands), every rank checks the header and reads its own tensors, the
   fingerprint of them all must be the agreed one, and the node continues from that round;
   replaying the manifests since then is the round loop's ordinary catch-up. One that fails its
-  checks falls back to the next older one (``GET /v1/checkpoints``), then to θ_0.
+  checks falls back to the next older one (``GET /v1/checkpoints``), then to θ_0. A store that
+  does not answer says nothing about the checkpoint: the node waits for it (the store's link
+  logs the outage once) and asks again with fresh URLs, until a stop request (``Abandoned``).
 
 No process holds the whole model on either way: the file is written, hashed, uploaded and
 downloaded a chunk at a time, and read a tensor at a time.
@@ -19,6 +21,7 @@ downloaded a chunk at a time, and read a tensor at a time.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,7 +29,16 @@ from typing import Any, TypeVar
 
 from node.compute.worker import Worker
 from node.daemon.api import CoordinatorApi, Transfers
-from node.errors import CheckpointError, CoordinatorError, RetriesExhausted, TransferError
+from node.daemon.retry import Backoff
+from node.errors import (
+    Abandoned,
+    CheckpointError,
+    CoordinatorError,
+    DigestError,
+    RetriesExhausted,
+    TransferError,
+)
+from protocol.causes import cause
 from protocol.messages import CheckpointInfo, CheckpointUpload
 
 log = logging.getLogger("sparseloco.checkpoints")
@@ -43,14 +55,24 @@ class CheckpointSync:
     """Checkpoint traffic for one node; ``compute`` runs CPU work on the node's compute thread."""
 
     def __init__(
-        self, api: CoordinatorApi, transfers: Transfers, node: Compute, state_dir: Path
+        self,
+        api: CoordinatorApi,
+        transfers: Transfers,
+        node: Compute,
+        state_dir: Path,
+        *,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        stopped: Callable[[], bool] = lambda: False,
     ) -> None:
         """``node``: the node's compute (``node.daemon.ops.NodeCompute``); checkpoint files
-        pass through ``state_dir``."""
+        pass through ``state_dir``; ``sleep`` pauses while the store is away, ``stopped`` says
+        a stop was requested (the pause then ends the wait)."""
         self.api = api
         self.transfers = transfers
         self.node = node
         self.state_dir = state_dir
+        self.sleep = sleep
+        self.stopped = stopped
         #: Why the newest checkpoint was rejected at the last ``restore_latest``; None if it was
         #: not (the daemon names it when it gives up resynchronising).
         self.rejected: str | None = None
@@ -76,10 +98,20 @@ class CheckpointSync:
             try:
                 await self.transfers.put_file(grant.url, grant.headers, path, size=size)
                 info = await self.api.checkpoint_commit(r, offer)
-            except (CoordinatorError, TransferError, RetriesExhausted) as exc:
+            except RetriesExhausted as exc:  # the checkpoint is fine: the store did not answer
+                log.info(
+                    "event=checkpoint_not_uploaded node=%s round=%d why=store_unreachable"
+                    " cause=%r (the run keeps the previous checkpoint)",
+                    worker.node_id, r, cause(exc),
+                )  # fmt: skip
+                log.debug("event=checkpoint_not_uploaded error=%r", exc)
+                return None
+            except (CoordinatorError, TransferError) as exc:
                 log.warning(
-                    "event=checkpoint_failed node=%s round=%d error=%r", worker.node_id, r, exc
-                )
+                    "event=checkpoint_failed node=%s round=%d cause=%r",
+                    worker.node_id, r, cause(exc),
+                )  # fmt: skip
+                log.debug("event=checkpoint_failed error=%r", exc)
                 return None
         finally:
             path.unlink(missing_ok=True)
@@ -102,6 +134,26 @@ class CheckpointSync:
         checkpoint it keeps, so the replay from there still finds what it needs.
         """
         self.rejected = None
+        backoff = Backoff()
+        waiting = False
+        while True:
+            try:
+                return await self._restore_newest(worker)
+            except RetriesExhausted as exc:
+                if not waiting:
+                    log.info(
+                        "event=checkpoint_waiting node=%s why=store_unreachable cause=%r"
+                        " (not the checkpoint's fault; retrying)",
+                        worker.node_id, cause(exc),
+                    )  # fmt: skip
+                    waiting = True
+                log.debug("event=checkpoint_waiting error=%r", exc)
+                await self.sleep(backoff.next())
+                if self.stopped():
+                    raise Abandoned() from exc
+
+    async def _restore_newest(self, worker: Worker) -> CheckpointInfo | None:
+        """One pass over the newest checkpoints; ``RetriesExhausted`` if the store is away."""
         views = await self.api.checkpoints()
         path = self.state_dir / "checkpoint-download.safetensors"
         for view in views[:MAX_TRIED]:
@@ -109,14 +161,17 @@ class CheckpointSync:
             try:
                 await self.transfers.get_to_file(view.url, path, size=info.size, sha256=info.sha256)
                 await self.node("load_checkpoint", str(path), info.round, info.fingerprint)
-            except (TransferError, RetriesExhausted, CheckpointError) as exc:
+            except (TransferError, CheckpointError) as exc:
                 self.rejected = self.rejected or f"round {info.round}: {exc}"
+                why = "failed_verification" if _bad_bytes(exc) else "refused_by_store"
                 log.warning(
-                    "event=checkpoint_rejected node=%s round=%d error=%r",
+                    "event=checkpoint_rejected node=%s round=%d why=%s cause=%r",
                     worker.node_id,
                     info.round,
-                    exc,
+                    why,
+                    cause(exc),
                 )
+                log.debug("event=checkpoint_rejected error=%r", exc)
                 continue
             finally:
                 path.unlink(missing_ok=True)
@@ -128,3 +183,8 @@ class CheckpointSync:
             )
             return info
         return None
+
+
+def _bad_bytes(exc: Exception) -> bool:
+    """The checkpoint's bytes or contents are wrong (not: the store refused to hand them)."""
+    return isinstance(exc, (DigestError, CheckpointError))

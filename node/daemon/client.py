@@ -149,7 +149,12 @@ class CoordinatorClient:
             ) as resp:
                 raw = await resp.read()
                 if resp.status in TRANSIENT_STATUS:
-                    raise TransientError(f"{ep.method} {path}: HTTP {resp.status}")
+                    code = _error_code(raw)
+                    raise TransientError(
+                        f"{ep.method} {path}: HTTP {resp.status}" + (f" {code}" if code else ""),
+                        resp.status,
+                        code,
+                    )
                 self.link.answered()
                 if resp.status >= 400:
                     try:
@@ -264,6 +269,14 @@ class CoordinatorClient:
     async def status(self, rounds: int | None = None) -> StatusView:
         params = {"rounds": str(rounds)} if rounds is not None else None
         return _as(StatusView, await self._call("status", params=params))
+
+
+def _error_code(raw: bytes) -> str | None:
+    """The coordinator's error code in an error body (``storage_unavailable``), if it is one."""
+    try:
+        return ErrorBody.model_validate_json(raw).error
+    except ValidationError:
+        return None
 
 
 def _as(model: type[M], value: BaseModel) -> M:

@@ -36,6 +36,7 @@ from node.compute.model import get_preset
 from node.compute.stream import ShardStream
 from node.daemon.api import CoordinatorApi, Transfers
 from node.errors import Abandoned, CoordinatorError, DataError, TransferError
+from protocol.causes import cause
 from protocol.dataset import MANIFEST_FILE, DatasetManifest, ShardInfo, dataset_hex, parse_manifest
 from protocol.messages import MAX_DATASET_FILES
 from protocol.runconfig import RunConfig
@@ -97,11 +98,11 @@ class ShardFetcher:
                 self._wait(future)
                 return
             except (ConnectionError, TransferError) as exc:
-                log.warning("event=shard_fetch_retry in_s=%.0f error=%r", pause, exc)
+                _retrying("shard_fetch_retry", pause, exc)
             except CoordinatorError as exc:
                 if exc.status < 500:
                     raise DataError(f"the coordinator refuses the dataset's files: {exc}") from exc
-                log.warning("event=shard_fetch_retry in_s=%.0f error=%r", pause, exc)
+                _retrying("shard_fetch_retry", pause, exc)
             if self.stop.wait(pause):
                 raise Abandoned()
             pause = min(RETRY_MAX_S, 2 * pause)
@@ -171,10 +172,22 @@ class ShardFetcher:
             path.unlink(missing_ok=True)
 
 
+def _retrying(event: str, pause: float | None, exc: BaseException) -> None:
+    """A failed fetch that will be tried again. A service that stopped answering was logged once
+    by its link (``node.daemon.retry.Link``): each try of it only at DEBUG; anything else (an
+    expired URL, a refusal) is a WARNING with its cause in a few words."""
+    when = "" if pause is None else f" in_s={pause:.0f}"
+    log.debug("event=%s%s error=%r", event, when, exc)
+    if not isinstance(exc, ConnectionError):
+        log.warning("event=%s%s cause=%r", event, when, cause(exc))
+
+
 def _quiet(future: concurrent.futures.Future[None]) -> None:
     """A read-ahead's outcome: a failure is logged, and the waiting fetch will meet it again."""
     if not future.cancelled() and future.exception() is not None:
-        log.warning("event=read_ahead_failed error=%r", future.exception())
+        exc = future.exception()
+        assert exc is not None
+        _retrying("read_ahead_failed", None, exc)
 
 
 async def open_dataset(
@@ -262,11 +275,11 @@ async def open_waiting(
         try:
             return await open_dataset(api, transfers, run, state_dir, local=local, stop=stop)
         except (ConnectionError, TransferError) as exc:
-            log.warning("event=dataset_retry in_s=%.0f error=%r", pause, exc)
+            _retrying("dataset_retry", pause, exc)
         except CoordinatorError as exc:
             if exc.status < 500:
                 raise
-            log.warning("event=dataset_retry in_s=%.0f error=%s", pause, exc.error)
+            _retrying("dataset_retry", pause, exc)
         await sleep(pause)
         if stop.is_set():
             raise Abandoned()

@@ -68,6 +68,7 @@ from node.errors import (
     ResyncError,
     StateError,
 )
+from protocol.causes import cause
 from protocol.errors import SparseLoCoError
 from protocol.messages import JoinResponse, RoundState, RoundView
 
@@ -114,7 +115,14 @@ class NodeDaemon:
         self.node = NodeCompute(self.ctx, self.executor)
         #: The round trained and compressed but not yet applied; None between rounds.
         self.pending: PendingRound | None = None
-        self.sync = CheckpointSync(api, transfers, self.node, settings.state_dir)
+        self.sync = CheckpointSync(
+            api,
+            transfers,
+            self.node,
+            settings.state_dir,
+            sleep=self.sleep,
+            stopped=self.stopping.is_set,
+        )
         #: The services' link states (coordinator, store), for the retries each report counts.
         self.links = tuple(links)
         self._retries_reported = 0
@@ -136,7 +144,7 @@ class NodeDaemon:
     def request_stop(self) -> None:
         """What SIGTERM and Ctrl-C do: finish or abandon the round cleanly, then leave."""
         if not self.stopping.is_set():
-            log.info("event=stop_requested node=%s", self.node_id)
+            log.info("event=stop_requested%s", self._node_field())
             self._halt()
 
     def refuse(self, refused: Refused) -> None:
@@ -169,7 +177,11 @@ class NodeDaemon:
     def log(self, event: str, **fields: object) -> None:
         extra = " ".join(f"{k}={v}" for k, v in fields.items())
         round_ = self.ctx.shard.worker.round if self.ctx.shard else "-"
-        log.info("event=%s node=%s round=%s %s", event, self.node_id, round_, extra)
+        log.info("event=%s%s round=%s %s", event, self._node_field(), round_, extra)
+
+    def _node_field(self) -> str:
+        """`` node=ID`` once joined; before the join nothing (the coordinator names the node)."""
+        return f" node={self.joined.node_id}" if self.joined else ""
 
     async def sleep(self, seconds: float) -> None:
         """Pause on the daemon's clock; a stop request ends the pause at once."""
@@ -219,24 +231,12 @@ class NodeDaemon:
                 self.log("stopped", before="joining")
                 return 0
             self.joined = joined
-            try:
-                data = await self._open_data(joined)
-                root = str(data.root) if data is not None else None  # type: ignore[attr-defined]
-                self.pending, resumed = await self.node(
-                    "setup", joined.model_dump_json(), root, data=data
-                )
-            except Abandoned:  # stopped while the dataset was opened or its eval shards came
-                self.log("stopped", before="training")
-                return 0
-            if not resumed:
-                # No usable local state: start from the newest checkpoint if there is one
-                # (else θ_0); the loop replays the manifests since.
-                await self.sync.restore_latest(self.worker)
-                await self.save_idle()
-            self.drop_spool()  # what a killed predecessor downloaded
-            self.log("joined", run=joined.run_id, slot=joined.slot, ranks=self.group.world)
+            # Beats from the join on: a node that waits for the store while it sets up (the
+            # dataset, a checkpoint) is alive, and must not be timed out of the run meanwhile.
             heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
             try:
+                if not await self._set_up(joined):
+                    return 0
                 finished = await self._rounds_until_stopped()
             finally:
                 heartbeat.cancel()
@@ -264,6 +264,26 @@ class NodeDaemon:
             self.executor.shutdown(wait=True)
         return 0
 
+    async def _set_up(self, joined: JoinResponse) -> bool:
+        """Data, model and θ for the run just joined; False if stopped meanwhile."""
+        try:
+            data = await self._open_data(joined)
+            root = str(data.root) if data is not None else None  # type: ignore[attr-defined]
+            self.pending, resumed = await self.node(
+                "setup", joined.model_dump_json(), root, data=data
+            )
+            if not resumed:
+                # No usable local state: start from the newest checkpoint if there is one
+                # (else θ_0); the loop replays the manifests since.
+                await self.sync.restore_latest(self.worker)
+                await self.save_idle()
+        except Abandoned:  # stopped while the dataset, eval shards or checkpoint came
+            self.log("stopped", before="training")
+            return False
+        self.drop_spool()  # what a killed predecessor downloaded
+        self.log("joined", run=joined.run_id, slot=joined.slot, ranks=self.group.world)
+        return True
+
     async def _rounds_until_stopped(self) -> bool:
         """The round loop: True when the run finished, False after a stop request.
 
@@ -284,7 +304,10 @@ class NodeDaemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await rounds
                 return False
-            return rounds.result()
+            try:
+                return rounds.result()
+            except Abandoned:  # stopped while it waited for the store (a checkpoint)
+                return False
         finally:
             stop.cancel()
             if not rounds.done():
@@ -311,7 +334,7 @@ class NodeDaemon:
                     with contextlib.suppress(SparseLoCoError):
                         await rejoin(self.api, self.joined.manifest_public_key)
             except SparseLoCoError as exc:
-                self.log("heartbeat_failed", error=repr(exc))
+                self.log("heartbeat_failed", cause=repr(cause(exc)))
 
     # -- the round loop ------------------------------------------------------------------------
 

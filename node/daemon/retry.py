@@ -21,6 +21,10 @@ from typing import TypeVar
 import aiohttp
 
 from node.errors import RetriesExhausted, TransientError
+from protocol.causes import cause
+from protocol.links import BEHIND_ERRORS, Link
+
+__all__ = ["BEHIND_ERRORS", "FOREVER", "TRANSIENT", "Backoff", "Link", "RetryPolicy", "retry"]
 
 log = logging.getLogger("sparseloco.retry")
 
@@ -59,51 +63,6 @@ class RetryPolicy:
 FOREVER = RetryPolicy(attempts=math.inf, base_s=0.5, max_delay_s=10.0, budget_s=math.inf)
 
 
-class Link:
-    """How one service (the coordinator, the object store) looks from this node: up or down.
-
-    Retries report every transient failure and every success here; the link logs once when the
-    service stops answering (WARNING, with the first error) and once when it answers again (with
-    how long it was gone and how many attempts failed), never once per attempt. ``failures``
-    counts every failed attempt since the node started (reported with each round).
-    """
-
-    def __init__(self, service: str) -> None:
-        self.service = service
-        self.down_since: float | None = None
-        self.failed_attempts = 0
-        self.failures = 0
-
-    @property
-    def up(self) -> bool:
-        return self.down_since is None
-
-    def failed(self, what: str, exc: BaseException) -> None:
-        self.failures += 1
-        self.failed_attempts += 1
-        if self.down_since is None:
-            self.down_since = time.monotonic()
-            log.warning(
-                "event=unreachable service=%s what=%r error=%r (retrying until it answers)",
-                self.service,
-                what,
-                exc,
-            )
-        else:
-            log.debug("event=retry service=%s what=%r error=%r", self.service, what, exc)
-
-    def answered(self) -> None:
-        if self.down_since is not None:
-            log.warning(
-                "event=reachable service=%s after_s=%.1f failed_attempts=%d",
-                self.service,
-                time.monotonic() - self.down_since,
-                self.failed_attempts,
-            )
-            self.down_since = None
-            self.failed_attempts = 0
-
-
 _rng = random.Random()
 
 
@@ -132,7 +91,8 @@ async def retry(
 ) -> T:
     """Run ``op`` until it succeeds, retrying only ``transient`` errors within ``policy``.
 
-    ``link`` (if given) hears of every failure and success, and logs the changes of state.
+    ``link`` (if given) hears of every failure and success, and logs the changes of state
+    (``protocol.links.Link``).
     """
     start = time.monotonic()
     attempt = 0
@@ -145,19 +105,22 @@ async def retry(
             attempt += 1
             elapsed = time.monotonic() - start
             pause = policy.delay(attempt, _rng)
+            give_up = attempt >= policy.attempts or elapsed + pause > policy.budget_s
             if link is not None:
-                link.failed(what, exc)
-            if attempt >= policy.attempts or elapsed + pause > policy.budget_s:
+                link.failed(what, exc, None if give_up else pause)
+            else:
+                log.debug("event=retry what=%r attempt=%d error=%r", what, attempt, exc)
+            if give_up:
                 raise RetriesExhausted(
-                    f"{what}: gave up after {attempt} attempts in {elapsed:.1f} s: {exc!r}"
+                    f"{what}: gave up after {attempt} attempts in {elapsed:.1f} s: {cause(exc)}"
                 ) from exc
             if link is None:
                 log.info(
-                    "event=retry what=%r attempt=%d delay_s=%.2f error=%r",
+                    "event=retry what=%r attempt=%d delay_s=%.2f cause=%r",
                     what,
                     attempt,
                     pause,
-                    exc,
+                    cause(exc),
                 )
             await asyncio.sleep(pause)
         else:

@@ -36,6 +36,7 @@ from node.daemon.pending import PendingRound
 from node.daemon.retry import Backoff
 from node.daemon.upload import submit
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
+from protocol.causes import cause
 from protocol.messages import Manifest, ManifestView, Mass, RoundReport, RoundState, RoundView
 from protocol.signing import verify_manifest
 
@@ -283,7 +284,8 @@ class RoundFinisher:
                 now = d.clock.now()
                 if waiting_since is None:
                     waiting_since = now
-                    d.log("download_waiting", applied_round=r, error=repr(failure))
+                    # The store's link logged the outage; this says which round waits on it.
+                    d.log("download_waiting", applied_round=r, cause=repr(cause(failure)))
                 elif now - waiting_since > d.settings.outage_budget_s:
                     raise failure
                 await d.sleep(backoff.next())

@@ -49,6 +49,7 @@ async def serve(settings: NodeSettings, group: Group | None = None) -> int:
             on_joined=instance.bound,
         )
         transfers = HttpTransfers(http, transfer_timeouts, limits=Limits.of(settings))
+        api.link.behind = transfers.link  # a 503 storage_unavailable: the store is down
         links = (api.link, transfers.link)
         daemon = NodeDaemon(settings, api, transfers, links=links, group=group)
         return await daemon.run()

@@ -101,7 +101,7 @@ def _check_status(status: int, body: bytes, what: str) -> None:
         return
     text = body[:300].decode("utf-8", "replace")
     if status in TRANSIENT_STATUS:
-        raise TransientError(f"{what}: HTTP {status}: {text}")
+        raise TransientError(f"{what}: HTTP {status}: {text}", status)
     raise TransferError(f"{what}: HTTP {status}: {text}", status)
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from node.daemon.pending import PendingRound
 from node.daemon.retry import Backoff
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
+from protocol.causes import cause
 from protocol.messages import RoundState, SubmitRequest
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ async def submit(d: NodeDaemon, pending: PendingRound) -> None:
                 still_open = view.round == r and view.state == RoundState.OPEN
                 if not still_open or d.stopping.is_set():
                     # The round goes on without this payload; step 9 keeps it.
-                    d.log("upload_failed", error=repr(exc))
+                    d.log("upload_failed", cause=repr(cause(exc)))
                     return
                 log.debug("event=upload_retry node=%s round=%d error=%r", d.node_id, r, exc)
                 await d.sleep(backoff.next())

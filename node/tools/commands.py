@@ -252,7 +252,7 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         root = upload(
             out, manifest, endpoint=args.endpoint_url, bucket=args.bucket, prefix=args.prefix
         )
-        print(f"uploaded to s3://{args.bucket}/{root}/")
+        print(f"uploaded to s3://{args.bucket}/{root.rstrip('/')}/")
         print(
             f'a run trains on it with dataset = "{manifest.dataset_id}" in the [run] table of'
             f" the coordinator's config (its storage.prefix {args.prefix!r}, as here)"

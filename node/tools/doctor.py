@@ -1,6 +1,8 @@
 """``sparseloco doctor``: can this machine take part in that run? Every check says how to fix it.
 
-Checks, in order (each ``ok``, ``warn`` or ``FAIL``; any FAIL makes the exit status 1):
+Checks, in order (each ``ok``, ``warn``, ``FAIL``, or ``--`` when an earlier failure leaves
+nothing to check it with; the whole list is printed every time, any FAIL makes the exit status
+1, and each FAIL says what it can tell of the cause and the fix):
 
 - coordinator: ``GET /v1/status`` answers, and which run, round and state it reports;
 - clock: the coordinator's ``Date`` header against this machine's clock (presigned URLs carry
@@ -8,24 +10,29 @@ Checks, in order (each ``ok``, ``warn`` or ``FAIL``; any FAIL makes the exit sta
 - token: the coordinator accepts it (``GET /v1/round``), and whether it is a member already;
 - state: a ``--state-dir`` that holds state of another run is refused by the node; said here;
 - store: a presigned PUT and GET of a probe object through the run's store (``POST /v1/probe``),
-  digest checked, with the upload and download rates;
+  digest checked, with the upload and download rates; a coordinator that answers while its
+  store does not (503 ``storage_unavailable``) is told apart from a store this machine cannot
+  reach;
 - disk and memory: free space in the state dir and available memory against what the run's
   model needs (θ, error buffer, AdamW moments, the pending round, an atomic save's copy);
-- threads and GPU: CPU cores this process may use; whether torch sees a CUDA device.
+- threads and GPU: CPU cores this process may use; whether torch sees a CUDA device (these
+  and the state dir in ``node.tools.checks``: they need no network).
 
-Nothing here joins the run or changes anything on the coordinator but the probe object.
+Nothing here joins the run or changes anything on the coordinator but the probe object. Causes
+are said in a few words (``protocol.causes``), never as an exception's repr; the retries' own
+outage lines are silenced, the checklist says it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import hashlib
+import logging
 import os
-import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -35,6 +42,8 @@ from node.daemon.retry import RetryPolicy
 from node.daemon.tls import CERTIFICATE_FIX, certificate_reason, connector
 from node.daemon.transfer import HttpTransfers, TransferTimeouts
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
+from node.tools.checks import SKIPPED, Check, human_bytes, machine_checks, state_check
+from protocol.causes import cause
 from protocol.errors import SparseLoCoError
 from protocol.messages import StatusView
 
@@ -44,26 +53,22 @@ DOCTOR_POLICY = RetryPolicy(attempts=3, base_s=0.5, max_delay_s=2.0, budget_s=15
 PROBE_BYTES = 4 << 20
 #: Clock skew (seconds) worth a warning, and one that fails.
 SKEW_WARN_S, SKEW_FAIL_S = 30.0, 300.0
-#: fp32 copies of the model a node holds: θ, error buffer, two AdamW moments, θ_r during
-#: training, ĉ, gradients, and the state file's atomic copy on disk.
-MEMORY_COPIES = 7
-DISK_COPIES = 10
+#: Errors a network check meets; each becomes that check's FAIL line with its cause.
+NETWORK_ERRORS = (SparseLoCoError, aiohttp.ClientError, TimeoutError, OSError)
 
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    level: str  # "ok", "warn" or "FAIL"
-    detail: str
-    fix: str = ""
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
+FIX_COORDINATOR = (
+    "check the URL (scheme, host, port), that the coordinator runs, and that this machine may"
+    " reach it (firewall, proxy)"
+)
+FIX_TOKEN = "ask the run's operator for a valid token (sparseloco coordinator token add)"
+FIX_STORE_BEHIND = (
+    "nothing to change on this machine: the run's operator must start or fix the object store"
+    " (sparseloco store, or [storage] in the coordinator's config); then run doctor again"
+)
+FIX_STORE_REACH = (
+    "this machine must reach the store's endpoint over HTTP(S); ask the operator which address"
+    " the store is published on"
+)
 
 
 class Doctor:
@@ -87,21 +92,41 @@ class Doctor:
     def add(self, name: str, level: str, detail: str, fix: str = "") -> None:
         self.checks.append(Check(name, level, detail, fix))
 
+    def skip(self, why: str, *names: str) -> None:
+        """Checks that cannot run (``why``: what they would need)."""
+        for name in names:
+            self.add(name, SKIPPED, f"not checked: {why}")
+
+    async def guarded(self, name: str, check: Awaitable[None], fix: str) -> bool:
+        """Run ``check``; an error it did not expect is its FAIL line, with the cause. True if
+        it added no FAIL."""
+        before = len(self.checks)
+        try:
+            await check
+        except NETWORK_ERRORS as exc:
+            self.add(name, "FAIL", f"could not check: {cause(exc)}", fix)
+        return not any(c.level == "FAIL" for c in self.checks[before:])
+
     @property
     def failed(self) -> bool:
         return any(c.level == "FAIL" for c in self.checks)
 
     async def run(self) -> list[Check]:
-        async with aiohttp.ClientSession(connector=connector(self.ca_cert)) as http:
-            api = CoordinatorClient(http, self.coordinator, self.token or "-", policy=DOCTOR_POLICY)
-            await self._coordinator(http, api)
-            if self.status is not None:
-                await self._token(api, http)
+        with _quiet_retries():
+            async with aiohttp.ClientSession(connector=connector(self.ca_cert)) as http:
+                api = CoordinatorClient(
+                    http, self.coordinator, self.token or "-", policy=DOCTOR_POLICY
+                )
+                await self.guarded("coordinator", self._coordinator(http), FIX_COORDINATOR)
+                if self.status is None:
+                    self.skip("the coordinator did not answer", "clock", "token", "store")
+                else:
+                    await self._token(api, http)
         self._state()
         self._machine()
         return self.checks
 
-    async def _coordinator(self, http: aiohttp.ClientSession, api: CoordinatorClient) -> None:
+    async def _coordinator(self, http: aiohttp.ClientSession) -> None:
         url = f"{self.coordinator}/v1/status?rounds=1"
         try:
             timeout = aiohttp.ClientTimeout(total=15)
@@ -117,14 +142,18 @@ class Doctor:
                 "coordinator", "FAIL", f"TLS certificate not trusted ({reason})", CERTIFICATE_FIX
             )
             return
-        except (aiohttp.ClientError, TimeoutError, TransferError, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, TransferError) as exc:
             self.add(
-                "coordinator",
-                "FAIL",
-                f"{self.coordinator} did not answer: {exc}",
-                "check the URL (scheme, host, port), that the coordinator runs, and that this"
-                " machine may reach it (firewall, proxy)",
-            )
+                "coordinator", "FAIL", f"{self.coordinator} did not answer: {cause(exc)}",
+                FIX_COORDINATOR,
+            )  # fmt: skip
+            return
+        except ValueError:
+            self.add(
+                "coordinator", "FAIL",
+                f"{self.coordinator} answered, but not as a sparseloco coordinator",
+                FIX_COORDINATOR,
+            )  # fmt: skip
             return
         s = self.status
         self.add(
@@ -147,23 +176,33 @@ class Doctor:
             )
 
     async def _token(self, api: CoordinatorClient, http: aiohttp.ClientSession) -> None:
+        dataset = self.status.run.dataset if self.status is not None else None
+        later = ("store", "dataset") if dataset is not None else ("store",)
         if not self.token:
             self.add("token", "warn", "no token given", "pass --token or set SPARSELOCO_NODE_TOKEN")
+            self.skip("it needs a token", *later)
             return
         try:
             view = await api.round()
         except CoordinatorError as exc:
-            fix = "ask the run's operator for a valid token (sparseloco coordinator token add)"
-            self.add("token", "FAIL", f"refused: {exc.error}", fix)
+            why = "revoked" if exc.error == "token_revoked" else "not a token of this run"
+            detail = f"the coordinator refused it ({why}: {exc.status} {exc.error})"
+            self.add("token", "FAIL", detail, FIX_TOKEN)
+            self.skip("it needs a token the coordinator accepts", *later)
             return
-        except (RetriesExhausted, SparseLoCoError) as exc:
-            self.add("token", "FAIL", f"could not ask: {exc}", "see the coordinator check")
+        except NETWORK_ERRORS as exc:
+            self.add("token", "FAIL", f"could not ask: {cause(exc)}", FIX_COORDINATOR)
+            self.skip("the coordinator did not answer", *later)
             return
         member = "expected in this round" if view.expected else "accepted"
         self.add("token", "ok", f"{member}; round {view.round} is {view.state.value}")
-        await self._store(api, http)
-        if self.status is not None and self.status.run.dataset is not None:
-            await self._dataset(api, http, self.status.run.dataset)
+        if not await self.guarded("store", self._store(api, http), FIX_STORE_REACH):
+            if dataset is not None:
+                self.skip("the store did not answer", "dataset")
+            return
+        if dataset is not None:
+            fix = "the run's operator must upload it: sparseloco data prepare ... --upload"
+            await self.guarded("dataset", self._dataset(api, http, dataset), fix)
 
     async def _dataset(
         self, api: CoordinatorClient, http: aiohttp.ClientSession, dataset: str
@@ -191,7 +230,7 @@ class Doctor:
             ValueError,
         ) as exc:
             fix = "the run's operator must upload it: sparseloco data prepare ... --upload"
-            self.add("dataset", "FAIL", f"the run's dataset is not usable: {exc}", fix)
+            self.add("dataset", "FAIL", f"the run's dataset is not usable: {cause(exc)}", fix)
             return
         per_shard = max(manifest.files().values())
         self.add(
@@ -199,7 +238,7 @@ class Doctor:
             "ok",
             f"{dataset[:19]}...: {manifest.total_tokens:,} {manifest.tokenizer.kind} tokens in"
             f" {len(manifest.shards)} shards; this node keeps a few of them on disk"
-            f" (up to {_bytes(per_shard)} each)",
+            f" (up to {human_bytes(per_shard)} each)",
         )
 
     async def _store(self, api: CoordinatorClient, http: aiohttp.ClientSession) -> None:
@@ -210,6 +249,15 @@ class Doctor:
         except CoordinatorError as exc:
             self.add("store", "warn", f"the coordinator offers no probe ({exc.error})")
             return
+        except RetriesExhausted as exc:
+            behind = getattr(exc.__cause__, "error", None) == "storage_unavailable"
+            if behind:  # the coordinator answers; the store it asked did not
+                detail = f"the coordinator answers, but its object store does not ({cause(exc)})"
+                self.add("store", "FAIL", detail, FIX_STORE_BEHIND)
+            else:
+                detail = f"the coordinator did not grant a probe: {cause(exc)}"
+                self.add("store", "FAIL", detail, FIX_COORDINATOR)
+            return
         transfers = HttpTransfers(http, TransferTimeouts(connect_s=10, transfer_s=120))
         try:
             t0 = time.perf_counter()
@@ -218,127 +266,44 @@ class Doctor:
             back = await transfers.get(probe.get_url, size=len(data), sha256=sha)
             t2 = time.perf_counter()
         except (TransferError, RetriesExhausted) as exc:
-            self.add(
-                "store",
-                "FAIL",
-                f"presigned transfer failed: {exc}",
-                "this machine must reach the store's endpoint over HTTP(S); ask the operator"
-                " which address the store is published on",
-            )
+            self.add("store", "FAIL", f"presigned transfer failed: {cause(exc)}", FIX_STORE_REACH)
             return
         assert back == data  # get() verified size and sha256 already
         up, down = len(data) / (t1 - t0), len(data) / (t2 - t1)
         self.add(
             "store",
             "ok",
-            f"presigned PUT and GET of {_bytes(len(data))}: up {_bytes(up)}/s, down"
-            f" {_bytes(down)}/s",
+            f"presigned PUT and GET of {human_bytes(len(data))}: up {human_bytes(up)}/s, down"
+            f" {human_bytes(down)}/s",
         )
 
     def _state(self) -> None:
-        d = self.state_dir
-        if d is None:
-            return
-        if not (d / "state.safetensors").exists():
-            self.add(
-                "state",
-                "ok",
-                f"{d}: no state yet (the node starts from the run's newest checkpoint)",
-            )
-            return
-        import json
-
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(d / "state.safetensors"), framework="pt") as f:
-                header = json.loads((f.metadata() or {})["sparseloco"])
-        except Exception as exc:  # a damaged file: the node sets it aside
-            self.add("state", "warn", f"{d}: unreadable state ({exc}); the node will set it aside")
-            return
-        run_id = self.status.run_id if self.status else None
-        if run_id is not None and header.get("run_id") != run_id:
-            self.add(
-                "state",
-                "FAIL",
-                f"{d} holds run {header.get('run_id')}, the coordinator runs {run_id}",
-                "use another --state-dir for this run",
-            )
-        else:
-            self.add("state", "ok", f"{d}: {header.get('node_id')} at round {header.get('round')}")
+        if self.state_dir is not None:
+            run_id = self.status.run_id if self.status else None
+            self.checks.append(state_check(self.state_dir, run_id))
 
     def _machine(self) -> None:
-        need = None
-        if self.status is not None:
-            from node.compute.model import get_preset, param_count
-
-            need = 4 * param_count(get_preset(self.status.run.model))
-        where = self.state_dir or Path.cwd()
-        probe_dir = where if where.exists() else where.parent
-        free = shutil.disk_usage(probe_dir if probe_dir.exists() else Path.cwd()).free
-        if need is not None:
-            disk_need = DISK_COPIES * need
-            level = _level(free >= 2 * disk_need, free >= disk_need)
-            self.add(
-                "disk",
-                level,
-                f"{_bytes(free)} free at {probe_dir}; the run's model needs about"
-                f" {_bytes(disk_need)}",
-                "" if level == "ok" else "free space or point --state-dir at a larger disk",
-            )
-            available = _mem_available()
-            if available is not None:
-                mem_need = MEMORY_COPIES * need
-                level = (
-                    "ok"
-                    if available >= 2 * mem_need
-                    else "warn"
-                    if available >= mem_need
-                    else "FAIL"
-                )
-                self.add(
-                    "memory",
-                    level,
-                    f"{_bytes(available)} available; the run's model needs about"
-                    f" {_bytes(mem_need)}",
-                    "" if level == "ok" else "close other programs or use a larger machine",
-                )
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self.add(
-            "threads",
-            "ok",
-            f"{cores} CPU cores for this process",
-            "several nodes on one machine: give each --threads (cores / nodes)",
-        )
-        import torch
-
-        gpu = torch.cuda.is_available()
-        detail = (
-            f"CUDA: {torch.cuda.get_device_name(0)}" if gpu else "no CUDA device: trains on CPU"
-        )
-        self.add("gpu", "ok", detail)
+        model = self.status.run.model if self.status is not None else None
+        self.checks.extend(machine_checks(model, self.state_dir))
 
 
-def _level(fine: bool, tolerable: bool) -> str:
-    return "ok" if fine else "warn" if tolerable else "FAIL"
-
-
-def _mem_available() -> int | None:
+@contextlib.contextmanager
+def _quiet_retries() -> Iterator[None]:
+    """The links' outage lines off while doctor runs: its checklist says what failed."""
+    logger = logging.getLogger("sparseloco.link")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def report(checks: list[Check], write: Callable[[str], None] = print) -> None:
     width = max(len(c.name) for c in checks)
     for c in checks:
         write(f"{c.level:>4}  {c.name:<{width}}  {c.detail}")
-        if c.fix and c.level != "ok":
+        if c.fix and c.level not in ("ok", SKIPPED):
             write(f"      {'':<{width}}  fix: {c.fix}")
 
 

@@ -56,6 +56,8 @@ return {
   rounds_empty: text("rounds-empty"),
   points: q("#loss-chart svg circle.point").map((c) => [c.dataset.round, c.dataset.loss]),
   chart_text: text("loss-chart"),
+  planned: q("#loss-chart svg circle.planned").map((c) => c.dataset.round),
+  loss_summary: text("loss-summary"),
   checkpoint: text("checkpoint"),
   images: document.images.length,
   scripts: document.scripts.length,
