@@ -26,7 +26,14 @@ from coordinator.db import Database
 from coordinator.errors import Conflict
 from coordinator.machine import RoundMachine
 from coordinator.signing import ManifestSigner
-from protocol.messages import Exclusion, MemberState, RoundReport, RoundState, SubmitRequest
+from protocol.messages import (
+    Exclusion,
+    MemberState,
+    NodeCondition,
+    RoundReport,
+    RoundState,
+    SubmitRequest,
+)
 from protocol.runconfig import RunConfig, Timing
 
 FP = "a" * 32
@@ -214,6 +221,9 @@ def test_a_member_that_never_tries_gets_no_grace(bench: Bench) -> None:
 def test_when_everyone_is_silent_rounds_still_wait_for_their_deadline(bench: Bench) -> None:
     for node in ("a", "b", "c"):
         bench.machine.join(node)
+        # Not training: a member that trains holds a round nobody submitted to past its
+        # deadline (test_coordinator_holds.py); these only wait.
+        bench.machine.heartbeat(node, NodeCondition.WAITING)
     for _ in range(4):
         r = bench.open_round()
         row = bench.machine.db.get_round(r)

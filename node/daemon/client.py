@@ -42,9 +42,11 @@ from protocol.messages import (
     DatasetFilesRequest,
     DatasetView,
     ErrorBody,
+    HeartbeatRequest,
     JoinRequest,
     JoinResponse,
     ManifestView,
+    NodeCondition,
     ProbeGrant,
     ProbeRequest,
     RoundReport,
@@ -174,8 +176,8 @@ class CoordinatorClient:
         )
         return _as(JoinResponse, await self._call("join", request))
 
-    async def heartbeat(self) -> RoundView:
-        return _as(RoundView, await self._call("heartbeat"))
+    async def heartbeat(self, condition: NodeCondition | None = None) -> RoundView:
+        return _as(RoundView, await self._call("heartbeat", HeartbeatRequest(condition=condition)))
 
     async def leave(self) -> None:
         await self._call("leave")

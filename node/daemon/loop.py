@@ -47,6 +47,7 @@ from node.daemon import overlap
 from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
 from node.daemon.attacks import Attack
 from node.daemon.checkpoints import CheckpointSync
+from node.daemon.condition import Condition
 from node.daemon.dataset import open_waiting
 from node.daemon.faults import Faults
 from node.daemon.join import join, rejoin
@@ -117,6 +118,8 @@ class NodeDaemon:
         #: The furthest round a resync started from, and how many in a row did not get past it.
         self._resync_from = -1
         self._resyncs = 0
+        #: What the node is doing, as its heartbeats say (``node.daemon.condition``).
+        self.condition = Condition(self.links)
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -281,9 +284,9 @@ class NodeDaemon:
             raise RuntimeError("the node has not joined yet")
         interval = self.joined.heartbeat_interval_s
         while True:
-            await self.clock.sleep(interval)
+            await self.condition.due(self.clock, interval)
             try:
-                await self.api.heartbeat()
+                await self.api.heartbeat(self.condition.now())
             except CoordinatorError as exc:
                 if exc.error == "not_member" and not self.stopping.is_set():
                     self.log("rejoin")
@@ -324,7 +327,8 @@ class NodeDaemon:
     async def train(self, round_: int | None = None, eager_from: int | None = None) -> TrainResult:
         """Steps 1-5 (``Worker.train_and_compress``) on every rank; a hostile node's payload
         instead in the tests that make one. ``eager_from``: see ``ops.train``."""
-        result: TrainResult = await self.node("train", round_, eager_from, attack=self.attack)
+        with self.condition.doing(idle=False):
+            result: TrainResult = await self.node("train", round_, eager_from, attack=self.attack)
         return result
 
     async def save_trained(self, pending: PendingRound) -> None:

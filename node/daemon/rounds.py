@@ -156,10 +156,11 @@ class RoundFinisher:
     async def wait(self, r: int) -> ManifestView | None:
         """Round r's manifest once it closed; None if a stop was requested first."""
         d = self.d
-        while not d.stopping.is_set():
-            out = await d.until_stopped(d.api.manifest(r))
-            if isinstance(out, ManifestView):
-                return out
+        with d.condition.doing(idle=True):
+            while not d.stopping.is_set():
+                out = await d.until_stopped(d.api.manifest(r))
+                if isinstance(out, ManifestView):
+                    return out
         return None
 
     def verify(self, view: ManifestView, r: int) -> Manifest:
