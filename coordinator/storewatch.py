@@ -12,7 +12,7 @@ coordinator could not check them); when it answers again the open round's deadli
 by the time the outage took from it (``coordinator.deadlines``). One line when it goes, one when
 it is back::
 
-    event=store_unreachable round=3 what='head runs/...' error=StorageError deadline=paused
+    event=store_unreachable round=3 what='probe' error='head ...: ClientConnectorError' deadline=paused
     event=store_reachable round=3 after_s=61.2 deadline_extended_s=61.2
 
 Only failures that mean "not answering" count: a connection error, a timeout, a 5xx, throttling.
@@ -39,6 +39,9 @@ T = TypeVar("T")
 #: Seconds between probes of a store that answers, and of one that does not.
 PROBE_S = 5.0
 DOWN_PROBE_S = 1.0
+#: Characters of the store's error message a log line keeps (``StorageError`` messages name
+#: the operation and the failure, never a presigned URL or a credential).
+ERROR_CHARS = 160
 #: The probe's key, under the run's prefix; it need not exist (a 404 is an answer).
 PROBE_KEY = "health/coordinator-probe"
 #: Store error codes that mean it is not answering (besides no code at all: no answer).
@@ -73,10 +76,10 @@ class StoreWatch:
         self.down_since = self.clock()
         round_ = self.machine.store_down()
         log.warning(
-            "event=store_unreachable round=%s what=%r error=%s deadline=%s",
+            "event=store_unreachable round=%s what=%r error=%r deadline=%s",
             "-" if round_ is None else round_,
             what,
-            type(exc).__name__,
+            str(exc)[:ERROR_CHARS],
             "paused" if round_ is not None else "-",
         )
 
