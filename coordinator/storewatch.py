@@ -12,7 +12,8 @@ coordinator could not check them); when it answers again the open round's deadli
 by the time the outage took from it (``coordinator.deadlines``). One line when it goes, one when
 it is back::
 
-    event=store_unreachable round=3 what='probe' error='head ...: ClientConnectorError' deadline=paused
+    event=store_unreachable round=3 what='probe' error='head ...: ClientConnectorError'
+      deadline=paused
     event=store_reachable round=3 after_s=61.2 deadline_extended_s=61.2
 
 Only failures that mean "not answering" count: a connection error, a timeout, a 5xx, throttling.
