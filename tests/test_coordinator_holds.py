@@ -294,7 +294,7 @@ async def test_the_watch_pauses_deadlines_for_the_outage_and_logs_it_twice(
     caplog.set_level(logging.INFO, logger="sparseloco.coordinator")
     flaky = FlakyStore()
     watch = StoreWatch(bench.machine)
-    store = WatchedStore(flaky, watch)  # type: ignore[arg-type]
+    store = WatchedStore(flaky, watch)
     bench.clock.now += 5
     bench.submit("n0", 0)
     before = bench.deadline(0)
