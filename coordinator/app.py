@@ -42,6 +42,7 @@ from coordinator.storage import ObjectStore, S3Store
 from coordinator.storewatch import StoreWatch, WatchedStore
 from coordinator.tokens import TokenBook, TokenTable
 from coordinator.verify import CheckpointVerifier
+from protocol.keys import run_prefix
 from protocol.routes import ENDPOINTS, ROUND
 
 log = logging.getLogger("sparseloco.coordinator.app")
@@ -90,8 +91,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     retention = asyncio.create_task(coord.retention.run_forever(), name="retention")
     tasks = [ticker, publisher, retention, watch]
     if coord.storewatch is not None:
-        prefix = coord.config.storage.prefix
-        probe = coord.storewatch.probe_forever(coord.store, prefix)
+        folder = run_prefix(coord.config.storage.prefix, coord.machine.run_id)
+        probe = coord.storewatch.probe_forever(coord.store, folder)
         tasks.insert(0, asyncio.create_task(probe, name="store_probe"))
     yield
     for task in tasks:

@@ -3,9 +3,9 @@
 The coordinator touches the store when it checks a submission (a HEAD), publishes a manifest or a
 checkpoint sidecar, verifies a checkpoint, reads a dataset manifest and prunes old rounds.
 ``WatchedStore`` wraps the store so every one of those calls reports its outcome to
-``StoreWatch``; a probe (a HEAD of a key that need not exist, ``PROBE_KEY``) every ``PROBE_S``
-seconds, and every ``DOWN_PROBE_S`` while the store is down, makes sure an outage is seen even
-when no node can submit, and its end is seen soon.
+``StoreWatch``; a probe (a HEAD of ``PROBE_KEY`` in the run's folder, which need not exist)
+every ``PROBE_S`` seconds, and every ``DOWN_PROBE_S`` while the store is down, makes sure an
+outage is seen even when no node can submit, and its end is seen soon.
 
 While the store is down no round closes on its deadline (nodes cannot deliver payloads, and the
 coordinator could not check them); when it answers again the open round's deadline moves later
@@ -43,8 +43,9 @@ DOWN_PROBE_S = 1.0
 #: Characters of the store's error message a log line keeps (``StorageError`` messages name
 #: the operation and the failure, never a presigned URL or a credential).
 ERROR_CHARS = 160
-#: The probe's key, under the run's prefix; it need not exist (a 404 is an answer).
-PROBE_KEY = "health/coordinator-probe"
+#: The probe's key under the run's folder (``protocol.keys.run_prefix``); it need not exist
+#: (a 404 is an answer), and nothing writes it.
+PROBE_KEY = "coordinator-probe"
 #: Store error codes that mean it is not answering (besides no code at all: no answer).
 UNAVAILABLE = frozenset(
     {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown"}
@@ -110,13 +111,13 @@ class StoreWatch:
         self.answered()
         return out
 
-    async def probe_forever(self, store: ObjectStore, prefix: str = "") -> None:
+    async def probe_forever(self, store: ObjectStore, run_folder: str) -> None:
         """HEAD ``PROBE_KEY`` every ``PROBE_S`` (``DOWN_PROBE_S`` while down) through the
         watched ``store``, until cancelled."""
         while True:
             await asyncio.sleep(PROBE_S if self.up else DOWN_PROBE_S)
             with contextlib.suppress(Exception):  # the watch heard of it
-                await store.head(prefix + PROBE_KEY)
+                await store.head(run_folder + PROBE_KEY)
 
 
 class WatchedStore:
