@@ -7,8 +7,10 @@ spending one on nothing:
 
 - **hold** (``rounds.is_held``): a round whose deadline passed with no valid submission stays
   open while a member it expects is alive and says (in its heartbeats) that it is training or
-  cannot reach the store. Logged once per round (``event=round_held``); it ends with the first
-  valid submission, or when no such member is left (then the round closes empty, as before);
+  cannot reach the store, or said it was waiting before the round opened (it was waiting for
+  the previous round, and has been applying it and training since). Logged once per round
+  (``event=round_held``); it ends with the first valid submission, or when no such member is
+  left (then the round closes empty, as before);
 - **gathering window** (``rounds.gather_window``): when the first valid submission of a held
   round arrives, the round does not close with that one node; its deadline moves to the window's
   end, so members a little behind it are gathered too (``event=round_gathering``). Every member
@@ -54,7 +56,7 @@ class Deadlines:
         """Whether open round ``cur`` closes on its deadline now (not paused, not held)."""
         if cur.deadline is None or now < cur.deadline or self.paused_since is not None:
             return False
-        busy = self.members.busy(cur.round)
+        busy = self.members.busy(cur.round, cur.started_at)
         if not rounds.is_held(self.has_valid(cur.round), busy):
             return True
         if self._held_logged != cur.round:

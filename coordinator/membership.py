@@ -65,6 +65,8 @@ class Membership:
         self.conditions: dict[str, NodeCondition | None] = dict.fromkeys(
             self.last_seen, NodeCondition.TRAINING
         )
+        #: node id -> when it said its condition.
+        self.said_at: dict[str, float] = dict(self.last_seen)
 
     def _load(self) -> None:
         """(Re)read the members table: at start, and after a rollback undid a write."""
@@ -164,6 +166,7 @@ class Membership:
             if not finished:
                 self.last_seen[node_id] = now
                 self.conditions[node_id] = NodeCondition.TRAINING
+                self.said_at[node_id] = now
         log.info(
             "event=joined node=%s slot=%d joined_round=%d round=%d returning=%s instance=%s%s",
             node_id,
@@ -189,16 +192,19 @@ class Membership:
             raise Conflict("not_member", f"{node_id} is not an active member; join again")
         self.last_seen[node_id] = now
         self.conditions[node_id] = condition
+        self.said_at[node_id] = now
 
-    def busy(self, round_: int) -> list[str]:
-        """The members expected in ``round_`` that are alive (active, heard from within the
-        timeout) and say they are training or cannot reach the store (``rounds.is_busy``)."""
+    def busy(self, round_: int, opened_at: float | None = None) -> list[str]:
+        """The members expected in ``round_`` (opened at ``opened_at``) that are alive (active,
+        heard from within the timeout) and at work on it (``rounds.is_busy``)."""
         return [
             m.node_id
             for m in self._rows.values()
             if rounds.is_expected(rule_member(m), round_)
             and m.node_id in self.last_seen
-            and rounds.is_busy(self.conditions.get(m.node_id))
+            and rounds.is_busy(
+                self.conditions.get(m.node_id), self.said_at.get(m.node_id, 0.0), opened_at
+            )
         ]
 
     def leave(self, node_id: str, current: int) -> None:
@@ -215,6 +221,7 @@ class Membership:
             self._set(node_id, MemberState.LEFT, member.joined_round, current)
         self.last_seen.pop(node_id, None)
         self.conditions.pop(node_id, None)
+        self.said_at.pop(node_id, None)
         log.info("event=left node=%s round=%d", node_id, current)
 
     def time_out(self, current: int, now: float) -> None:
@@ -230,6 +237,7 @@ class Membership:
                 self._set(member.node_id, MemberState.TIMED_OUT, member.joined_round, current)
             self.last_seen.pop(member.node_id, None)
             self.conditions.pop(member.node_id, None)
+            self.said_at.pop(member.node_id, None)
             log.warning(
                 "event=timed_out node=%s round=%d silent_s=%.1f",
                 member.node_id,
@@ -251,6 +259,7 @@ class Membership:
             self._set(node_id, MemberState.REVOKED, member.joined_round, gone)
         self.last_seen.pop(node_id, None)
         self.conditions.pop(node_id, None)
+        self.said_at.pop(node_id, None)
         log.warning("event=revoked node=%s round=%d was=%s", node_id, current, member.state)
         return True
 
@@ -264,6 +273,7 @@ class Membership:
                 self._set(member.node_id, MemberState.FINISHED, member.joined_round, last_round)
             self.last_seen.pop(member.node_id, None)
             self.conditions.pop(member.node_id, None)
+            self.said_at.pop(member.node_id, None)
             finished += 1
         return finished
 

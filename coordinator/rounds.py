@@ -228,9 +228,15 @@ def deadline_length(durations: Sequence[float], timing: Timing) -> float:
     return min(timing.max_round_s, max(timing.min_round_s, raw))
 
 
-def is_busy(condition: NodeCondition | None) -> bool:
-    """Whether a member in ``condition`` may still submit to the round it is expected in."""
-    return condition in BUSY
+def is_busy(
+    condition: NodeCondition | None, said_at: float = 0.0, opened_at: float | None = None
+) -> bool:
+    """Whether a member that said ``condition`` at ``said_at`` may still submit to the round it
+    is expected in, opened at ``opened_at``. A member that said it was waiting before the round
+    opened was waiting for the previous round to close: it has been at work since."""
+    if condition in BUSY:
+        return True
+    return condition == NodeCondition.WAITING and opened_at is not None and said_at < opened_at
 
 
 def is_held(has_valid: bool, busy: Iterable[str]) -> bool:

@@ -50,11 +50,16 @@ TRAINING, WAITING = NodeCondition.TRAINING, NodeCondition.WAITING
 # ---- the pure rules --------------------------------------------------------------------------
 
 
-def test_only_training_or_a_lost_store_counts_as_busy() -> None:
+def test_training_a_lost_store_or_waiting_for_the_previous_round_counts_as_busy() -> None:
     assert rounds.is_busy(NodeCondition.TRAINING)
     assert rounds.is_busy(NodeCondition.STORE_UNREACHABLE)
     assert not rounds.is_busy(NodeCondition.WAITING)
     assert not rounds.is_busy(None)  # a node that does not say (an older one)
+    # Waiting, said before this round opened: it waited for the previous one to close, and has
+    # been at work since (its next heartbeat says so).
+    assert rounds.is_busy(NodeCondition.WAITING, said_at=10.0, opened_at=11.0)
+    assert not rounds.is_busy(NodeCondition.WAITING, said_at=12.0, opened_at=11.0)
+    assert not rounds.is_busy(None, said_at=10.0, opened_at=11.0)
 
 
 @given(has_valid=st.booleans(), busy=st.lists(st.sampled_from(["a", "b"])))

@@ -221,14 +221,15 @@ def test_a_member_that_never_tries_gets_no_grace(bench: Bench) -> None:
 def test_when_everyone_is_silent_rounds_still_wait_for_their_deadline(bench: Bench) -> None:
     for node in ("a", "b", "c"):
         bench.machine.join(node)
-        # Not training: a member that trains holds a round nobody submitted to past its
-        # deadline (test_coordinator_holds.py); these only wait.
-        bench.machine.heartbeat(node, NodeCondition.WAITING)
     for _ in range(4):
         r = bench.open_round()
         row = bench.machine.db.get_round(r)
         assert row is not None and row.deadline is not None
         bench.now = row.deadline - 1
+        for node in ("a", "b", "c"):
+            # Not training: a member at work holds a round nobody submitted to past its
+            # deadline (test_coordinator_holds.py); these only wait.
+            bench.machine.heartbeat(node, NodeCondition.WAITING)
         assert bench.machine.tick() == []  # nobody is waited for: it does not close at once
         bench.run_out(r)
     # No valid submission: the whole duration counts, so a deadline too short for everyone

@@ -67,3 +67,16 @@ async def test_a_change_sends_a_heartbeat_after_the_gap_not_the_interval() -> No
     clock.release.set()
     await asyncio.wait_for(due, 5)
     assert clock.slept == [GAP_S, 30.0 - GAP_S]
+
+
+async def test_the_end_of_an_idle_wait_is_a_change_too() -> None:
+    """A node that waited for a round to close starts work on the next: it must say so soon
+    (the wait's end, not only its start, wakes the heartbeat)."""
+    cond, clock = Condition([]), StepClock()
+    with cond.doing(idle=True):
+        await asyncio.wait_for(cond.due(clock, 30.0), 5)  # said "waiting"
+        due = asyncio.ensure_future(cond.due(clock, 30.0))
+        await asyncio.sleep(0.01)
+        assert not due.done()
+    await asyncio.wait_for(due, 5)  # at work again: due after the gap, not the interval
+    assert cond.now() == NodeCondition.TRAINING

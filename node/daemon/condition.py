@@ -53,8 +53,9 @@ class Condition:
                 self._changed.set()
             yield
         finally:
+            inside = self.now()
             self._count(idle, -1)
-            if self.now() != before:
+            if self.now() != inside:
                 self._changed.set()
 
     def _count(self, idle: bool, step: int) -> None:

@@ -340,11 +340,13 @@ class NodeDaemon:
     async def _participate(self, r: int) -> None:
         """Steps 1-5 and the upload, then the rest of the round. With overlap only steps 1-5:
         the next step sends this round while it trains the next (``node.daemon.overlap``)."""
+        started = self.clock.now()
         try:
             result = await self.train()
         except Abandoned:
             self.log("training_abandoned")
             return
+        trained_s = self.clock.now() - started
         self.faults.crash_point(r, "after_train")
         pending = PendingRound.trained(r, result)
         await self.save_trained(pending)
@@ -353,7 +355,7 @@ class NodeDaemon:
         self.log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload), **speed)
         if self.worker.run.overlaps:
             return
-        delay = self.faults.slow_for(r)
+        delay = self.faults.slow_for(r) + self.faults.slower_for(r, trained_s)
         if delay:
             self.log("fault_slow", seconds=delay)
             await self.sleep(delay)
