@@ -34,7 +34,7 @@ DEADLINE_HISTORY = 5
 BUSY = frozenset({NodeCondition.TRAINING, NodeCondition.STORE_UNREACHABLE})
 #: Share of the time a held round's first valid submission took (from the round's start) that
 #: the others get after it, at least (``gather_window``): nodes slowed alike arrive alike late.
-LATE_SHARE = 0.25
+LATE_SHARE = 0.5
 
 
 @dataclass(frozen=True)

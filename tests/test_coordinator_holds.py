@@ -83,9 +83,9 @@ def test_the_gathering_window_is_bounded_and_covers_the_learnt_spread(
 
 
 def test_the_gathering_window_from_history() -> None:
-    # Nodes arrived 1-3 s apart: 2 x median(2) + 10 = 14 s; a first arrival 200 s in: 50 s.
+    # Nodes arrived 1-3 s apart: 2 x median(2) + 10 = 14 s; a first arrival 200 s in: 100 s.
     assert rounds.gather_window([1.0, 2.0, 3.0], 20.0, TIMING) == 14.0
-    assert rounds.gather_window([1.0, 2.0, 3.0], 200.0, TIMING) == 50.0
+    assert rounds.gather_window([1.0, 2.0, 3.0], 200.0, TIMING) == 100.0
     assert rounds.gather_window([], 0.0, TIMING) == TIMING.margin_s
     assert rounds.gather_window([], 1e6, TIMING) == TIMING.max_round_s
 
