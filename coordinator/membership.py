@@ -16,7 +16,9 @@ crash; only a process with that directory knows the id). A request without an in
 client older than the binding) is not checked.
 
 Kept apart from the round machine because it owns the one piece of state that is not in the
-database: the last heartbeat of every active member. That is deliberately not persisted: after a
+database: the last heartbeat of every active member, and what it said the member was doing
+(``NodeCondition``: a round nobody submitted to is held past its deadline while a member is at
+work on it, ``coordinator.deadlines``). That is deliberately not persisted: after a
 restart every active member gets a fresh window, so nobody times out because the coordinator was
 down; a heartbeat is a dictionary write, never a database write. Writes run inside the caller's
 transaction when there is one (``Database.tx`` nests).
