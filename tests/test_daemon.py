@@ -85,21 +85,19 @@ async def test_a_restart_resends_the_pending_payload_byte_for_byte(harness) -> N
 
 
 async def test_a_missed_round_keeps_the_contribution_in_the_error_buffer(harness) -> None:
-    run = run_config(rounds=2, min_nodes=2)
+    run = run_config(rounds=2)
     h = harness(run)
-    # A straggler: after training round 0 it holds for 5 s before uploading. node-1 is in time
-    # (a round nobody submitted to would be held for a member that is still at work).
+    # A straggler: after training round 0 it holds for 5 s before uploading.
     task = h.start(h.daemon("node-0", Faults(slow={0: 5.0})))
-    other = h.start(h.daemon("node-1"))
-    submitted = ("node-1", "submit", 0)
-    await until(
-        lambda: 5.0 in h.clock.sleeping and submitted in h.coord.calls, "node-0 to straggle"
-    )
+    await until(lambda: 5.0 in h.clock.sleeping, "node-0 to straggle")
+    # node-0 is alone: a round nobody submitted to is held while a member says it trains
+    # (test_coordinator_holds.py). Here it is heard as a node that does not say what it does
+    # (an older one), so the deadline closes the round without it, as it always did.
+    h.coord.machine.heartbeat("node-0", None)
     h.coord.advance(1001)  # round 0's deadline passes; it closes without node-0
-    assert await task == 0 and await other == 0
+    assert await task == 0
     closed = h.manifest(0).manifest
-    assert [e.node_id for e in closed.gather] == ["node-1"]
-    assert closed.excluded == {"node-0": Exclusion.MISSED_DEADLINE}
+    assert closed.gather == [] and closed.excluded == {"node-0": Exclusion.MISSED_DEADLINE}
     assert not any(k == payload_key("", run.run_id, 0, "node-0") for _, k, _ in h.store.puts)
     mass = h.reports(0)["node-0"].mass
     assert mass is not None and mass.sent == 0.0 and mass.computed != 0.0
