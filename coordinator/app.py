@@ -7,10 +7,10 @@ and registers one handler per entry of ``protocol.routes.ENDPOINTS``, by name, f
 ``coordinator.handlers.HANDLERS``. The rate limits of ``[limits]`` live under ``LIMITS``; the
 connection limits are the server's (``coordinator.limits.server_settings``).
 
-Background tasks (the ticker that applies token revocations, times out members and closes
-overdue rounds, the publisher of manifests and checkpoint sidecars, and retention) are owned by
-the app's cleanup context and cancelled in that order on shutdown, after the long-polls were
-released; the database closes last.
+Background tasks (the store probe, ``coordinator.storewatch``; the ticker that applies token
+revocations, times out members and closes overdue rounds, the publisher of manifests and
+checkpoint sidecars, and retention) are owned by the app's cleanup context and cancelled in that
+order on shutdown, after the long-polls were released; the database closes last.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ from coordinator.schema import DB_FILE
 from coordinator.service import COORDINATOR, Coordinator
 from coordinator.signing import ManifestSigner
 from coordinator.storage import ObjectStore, S3Store
+from coordinator.storewatch import StoreWatch, WatchedStore
 from coordinator.tokens import TokenBook, TokenTable
 from coordinator.verify import CheckpointVerifier
+from protocol.keys import run_prefix
 from protocol.messages import MemberState
 from protocol.routes import ENDPOINTS, ROUND
 
@@ -88,8 +90,13 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     ticker = asyncio.create_task(_ticker(coord), name="ticker")
     publisher = asyncio.create_task(coord.publisher.run(), name="publisher")
     retention = asyncio.create_task(coord.retention.run_forever(), name="retention")
+    tasks = [ticker, publisher, retention, watch]
+    if coord.storewatch is not None:
+        folder = run_prefix(coord.config.storage.prefix, coord.machine.run_id)
+        probe = coord.storewatch.probe_forever(coord.store, folder)
+        tasks.insert(0, asyncio.create_task(probe, name="store_probe"))
     yield
-    for task in (ticker, publisher, retention, watch):
+    for task in tasks:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -165,6 +172,8 @@ def create_app(
     except BaseException:
         db.close()
         raise
+    storewatch = StoreWatch(machine)
+    store = WatchedStore(store, storewatch)
     metrics = CoordinatorMetrics(totals(db), inner_steps=config.run.inner_steps)
     metrics.nodes.from_reports(db)
     metrics.nodes.forget(m.node_id for m in db.members() if m.state == MemberState.REVOKED)
@@ -199,6 +208,7 @@ def create_app(
         verifier=CheckpointVerifier(store),
         datasets=DatasetBook(store, config.run.dataset, prefix=storage.prefix),
         sync=GroupSync(db) if group_commit else None,
+        storewatch=storewatch,
     )
     app = web.Application(
         middlewares=[durable_answers, error_middleware],

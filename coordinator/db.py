@@ -222,6 +222,25 @@ class Database(CheckpointTables):
         )
         return cur.rowcount == 1
 
+    def set_deadline(self, round_: int, deadline: float) -> None:
+        """Move open ``round_``'s deadline (a held round gathering, a store outage)."""
+        self._newest = None
+        self._conn.execute(
+            "UPDATE rounds SET deadline=? WHERE round=? AND state=?",
+            (deadline, round_, RoundState.OPEN.value),
+        )
+
+    def arrival_spreads(self, n: int) -> list[float]:
+        """Seconds from the first to the last accepted submission of each of the newest ``n``
+        closed rounds that had two or more, oldest first."""
+        rows = self._conn.execute(
+            "SELECT MAX(s.at) - MIN(s.at) FROM submissions s JOIN rounds r ON r.round = s.round"
+            " WHERE r.state=? AND s.rejected IS NULL AND s.at IS NOT NULL GROUP BY s.round"
+            " HAVING COUNT(*) >= 2 ORDER BY s.round DESC LIMIT ?",
+            (RoundState.CLOSED.value, n),
+        ).fetchall()
+        return [float(r[0]) for r in reversed(rows)]
+
     def close_round(
         self,
         round_: int,

@@ -45,6 +45,7 @@ from protocol.messages import (
     DatasetFiles,
     DatasetFilesRequest,
     DatasetView,
+    HeartbeatRequest,
     JoinRequest,
     JoinResponse,
     ProbeGrant,
@@ -110,7 +111,9 @@ async def join(request: web.Request) -> web.Response:
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    return ok(request.app[COORDINATOR].machine.heartbeat(node_of(request)))
+    node_id = node_of(request)
+    body = await read_body(request, HeartbeatRequest, optional=True)
+    return ok(request.app[COORDINATOR].machine.heartbeat(node_id, body.condition))
 
 
 async def leave(request: web.Request) -> web.Response:
@@ -198,6 +201,7 @@ async def status(request: web.Request) -> web.Response:
         last_seen=machine.members.last_seen,
         now=machine.clock(),
         n_rounds=n,
+        conditions=machine.members.conditions,
     )
     return ok(view)
 

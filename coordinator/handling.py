@@ -172,9 +172,10 @@ def instance_of(request: web.Request) -> str | None:
     return value
 
 
-async def read_body(request: web.Request, model: type[M]) -> M:
+async def read_body(request: web.Request, model: type[M], *, optional: bool = False) -> M:
     """The body validated as ``model``: 400 if it is empty or not JSON, 408 if it does not arrive
-    within ``limits.body_timeout_s``, 422 naming the first bad field."""
+    within ``limits.body_timeout_s``, 422 naming the first bad field. ``optional``: an empty
+    body is ``model``'s defaults (an endpoint older clients called without one)."""
     timeout = request.app[LIMITS].config.body_timeout_s
     try:
         async with asyncio.timeout(timeout):
@@ -182,6 +183,8 @@ async def read_body(request: web.Request, model: type[M]) -> M:
     except TimeoutError:
         raise ApiError(408, "timeout", f"the body did not arrive within {timeout:g} s") from None
     if not raw.strip():
+        if optional:
+            return model()
         raise ApiError(400, "bad_json", "the body is empty; send a JSON object ({} at least)")
     try:
         return model.model_validate_json(raw)

@@ -18,7 +18,9 @@ number and ``done=N/R``, how many of the run's R rounds are closed with it.
 Who may vote on θ after a round is ``coordinator.votes``: only the round's participants. Who a
 round waits for: its expected members less those silent for ``timing.silent_rounds``
 rounds in a row (``rounds.waited_set``); how long the next round may take is learnt from when
-each round's last valid submission arrived (``rounds.settled_at``).
+each round's last valid submission arrived (``rounds.settled_at``). A deadline that would close a
+round with nothing to aggregate is held, and paused while the store is down
+(``coordinator.deadlines``): the run's ``rounds`` are rounds that aggregated something.
 The close check is incremental (``coordinator.progress``): O(N) per round, not O(N²).
 """
 
@@ -30,6 +32,7 @@ from collections.abc import Callable
 
 from coordinator import rounds
 from coordinator.db import Database, RoundRow, SubmissionRow
+from coordinator.deadlines import Deadlines
 from coordinator.errors import Conflict, UnknownRound
 from coordinator.membership import Membership
 from coordinator.progress import RoundProgress
@@ -41,6 +44,7 @@ from protocol.messages import (
     Exclusion,
     Manifest,
     ManifestEntry,
+    NodeCondition,
     RoundReport,
     RoundState,
     RoundView,
@@ -80,6 +84,7 @@ class RoundMachine:
         self.progress = RoundProgress(
             db, self.waited, lambda: self.members.version, self.members.is_expected, run.timing
         )
+        self.deadlines = Deadlines(db, self.members, run.timing)
         cur = self._current()
         if cur.state == RoundState.CLOSED:
             # A database written before members finished with the run may still list them as
@@ -194,9 +199,22 @@ class RoundMachine:
         changed = [n for n in sorted(node_ids) if self.members.revoke(n, current)]
         return self._maybe_close(self.clock()) if changed else []
 
-    def heartbeat(self, node_id: str) -> RoundView:
-        self.members.heartbeat(node_id, self.clock())
+    def heartbeat(self, node_id: str, condition: NodeCondition | None = None) -> RoundView:
+        """``node_id`` is alive, doing ``condition`` (``None``: it did not say)."""
+        self.members.heartbeat(node_id, self.clock(), condition)
         return self.round_view(node_id)
+
+    def store_down(self) -> int | None:
+        """The coordinator cannot reach the store: deadlines pause (``Deadlines.pause``); the
+        open round, if any."""
+        self.deadlines.pause(self.clock())
+        cur = self._current()
+        return cur.round if cur.state == RoundState.OPEN else None
+
+    def store_back(self) -> tuple[int, float] | None:
+        """The store answers again: the open round's deadline moves later by the time the
+        outage took from it; (round, seconds), or ``None`` without an open round."""
+        return self.deadlines.resume(self._current(), self.clock())
 
     def leave(self, node_id: str) -> list[SignedManifest]:
         """Mark ``node_id`` as left; an open round no longer waits for it."""
@@ -271,6 +289,8 @@ class RoundMachine:
                 round_, node_id, req.size, req.sha256, req.base_fingerprint, rejected, self.clock()
             )
         self.progress.add(round_, node_id)
+        if rejected is None:
+            self.deadlines.arrived(self._current(), self.clock())
         log.info(
             "event=submitted round=%d node=%s seq=%d rejected=%s",
             round_,
@@ -300,7 +320,7 @@ class RoundMachine:
             cur = self._current()
             if cur.state != RoundState.OPEN or cur.deadline is None:
                 break
-            if now < cur.deadline and not self.progress.may_close(cur, now):
+            if not self.deadlines.overdue(cur, now) and not self.progress.may_close(cur, now):
                 break  # early only when everyone waited for is in (coordinator.progress)
             closed.append(self.close(cur.round, now))
         return closed

@@ -16,7 +16,9 @@ crash; only a process with that directory knows the id). A request without an in
 client older than the binding) is not checked.
 
 Kept apart from the round machine because it owns the one piece of state that is not in the
-database: the last heartbeat of every active member. That is deliberately not persisted: after a
+database: the last heartbeat of every active member, and what it said the member was doing
+(``NodeCondition``: a round nobody submitted to is held past its deadline while a member is at
+work on it, ``coordinator.deadlines``). That is deliberately not persisted: after a
 restart every active member gets a fresh window, so nobody times out because the coordinator was
 down; a heartbeat is a dictionary write, never a database write. Writes run inside the caller's
 transaction when there is one (``Database.tx`` nests).
@@ -35,7 +37,7 @@ import logging
 from coordinator import rounds
 from coordinator.db import Database, MemberRow
 from coordinator.errors import Conflict, TokenInUse
-from protocol.messages import MemberState
+from protocol.messages import MemberState, NodeCondition
 
 log = logging.getLogger("sparseloco.coordinator.membership")
 
@@ -58,6 +60,15 @@ class Membership:
         self.last_seen: dict[str, float] = {
             m.node_id: now for m in self._rows.values() if m.state == MemberState.ACTIVE
         }
+        #: node id -> what its last heartbeat said it was doing (``None``: it did not say, an
+        #: older node). Until a member's first heartbeat after its join or the coordinator's
+        #: start it counts as training: it was busy when last heard of, and a round it has not
+        #: submitted to must not close empty in the moment before it says so.
+        self.conditions: dict[str, NodeCondition | None] = dict.fromkeys(
+            self.last_seen, NodeCondition.TRAINING
+        )
+        #: node id -> when it said its condition.
+        self.said_at: dict[str, float] = dict(self.last_seen)
 
     def _load(self) -> None:
         """(Re)read the members table: at start, and after a rollback undid a write."""
@@ -156,6 +167,8 @@ class Membership:
             self._put(dataclasses.replace(self._rows[node_id], instance=instance))
             if not finished:
                 self.last_seen[node_id] = now
+                self.conditions[node_id] = NodeCondition.TRAINING
+                self.said_at[node_id] = now
         log.info(
             "event=joined node=%s slot=%d joined_round=%d round=%d returning=%s instance=%s%s",
             node_id,
@@ -168,8 +181,9 @@ class Membership:
         )
         return slot
 
-    def heartbeat(self, node_id: str, now: float) -> None:
-        """Note that ``node_id`` is alive; ``not_member`` unless it is an active member.
+    def heartbeat(self, node_id: str, now: float, condition: NodeCondition | None = None) -> None:
+        """Note that ``node_id`` is alive and what it is doing; ``not_member`` unless it is an
+        active member.
 
         A finished member may still beat (it may be replaying the last rounds); nothing changes.
         """
@@ -179,6 +193,21 @@ class Membership:
         if member is None or member.state != MemberState.ACTIVE:
             raise Conflict("not_member", f"{node_id} is not an active member; join again")
         self.last_seen[node_id] = now
+        self.conditions[node_id] = condition
+        self.said_at[node_id] = now
+
+    def busy(self, round_: int, opened_at: float | None = None) -> list[str]:
+        """The members expected in ``round_`` (opened at ``opened_at``) that are alive (active,
+        heard from within the timeout) and at work on it (``rounds.is_busy``)."""
+        return [
+            m.node_id
+            for m in self._rows.values()
+            if rounds.is_expected(rule_member(m), round_)
+            and m.node_id in self.last_seen
+            and rounds.is_busy(
+                self.conditions.get(m.node_id), self.said_at.get(m.node_id, 0.0), opened_at
+            )
+        ]
 
     def leave(self, node_id: str, current: int) -> None:
         """Mark ``node_id`` as left during round ``current``; ``not_member`` if it never joined.
@@ -193,6 +222,8 @@ class Membership:
         with self.db.tx():
             self._set(node_id, MemberState.LEFT, member.joined_round, current)
         self.last_seen.pop(node_id, None)
+        self.conditions.pop(node_id, None)
+        self.said_at.pop(node_id, None)
         log.info("event=left node=%s round=%d", node_id, current)
 
     def time_out(self, current: int, now: float) -> None:
@@ -207,6 +238,8 @@ class Membership:
             with self.db.tx():
                 self._set(member.node_id, MemberState.TIMED_OUT, member.joined_round, current)
             self.last_seen.pop(member.node_id, None)
+            self.conditions.pop(member.node_id, None)
+            self.said_at.pop(member.node_id, None)
             log.warning(
                 "event=timed_out node=%s round=%d silent_s=%.1f",
                 member.node_id,
@@ -227,6 +260,8 @@ class Membership:
         with self.db.tx():
             self._set(node_id, MemberState.REVOKED, member.joined_round, gone)
         self.last_seen.pop(node_id, None)
+        self.conditions.pop(node_id, None)
+        self.said_at.pop(node_id, None)
         log.warning("event=revoked node=%s round=%d was=%s", node_id, current, member.state)
         return True
 
@@ -239,6 +274,8 @@ class Membership:
             with self.db.tx():
                 self._set(member.node_id, MemberState.FINISHED, member.joined_round, last_round)
             self.last_seen.pop(member.node_id, None)
+            self.conditions.pop(member.node_id, None)
+            self.said_at.pop(member.node_id, None)
             finished += 1
         return finished
 

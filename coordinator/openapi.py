@@ -77,7 +77,7 @@ def openapi_document(version: str = "1") -> dict[str, Any]:
             op["parameters"] = params
         if ep.request is not None:
             op["requestBody"] = {
-                "required": True,
+                "required": not ep.body_optional,
                 "content": {"application/json": {"schema": _ref(ep.request)}},
             }
         if ep.auth:

@@ -7,7 +7,9 @@ be tested exhaustively (``tests/test_coordinator_rounds.py``) and read in one pl
 - who is expected to submit to round r (active members that joined at or before r), and who of
   them the round waits for (not those silent for the run's ``silent_rounds`` rounds in a row);
 - the round a (re)joining member first takes part in;
-- when an open round closes (all expected submitted, or the deadline passed);
+- when an open round closes (all expected submitted, or the deadline passed), and when a round
+  with nothing to aggregate is held open past its deadline instead (``is_held``), and for how
+  long it then waits for the others once its first valid submission came (``gather_window``);
 - the base fingerprint a round's payloads must have been trained from (a majority vote);
 - the gather set (at most G valid submissions, first come first served) and every exclusion;
 - the adaptive deadline (a multiple of recent round durations plus a margin, clamped), learnt
@@ -22,11 +24,17 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from protocol.messages import Exclusion, MemberState, RoundState
+from protocol.messages import Exclusion, MemberState, NodeCondition, RoundState
 from protocol.runconfig import Timing
 
 #: Closed rounds whose durations set the next deadline.
 DEADLINE_HISTORY = 5
+#: What a member's heartbeat may say that keeps a round with no valid submission open past its
+#: deadline: it is working toward its payload, or it cannot reach the store to deliver it.
+BUSY = frozenset({NodeCondition.TRAINING, NodeCondition.STORE_UNREACHABLE})
+#: Share of the time a held round's first valid submission took (from the round's start) that
+#: the others get after it, at least (``gather_window``): nodes slowed alike arrive alike late.
+LATE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -218,3 +226,49 @@ def deadline_length(durations: Sequence[float], timing: Timing) -> float:
     recent = durations[-DEADLINE_HISTORY:]
     raw = timing.factor * statistics.median(recent) + timing.margin_s
     return min(timing.max_round_s, max(timing.min_round_s, raw))
+
+
+def is_busy(
+    condition: NodeCondition | None, said_at: float = 0.0, opened_at: float | None = None
+) -> bool:
+    """Whether a member that said ``condition`` at ``said_at`` may still submit to the round it
+    is expected in, opened at ``opened_at``. A member that said it was waiting before the round
+    opened was waiting for the previous round to close: it has been at work since."""
+    if condition in BUSY:
+        return True
+    return condition == NodeCondition.WAITING and opened_at is not None and said_at < opened_at
+
+
+def is_held(has_valid: bool, busy: Iterable[str]) -> bool:
+    """Whether an open round whose deadline passed stays open.
+
+    A round with no valid submission would close with an empty gather set: nothing aggregated,
+    and one of the run's rounds spent. It stays open while a member it expects is alive and
+    busy (training, or cut off from the store); it closes as before once none is (they left,
+    timed out, or wait after a payload that was refused). A round with a valid submission is
+    never held: a member that says "training" forever cannot delay a round others delivered
+    to, only a run in which nobody delivers anything.
+    """
+    return not has_valid and any(True for _ in busy)
+
+
+def gather_window(spreads: Sequence[float], first_after_s: float, timing: Timing) -> float:
+    """Seconds a held round stays open after its first valid submission, for the others.
+
+    ``spreads`` are recent closed rounds' times from their first to their last valid arrival
+    (oldest first); ``first_after_s`` is how long after the round's start that first one came.
+    The window is the larger of ``factor`` x the median spread plus ``margin_s`` (how far apart
+    nodes usually arrive) and ``LATE_SHARE`` of ``first_after_s`` (nodes slowed alike arrive
+    that much further apart), at most ``max_round_s``. It still ends early once every member
+    the round waits for is in (``should_close``).
+    """
+    recent = spreads[-DEADLINE_HISTORY:]
+    learnt = timing.factor * statistics.median(recent) if recent else 0.0
+    window = max(learnt + timing.margin_s, LATE_SHARE * max(0.0, first_after_s))
+    return min(timing.max_round_s, window)
+
+
+def paused_by(outage_from: float, started_at: float, now: float) -> float:
+    """Seconds a round started at ``started_at`` lost to an outage from ``outage_from`` to
+    ``now``: its deadline moves that much later."""
+    return max(0.0, now - max(outage_from, started_at))

@@ -28,6 +28,7 @@ from coordinator.publisher import ManifestPublisher
 from coordinator.retention import Retention
 from coordinator.signing import ManifestSigner
 from coordinator.storage import ObjectStore
+from coordinator.storewatch import StoreWatch
 from coordinator.tokens import TokenBook
 from coordinator.verify import CheckpointVerifier
 from coordinator.wakeups import Wakeups
@@ -58,6 +59,8 @@ class Coordinator:
     datasets: DatasetBook
     #: Group commit of the database; ``None`` when every commit syncs itself (tests).
     sync: GroupSync | None = None
+    #: Whether the store answers (``store`` reports to it); ``None``: not watched.
+    storewatch: StoreWatch | None = None
     #: Long-polls of a round's manifest, by round, released when it closes.
     waiters: Wakeups = field(default_factory=Wakeups)
     #: Long-polls of a waiting round, by round, released when it opens (or is no longer newest).

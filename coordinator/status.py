@@ -22,6 +22,7 @@ from coordinator import rounds
 from coordinator.db import Database, RoundRow
 from protocol.messages import (
     MemberView,
+    NodeCondition,
     RoundReport,
     RoundState,
     RoundSummary,
@@ -43,11 +44,14 @@ def build_status(
     last_seen: Mapping[str, float],
     now: float,
     n_rounds: int,
+    conditions: Mapping[str, NodeCondition | None] | None = None,
 ) -> StatusView:
     """Members and the newest ``n_rounds`` rounds (oldest first) of ``run``.
 
-    ``last_seen`` maps each active member to its last heartbeat (wall clock, like ``now``).
+    ``last_seen`` maps each active member to its last heartbeat (wall clock, like ``now``);
+    ``conditions`` to what that heartbeat said it was doing.
     """
+    conditions = conditions or {}
     members = [
         MemberView(
             node_id=m.node_id,
@@ -55,6 +59,7 @@ def build_status(
             slot=m.slot,
             joined_round=m.joined_round,
             last_seen_s=max(0.0, now - last_seen.get(m.node_id, now)),
+            condition=conditions.get(m.node_id),
         )
         for m in db.members()
     ]

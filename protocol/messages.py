@@ -5,7 +5,7 @@ response is built from them, so both sides share one definition and the OpenAPI 
 generated from the same source. Endpoints (all under ``/v1``, bearer-token auth)::
 
     POST /v1/join                       JoinRequest        -> JoinResponse
-    POST /v1/heartbeat                                     -> RoundView
+    POST /v1/heartbeat                  HeartbeatRequest?  -> RoundView
     POST /v1/leave                                         -> Ack
     GET  /v1/round                                         -> RoundView
     POST /v1/rounds/{r}/upload          UploadRequest      -> UploadGrant
@@ -124,6 +124,25 @@ class JoinRequest(Message):
         description="the instance that ran on this node's state directory before this process"
         " (a restart after a crash): it may take over its membership at once",
     )
+
+
+class NodeCondition(StrEnum):
+    """What a node is doing, as its heartbeats say (``HeartbeatRequest``).
+
+    The coordinator keeps a round that nobody has submitted to open past its deadline while a
+    member is ``training`` or ``store_unreachable`` (``coordinator.rounds.held``): closing it
+    would aggregate nothing and spend one of the run's rounds.
+    """
+
+    TRAINING = "training"  # working toward its submission: training, or applying rounds first
+    WAITING = "waiting"  # idle: submitted and waiting for the round to close, or for members
+    STORE_UNREACHABLE = "store_unreachable"  # its uploads or downloads cannot reach the store
+
+
+class HeartbeatRequest(Message):
+    """The optional body of a heartbeat; an empty body (a node older than it) is accepted."""
+
+    condition: NodeCondition | None = Field(None, description="what the node is doing now")
 
 
 class RoundView(Message):
@@ -297,6 +316,9 @@ class MemberView(Message):
     slot: int
     joined_round: int
     last_seen_s: float = Field(description="seconds since the last heartbeat")
+    condition: NodeCondition | None = Field(
+        None, description="what its last heartbeat said it was doing (absent: not said)"
+    )
 
 
 class RoundSummary(Message):

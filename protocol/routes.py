@@ -34,6 +34,7 @@ from protocol.messages import (
     DatasetFiles,
     DatasetFilesRequest,
     DatasetView,
+    HeartbeatRequest,
     JoinRequest,
     JoinResponse,
     ManifestView,
@@ -85,6 +86,9 @@ class Endpoint:
     errors: tuple[int, ...] = ()
     json: bool = True  # False: the response is not JSON (metrics, the dashboard)
     media_type: str = "text/plain"  # what a non-JSON response is
+    #: The body may be left out (an empty body is the request's defaults): a field added to a
+    #: request older clients sent without a body (the heartbeat's ``condition``).
+    body_optional: bool = False
 
     def url(self, round_: int | None = None) -> str:
         """The path with ``round_`` in place of ``{round}`` (required exactly when it has one)."""
@@ -96,8 +100,9 @@ class Endpoint:
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("join", "POST", "/v1/join", "Join the run (or rejoin)", JoinRequest,
              {200: JoinResponse}, errors=(400, 401, 408, 409, 413, 422, 429)),
-    Endpoint("heartbeat", "POST", "/v1/heartbeat", "Stay an active member", None,
-             {200: RoundView}, errors=(401, 409, 422, 429)),
+    Endpoint("heartbeat", "POST", "/v1/heartbeat", "Stay an active member, saying what the"
+             " node is doing (the body is optional)", HeartbeatRequest,
+             {200: RoundView}, errors=(400, 401, 408, 409, 413, 422, 429), body_optional=True),
     Endpoint("leave", "POST", "/v1/leave", "Leave the run", None, {200: Ack},
              errors=(401, 409, 422, 429)),
     Endpoint("round", "GET", "/v1/round", "The current round as the caller sees it,"

@@ -26,7 +26,14 @@ from coordinator.db import Database
 from coordinator.errors import Conflict
 from coordinator.machine import RoundMachine
 from coordinator.signing import ManifestSigner
-from protocol.messages import Exclusion, MemberState, RoundReport, RoundState, SubmitRequest
+from protocol.messages import (
+    Exclusion,
+    MemberState,
+    NodeCondition,
+    RoundReport,
+    RoundState,
+    SubmitRequest,
+)
 from protocol.runconfig import RunConfig, Timing
 
 FP = "a" * 32
@@ -219,6 +226,10 @@ def test_when_everyone_is_silent_rounds_still_wait_for_their_deadline(bench: Ben
         row = bench.machine.db.get_round(r)
         assert row is not None and row.deadline is not None
         bench.now = row.deadline - 1
+        for node in ("a", "b", "c"):
+            # Not training: a member at work holds a round nobody submitted to past its
+            # deadline (test_coordinator_holds.py); these only wait.
+            bench.machine.heartbeat(node, NodeCondition.WAITING)
         assert bench.machine.tick() == []  # nobody is waited for: it does not close at once
         bench.run_out(r)
     # No valid submission: the whole duration counts, so a deadline too short for everyone

@@ -164,7 +164,12 @@
         "tr",
         { "data-node": m.node_id },
         h("td", { class: "mono node" }, m.node_id),
-        h("td", { class: "member-state" }, badge(m.state)),
+        h(
+          "td",
+          { class: "member-state" },
+          badge(m.state),
+          m.state === "active" && m.condition ? h("span", { class: "muted" }, ` ${m.condition}`) : null,
+        ),
         h("td", { class: "num" }, String(m.slot)),
         h("td", { class: "num" }, `round ${m.joined_round}`),
         h("td", { class: "num" }, m.state === "active" ? age(m.last_seen_s) : "–"),

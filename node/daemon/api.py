@@ -32,6 +32,7 @@ from protocol.messages import (
     DatasetView,
     JoinResponse,
     ManifestView,
+    NodeCondition,
     RoundReport,
     RoundView,
     SubmitRequest,
@@ -45,7 +46,9 @@ class CoordinatorApi(Protocol):
 
     async def join(self, client: str = "") -> JoinResponse: ...
 
-    async def heartbeat(self) -> RoundView: ...
+    async def heartbeat(self, condition: NodeCondition | None = None) -> RoundView:
+        """Stay a member, saying what the node is doing (``NodeCondition``)."""
+        ...
 
     async def leave(self) -> None: ...
 

@@ -43,9 +43,11 @@ from protocol.messages import (
     DatasetFilesRequest,
     DatasetView,
     ErrorBody,
+    HeartbeatRequest,
     JoinRequest,
     JoinResponse,
     ManifestView,
+    NodeCondition,
     ProbeGrant,
     ProbeRequest,
     RoundReport,
@@ -187,8 +189,8 @@ class CoordinatorClient:
             self.on_joined()
         return joined
 
-    async def heartbeat(self) -> RoundView:
-        return _as(RoundView, await self._call("heartbeat"))
+    async def heartbeat(self, condition: NodeCondition | None = None) -> RoundView:
+        return _as(RoundView, await self._call("heartbeat", HeartbeatRequest(condition=condition)))
 
     async def leave(self) -> None:
         await self._call("leave")

@@ -11,6 +11,9 @@ Unset (the normal case) means no faults and no cost. Actions:
   memory, before the new state is saved).
 - ``slow:<seconds>@R``: sleep that long after training round R, before uploading (a straggler
   that misses the deadline).
+- ``slower:<factor>@R``: from round R on, every round's training takes ``factor`` times as long:
+  after training, the node sleeps ``factor - 1`` times the training's time before uploading (a
+  machine that became that much slower; not with ``overlap``).
 - ``corrupt@R``: after applying round R, flip the lowest bit of one parameter (a node whose θ
   silently diverged).
 
@@ -35,7 +38,8 @@ log = logging.getLogger("sparseloco.faults")
 ENV = "SPARSELOCO_FAULTS"
 CRASH_POINTS = ("after_train", "mid_upload", "after_upload", "after_submit", "mid_apply")
 _ENTRY = re.compile(
-    r"^(crash:(?P<point>[a-z_]+)|slow:(?P<secs>[0-9.]+)|(?P<corrupt>corrupt))@(?P<round>\d+)$"
+    r"^(crash:(?P<point>[a-z_]+)|slow:(?P<secs>[0-9.]+)|slower:(?P<factor>[0-9.]+)"
+    r"|(?P<corrupt>corrupt))@(?P<round>\d+)$"
 )
 
 
@@ -50,6 +54,8 @@ class Faults:
     crash: dict[int, str] = field(default_factory=dict)
     slow: dict[int, float] = field(default_factory=dict)
     corrupt: set[int] = field(default_factory=set)
+    #: (factor, first round) of ``slower``; None: full speed.
+    slower: tuple[float, int] | None = None
     #: What a crash point does when it fires.
     die: Callable[[], None] = kill9
 
@@ -64,13 +70,17 @@ class Faults:
             if m is None or (m["point"] and m["point"] not in CRASH_POINTS):
                 raise ConfigError(
                     f"{ENV}: bad entry {entry!r}; use crash:<{'|'.join(CRASH_POINTS)}>@R,"
-                    " slow:<seconds>@R or corrupt@R"
+                    " slow:<seconds>@R, slower:<factor>@R or corrupt@R"
                 )
             r = int(m["round"])
             if m["point"]:
                 faults.crash[r] = m["point"]
             elif m["secs"]:
                 faults.slow[r] = float(m["secs"])
+            elif m["factor"]:
+                if float(m["factor"]) < 1:
+                    raise ConfigError(f"{ENV}: {entry!r}: the factor must be at least 1")
+                faults.slower = (float(m["factor"]), r)
             else:
                 faults.corrupt.add(r)
         return faults
@@ -88,6 +98,12 @@ class Faults:
 
     def slow_for(self, round_: int) -> float:
         return self.slow.pop(round_, 0.0)
+
+    def slower_for(self, round_: int, trained_s: float) -> float:
+        """Seconds to add after a training of ``trained_s`` in ``round_`` (``slower``)."""
+        if self.slower is None or round_ < self.slower[1]:
+            return 0.0
+        return (self.slower[0] - 1.0) * trained_s
 
     def corrupt_now(self, round_: int) -> bool:
         if round_ in self.corrupt:

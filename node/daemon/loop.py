@@ -52,6 +52,7 @@ from node.daemon import overlap
 from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
 from node.daemon.attacks import Attack
 from node.daemon.checkpoints import CheckpointSync
+from node.daemon.condition import Condition
 from node.daemon.dataset import open_waiting
 from node.daemon.faults import Faults
 from node.daemon.join import join, refusal, rejoin
@@ -133,6 +134,8 @@ class NodeDaemon:
         #: Why the coordinator stopped accepting this node mid-run (``refuse``); None while it
         #: accepts it.
         self.refused: Refused | None = None
+        #: What the node is doing, as its heartbeats say (``node.daemon.condition``).
+        self.condition = Condition(self.links)
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -322,9 +325,9 @@ class NodeDaemon:
             raise RuntimeError("the node has not joined yet")
         interval = self.joined.heartbeat_interval_s
         while True:
-            await self.clock.sleep(interval)
+            await self.condition.due(self.clock, interval)
             try:
-                await self.api.heartbeat()
+                await self.api.heartbeat(self.condition.now())
             except CoordinatorError as exc:
                 if exc.status == 401 or exc.error == "token_in_use":
                     self.refuse(refusal(exc))  # revoked: out within one heartbeat interval
@@ -370,7 +373,8 @@ class NodeDaemon:
     async def train(self, round_: int | None = None, eager_from: int | None = None) -> TrainResult:
         """Steps 1-5 (``Worker.train_and_compress``) on every rank; a hostile node's payload
         instead in the tests that make one. ``eager_from``: see ``ops.train``."""
-        result: TrainResult = await self.node("train", round_, eager_from, attack=self.attack)
+        with self.condition.doing(idle=False):
+            result: TrainResult = await self.node("train", round_, eager_from, attack=self.attack)
         return result
 
     async def save_trained(self, pending: PendingRound) -> None:
@@ -382,11 +386,13 @@ class NodeDaemon:
     async def _participate(self, r: int) -> None:
         """Steps 1-5 and the upload, then the rest of the round. With overlap only steps 1-5:
         the next step sends this round while it trains the next (``node.daemon.overlap``)."""
+        started = self.clock.now()
         try:
             result = await self.train()
         except Abandoned:
             self.log("training_abandoned")
             return
+        trained_s = self.clock.now() - started
         self.faults.crash_point(r, "after_train")
         pending = PendingRound.trained(r, result)
         await self.save_trained(pending)
@@ -395,7 +401,7 @@ class NodeDaemon:
         self.log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload), **speed)
         if self.worker.run.overlaps:
             return
-        delay = self.faults.slow_for(r)
+        delay = self.faults.slow_for(r) + self.faults.slower_for(r, trained_s)
         if delay:
             self.log("fault_slow", seconds=delay)
             await self.sleep(delay)

@@ -158,12 +158,13 @@ class RoundFinisher:
     async def wait(self, r: int) -> ManifestView | None:
         """Round r's manifest once it closed; None if a stop was requested first."""
         d = self.d
-        while not d.stopping.is_set():
-            out = await d.until_stopped(d.api.manifest(r))
-            if isinstance(out, ManifestView):
-                return out
-            if isinstance(out, RoundView):
-                await self.resubmit_if_lost(r, out)
+        with d.condition.doing(idle=True):
+            while not d.stopping.is_set():
+                out = await d.until_stopped(d.api.manifest(r))
+                if isinstance(out, ManifestView):
+                    return out
+                if isinstance(out, RoundView):
+                    await self.resubmit_if_lost(r, out)
         return None
 
     async def resubmit_if_lost(self, r: int, view: RoundView) -> None:

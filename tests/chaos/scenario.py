@@ -41,7 +41,7 @@ ACTIONS = NODE_ACTIONS | {
     "store_outage",
 }
 
-_FAULT = re.compile(r"^(crash:[a-z_]+|slow:[0-9.]+|corrupt)@(\d+)$")
+_FAULT = re.compile(r"^(crash:[a-z_]+|slow:[0-9.]+|slower:[0-9.]+|corrupt)@(\d+)$")
 
 
 @dataclass(frozen=True)

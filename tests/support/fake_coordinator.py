@@ -34,6 +34,7 @@ from protocol.messages import (
     DatasetView,
     JoinResponse,
     ManifestView,
+    NodeCondition,
     RoundReport,
     RoundView,
     SignedManifest,
@@ -172,11 +173,11 @@ class FakeApi:
             round=m.round_view(self.node_id),
         )
 
-    async def heartbeat(self) -> RoundView:
+    async def heartbeat(self, condition: NodeCondition | None = None) -> RoundView:
         self._note("heartbeat")
         await self._reach()
         try:
-            return self.c.machine.heartbeat(self.node_id)
+            return self.c.machine.heartbeat(self.node_id, condition)
         except RoundError as exc:
             raise _refusal(exc) from exc
 
