@@ -4,26 +4,64 @@ coding, and ``map_threads`` to run the serial (``nogil``) loops side by side.
 They compute exactly what the module docstrings of ``protocol.codec`` and ``protocol.indexcode``
 specify; ``tests/`` checks them against a slow reference. The selection and reconstruction run
 tiles in parallel; numba's thread pool must not be entered from two Python threads at once, so
-those calls are serialised with ``PARALLEL_LOCK``.
+those calls go through ``parallel()``, which serialises them with ``PARALLEL_LOCK``.
+
+Both keep the caller's torch thread count. numba's OpenMP threading layer and torch share one
+OpenMP runtime (torch's wheel ships ``libgomp.so.1``, the very name numba's layer loads), and
+numba, when it starts its pool (its first parallel call or ``numba.get_num_threads()`` in the
+process), sets the calling thread's OpenMP thread count to its own (``NUMBA_NUM_THREADS``:
+every core unless set). torch sizes its parallel regions by that count. A node's first encode,
+at the end of round 0 on its compute thread, so put every later round's inner steps on every
+core whatever ``--threads`` said: two nodes started with ``--threads 1`` on 2 cores trained at
+about 800 tokens/s in round 0 and 140-200 after it, at 4-5x the CPU time per inner step (README,
+benchmark 16; ``tests/test_training_speed.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numba
 import numpy as np
+import torch
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _POOL: list[ThreadPoolExecutor] = []  # created on first use, never at import
 _POOL_LOCK = threading.Lock()
 
-#: Held around every call into numba's parallel thread pool (the aggregation uses it too).
+#: Held around every call into numba's parallel thread pool (``parallel``).
 PARALLEL_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _torch_threads_kept() -> Iterator[None]:
+    """The calling thread's torch (OpenMP) thread count as it was before (see the module doc)."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def parallel() -> Iterator[None]:
+    """Around a call into numba's parallel pool: one caller at a time, torch's threads kept."""
+    with PARALLEL_LOCK, _torch_threads_kept():
+        yield
+
+
+def pool_threads() -> int:
+    """numba's thread count for the calling thread (its pool started if need be, torch's
+    threads kept)."""
+    with _torch_threads_kept():
+        return numba.get_num_threads()
+
 
 # Status codes of ``decode_positions``; the caller turns them into PayloadError messages.
 OK = 0
@@ -198,7 +236,7 @@ def select_topk(
     flat = np.empty(n_tiles * k, dtype=np.int64)
     values = np.empty(n_tiles * k, dtype=np.float32)
     bad = np.zeros(n_tiles, dtype=np.uint8)
-    with PARALLEL_LOCK:
+    with parallel():
         _select(x, h, w, k, positions, flat, values, bad, _chunks(n_tiles))
     return positions, flat, values, not bad.any()
 
@@ -231,7 +269,7 @@ def fill_dense(
 ) -> None:
     """Write the dense matrix ``out`` (every entry): ``table[code]`` at each kept position of
     each h x w tile (``positions`` as ``select_topk`` returns them), 0 elsewhere."""
-    with PARALLEL_LOCK:
+    with parallel():
         _fill(out, positions, codes, table, h, w, _chunks(out.shape[0] // h))
 
 
@@ -249,7 +287,7 @@ def map_threads(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
     """``[fn(i) for i in items]`` with the items shared out over numba's thread count of
     Python threads, for serial ``nogil`` kernels that then run side by side. If calls fail,
     the error of the first failing item (in item order) is raised, as the plain loop would."""
-    workers = min(len(items), numba.get_num_threads())
+    workers = min(len(items), pool_threads())
     if workers <= 1:
         return [fn(i) for i in items]
     with _POOL_LOCK:

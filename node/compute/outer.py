@@ -247,7 +247,7 @@ def _subtract_in_place(
     n_bands, kept, size = _bands(geometry)
     indices, codes = _peer_arrays(parts)
     flat = theta.detach().view(-1).numpy()
-    with kernels.PARALLEL_LOCK:
+    with kernels.parallel():
         chunks = min(n_bands, 4 * numba.get_num_threads())
         scaled = alpha != 1.0
         _subtract_mean(

@@ -10,13 +10,22 @@ The peak comes from a small table by ``torch.cuda.get_device_name()`` (datasheet
 numbers, without sparsity), or from ``SPARSELOCO_PEAK_FLOPS`` (FLOP/s, e.g. ``989e12``) for a
 device the table lacks or a clock it gets wrong. On the CPU, or on a GPU neither knows, MFU is
 None: a number against a guessed peak would mislead more than no number.
+
+Beside the round's rate, ``StepClock`` times each inner step twice: on the wall clock and in the
+process's CPU time, and the report line carries both medians and the torch thread count the
+steps ran with. Wall time grows when other processes take the cores; CPU time grows only when
+this node does more work per step, so two rounds of one run compared by CPU time tell a node
+that slowed itself down (torch put on more threads than ``--threads``: ``protocol.kernels``)
+from a busy machine.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+import statistics
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,11 +83,49 @@ class Throughput:
 
     tokens_per_s: float
     mfu: float | None
+    #: Median wall and process-CPU seconds of one inner step, and torch's thread count then.
+    step_s: float | None = None
+    step_cpu_s: float | None = None
+    threads: int | None = None
 
     def log_fields(self) -> dict[str, str]:
-        """For the node's round line: ``tokens_per_s=12345 mfu=0.412`` (``-`` when unknown)."""
+        """For the node's round line: ``tokens_per_s=12345 mfu=0.412 step_s=0.101
+        step_cpu_s=0.098 threads=1`` (``-`` when unknown)."""
         mfu = "-" if self.mfu is None else f"{self.mfu:.3f}"
-        return {"tokens_per_s": f"{self.tokens_per_s:.0f}", "mfu": mfu}
+        fields = {"tokens_per_s": f"{self.tokens_per_s:.0f}", "mfu": mfu}
+        for key, value in (("step_s", self.step_s), ("step_cpu_s", self.step_cpu_s)):
+            fields[key] = "-" if value is None else f"{value:.4f}"
+        fields["threads"] = "-" if self.threads is None else str(self.threads)
+        return fields
+
+
+@dataclass
+class StepClock:
+    """Wall and process-CPU seconds of each inner step of one round (see the module doc).
+
+    The process's CPU time counts all its threads: torch's OpenMP threads, and also the event
+    loop and the state written behind, which are small beside a step and which the median
+    leaves out where they bunch up.
+    """
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    #: torch's intra-op thread count in the training thread when the steps began.
+    threads: int | None = None
+    _last: tuple[float, float] | None = None
+
+    def start(self) -> None:
+        self.wall, self.cpu = [], []
+        self.threads = torch.get_num_threads()
+        self._last = (time.perf_counter(), time.process_time())
+
+    def tick(self) -> None:
+        """One inner step ended."""
+        now = (time.perf_counter(), time.process_time())
+        if self._last is not None:
+            self.wall.append(now[0] - self._last[0])
+            self.cpu.append(now[1] - self._last[1])
+        self._last = now
 
 
 class Meter:
@@ -90,12 +137,23 @@ class Meter:
         #: Devices the inner steps run on (a torchrun node's processes): the peak is theirs.
         self.devices = 1
 
-    def measure(self, tokens: int, seconds: float) -> Throughput | None:
-        """The throughput of ``tokens`` trained in ``seconds``; None if nothing was timed."""
+    def measure(
+        self, tokens: int, seconds: float, steps: StepClock | None = None
+    ) -> Throughput | None:
+        """The throughput of ``tokens`` trained in ``seconds`` (with ``steps``' medians, if
+        given); None if nothing was timed."""
         if tokens <= 0 or seconds <= 0:
             return None
         rate = tokens / seconds
         mfu = (
             None if self.peak is None else rate * self.flops_per_token / (self.peak * self.devices)
         )
-        return Throughput(tokens_per_s=rate, mfu=mfu)
+        if steps is None or not steps.wall:
+            return Throughput(tokens_per_s=rate, mfu=mfu)
+        return Throughput(
+            tokens_per_s=rate,
+            mfu=mfu,
+            step_s=statistics.median(steps.wall),
+            step_cpu_s=statistics.median(steps.cpu),
+            threads=steps.threads,
+        )

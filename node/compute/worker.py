@@ -48,7 +48,7 @@ from node.compute.placement import Placement, resolve_device
 from node.compute.sharding import assign
 from node.compute.shards import encode_tensors, node_fingerprint, node_payload
 from node.compute.state import NodeState, adam_tensors, restore_adam
-from node.compute.throughput import Meter, Throughput
+from node.compute.throughput import Meter, StepClock, Throughput
 from protocol.codec import Payload, read_payload, read_payload_file
 from protocol.errors import PayloadError
 from protocol.fingerprint import fingerprint
@@ -159,6 +159,8 @@ class Worker:
         self.meter = Meter(self.model_cfg, self.placement.device)
         self.meter.devices = self.group.world
         self.tokens_per_step = run.batch_size * self.model_cfg.ctx_len
+        #: The inner steps of the round being trained, timed one by one.
+        self.steps = StepClock()
         self.error = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.round = 0
         self.local_steps = 0
@@ -266,6 +268,7 @@ class Worker:
         self.placement.begin(offset)
         try:
             t_inner = time.perf_counter()
+            self.steps.start()
             losses = self.inner.train(
                 trained_round,
                 lr_scale=lambda: self.lr_scale(trained_round),
@@ -308,7 +311,7 @@ class Worker:
             computed=computed,
             scale=scale,
             held=held,
-            throughput=self.meter.measure(len(losses) * self.tokens_per_step, inner_s),
+            throughput=self.meter.measure(len(losses) * self.tokens_per_step, inner_s, self.steps),
         )
 
     def _compress(self, round_: int, base: str) -> tuple[bytes, dict[str, torch.Tensor]]:
@@ -330,6 +333,7 @@ class Worker:
 
     def _count_step(self) -> None:
         self.local_steps += 1
+        self.steps.tick()
 
     def reset_theta(self, theta: Mapping[str, torch.Tensor], fp: str | None = None) -> None:
         """Set θ to ``theta`` (``fp``: its fingerprint, if known). For the tests' hostile nodes

@@ -9,7 +9,8 @@ pass/fail).
 - ``coordinator``: the coordinator under N simulated nodes (``coordinator_load``);
 - ``project``: round time and utilisation projected to 1-70 B parameters (``projection``);
 - ``sweep``: SparseLoCo's loss over H and k at equal tokens (``sweep``);
-- ``node-work``: the node's own work per round and rank, memory per rank (``node_work``).
+- ``node-work``: the node's own work per round and rank, memory per rank (``node_work``);
+- ``speed``: the node's training speed round by round beside ``simulate``'s (``speed``).
 
 Each module is imported only when its command runs, so ``--help`` stays fast.
 """
@@ -24,7 +25,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     bench = p.add_subparsers(
         dest="bench",
         required=True,
-        metavar="{codec,quality,robust,round,overlap,coordinator,project,sweep,node-work}",
+        metavar="{codec,quality,robust,round,overlap,coordinator,project,sweep,node-work,speed}",
     )
     c = bench.add_parser("codec", help="payload size, encode and decode+aggregate speed, memory")
     c.add_argument("--preset", default="base", help="model whose shapes are encoded")
@@ -96,6 +97,20 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         "node-work", help="the node's own work per round and rank, memory per rank (1, 2, 4 ranks)"
     )
     node_work_flags(n).set_defaults(func=_cmd_bench_node_work)
+    v = bench.add_parser(
+        "speed", help="the node's tokens/s round by round beside simulate's (runs up, simulate)"
+    )
+    v.add_argument("--preset", default="llama_bpe")
+    v.add_argument(
+        "--data", help="a prepared dataset folder (default: the bundled corpus, prepared first)"
+    )
+    v.add_argument("--nodes", type=int, default=2)
+    v.add_argument("--rounds", type=int, default=4)
+    v.add_argument("--threads", type=int, default=1, help="torch threads per node and simulate")
+    v.add_argument("--numba-threads", type=int, help="the nodes' numba pool (default: every core)")
+    v.add_argument("--dir", dest="run_dir", help="run folder (default: runs/speed-<time>)")
+    v.add_argument("--json", dest="json_out", metavar="OUT")
+    v.set_defaults(func=_cmd_bench_speed)
 
 
 def node_work_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -191,6 +206,22 @@ def _cmd_bench_node_work(args: argparse.Namespace) -> int:
     from node.research.bench.node_work import run_args
 
     return run_args(args)
+
+
+def _cmd_bench_speed(args: argparse.Namespace) -> int:
+    from node.research.bench.speed import run
+
+    run(
+        args.json_out,
+        preset=args.preset,
+        data=args.data,
+        nodes=args.nodes,
+        rounds=args.rounds,
+        threads=args.threads,
+        numba_threads=args.numba_threads,
+        run_dir=args.run_dir,
+    )
+    return 0
 
 
 def _cmd_bench_sweep(args: argparse.Namespace) -> int:

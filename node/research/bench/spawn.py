@@ -39,12 +39,13 @@ def _main(
     from node.compute.heap import return_large_blocks
 
     return_large_blocks()  # as ``sparseloco node`` does
-    torch.set_num_threads(threads)
     import numba
 
     # The codec's compiled loops get the same threads (``sparseloco up`` sets
-    # NUMBA_NUM_THREADS likewise): ranks on shared cores do not oversubscribe them.
+    # NUMBA_NUM_THREADS likewise): ranks on shared cores do not oversubscribe them. numba first:
+    # starting its pool sets this thread's OpenMP count, torch's too (``protocol.kernels``).
     numba.set_num_threads(min(threads, int(getattr(numba.config, "NUMBA_NUM_THREADS", threads))))
+    torch.set_num_threads(threads)
     if plain:  # a plain process, as ``sparseloco node`` without torchrun runs
         group = Group.solo()
     else:
