@@ -45,6 +45,8 @@ MARK = "SPARSELOCO_TEST_SESSION"
 GRACE_S = 5.0
 #: Signals that end the session in order.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Helpers of a Python interpreter that end with it (at EOF of their pipe), not leaks.
+OWN_HELPERS = (b"from multiprocessing.resource_tracker import", b"from multiprocessing.forkserver")
 
 
 def session_pids(token: str, proc: Path = Path("/proc")) -> list[int]:
@@ -66,9 +68,18 @@ def session_pids(token: str, proc: Path = Path("/proc")) -> list[int]:
             continue  # gone, a zombie, or not ours
         for var in environ.split(b"\0"):
             if var.startswith(prefix) and want in var[len(prefix) :].split():
-                found.append(int(entry.name))
+                if not _own_helper(proc / entry.name):
+                    found.append(int(entry.name))
                 break
     return found
+
+
+def _own_helper(path: Path) -> bool:
+    try:
+        cmdline = (path / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return any(helper in cmdline for helper in OWN_HELPERS)
 
 
 def _signal_all(pids: list[int], sig: signal.Signals) -> None:
