@@ -16,7 +16,9 @@ from a fixed round, so they hold on a loaded machine:
   machine's speed, not the protocol's: on a loaded machine it spans several rounds, and counting
   it made the verdict depend on the load. What is the protocol's is bounded: once back, the node
   takes part from that round or the next (``rounds.joined_round_for``) after replaying the
-  rounds it missed, so it must be gathered within ``recover_within`` rounds of its return.
+  rounds it missed, so it must be gathered within ``recover_within`` rounds of its return. A
+  coordinator or store fault after its return holds it out again (it can neither replay nor
+  submit), so its return is then that fault's round.
 - **Loss**: the scenario's final eval loss may exceed the fault-free run's by at most
   ``loss_tolerance``, taken where that run had gathered as many contributions (payloads: the
   tokens trained that reached the model; its final loss if it never had as many). The faults
@@ -77,23 +79,32 @@ def recovery(
     sc: Scenario, s: StatusView, rejoined: dict[str, list[int]] | None = None
 ) -> list[dict[str, Any]]:
     """Per fault that takes a node out of a round: the round it is back in the run (its
-    rejoin, else the fault's round) and the first later round it is gathered again."""
+    rejoin, else the fault's round; later if the coordinator or the store went down after
+    that) and the first later round it is gathered again."""
     done = closed(s)
     rejoined = rejoined or {}
+    faults = fault_list(sc)
+    services = sorted(f["round"] for f in faults if not f["target"])
     out = []
-    for fault in fault_list(sc):
+    for fault in faults:
         node, r = fault["target"], fault["round"]
         if not node:
             continue  # the coordinator or the store: no node to see back
         back = next((x.round for x in done if x.round > r and node in x.gather), None)
         rejoin = min((j for j in rejoined.get(node, []) if j >= r), default=None)
         returned = r if rejoin is None else rejoin
+        # The coordinator or the store down after its return holds it out again: it is back
+        # once that fault's round is reached (its gather rounds before that are not counted).
+        for x in services:
+            if returned <= x < (back if back is not None else x + 1):
+                returned = x
         out.append(
             {
                 "node": node,
                 "fault": fault["action"],
                 "round": r,
                 "rejoined_in": rejoin,
+                "returned_in": returned,
                 "back_in_gather": back,
                 "rounds_to_recover": None if back is None else back - r,
                 "rounds_after_return": None if back is None else back - returned,
@@ -112,8 +123,7 @@ def check_recovery(
     for rec in recovery(sc, s, rejoined):
         if rec["fault"] == "start_node":
             continue  # a joiner's first rounds go to starting up and catching up
-        returned = rec["round"] if rec["rejoined_in"] is None else rec["rejoined_in"]
-        after = rec["rounds_after_return"]
+        returned, after = rec["returned_in"], rec["rounds_after_return"]
         if rec["back_in_gather"] is None and returned + sc.recover_within < last:
             out.append(
                 Failure(

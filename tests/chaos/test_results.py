@@ -8,6 +8,7 @@ a machine so slow that a restart spans rounds and some rounds close empty.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,21 @@ def test_recovery_counts_from_the_round_the_node_is_back() -> None:
     # Back in round 6 but gathered only in round 10: the protocol's own delay, a failure.
     slow = check_recovery(KILLED, _status(_gathers({"node-1": range(2, 10)})), {"node-1": [6]})
     assert len(slow) == 1 and "back in the run in round 6" in slow[0].detail
+
+
+def test_a_coordinator_outage_after_the_return_holds_the_node_out_again() -> None:
+    # Back in round 4, the coordinator killed in round 5: it can neither replay nor submit
+    # until it is back, so its return counts from round 5 (gathered in 8: 3 rounds).
+    outage = Scenario(
+        name="o", run=RunConfig(rounds=12), nodes=3,
+        steps=(*KILLED.steps, at(5, "kill_coordinator"), at(5, "restart_coordinator")),
+    )  # fmt: skip
+    status = _status(_gathers({"node-1": range(2, 8)}))
+    assert check_recovery(outage, status, {"node-1": [4]}) == []
+    assert check_recovery(KILLED, status, {"node-1": [4]})  # without the outage: 4 > 3
+    # An outage after the node was gathered again changes nothing.
+    late = replace(outage, steps=(*KILLED.steps, at(9, "kill_coordinator")))
+    assert check_recovery(late, status, {"node-1": [4]})
 
 
 def test_a_node_back_in_the_run_but_never_gathered_fails() -> None:
