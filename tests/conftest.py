@@ -14,8 +14,16 @@ import pytest
 from node.cluster.seaweed import EmbeddedStore
 
 #: Fixture modules of ``tests/support`` every test may use: ``make_api`` (the coordinator's API
-#: in-process on this store).
-pytest_plugins = ["support.api", "support.browser", "support.daemon_harness"]
+#: in-process on this store); and the session's plugins: ``reaper`` (SIGTERM tears down like
+#: Ctrl-C, and no process outlives the session), ``ordering`` (in-process tests first, a line per
+#: file under ``-q``).
+pytest_plugins = [
+    "support.reaper",
+    "support.ordering",
+    "support.api",
+    "support.browser",
+    "support.daemon_harness",
+]
 
 
 @pytest.fixture(scope="session")

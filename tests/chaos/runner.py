@@ -42,7 +42,15 @@ from .invariants import (
     closed,
     reference_fingerprint,
 )
-from .results import check_recovery, compare_to_baseline, fault_list, recovery, write_results
+from .results import (
+    check_recovery,
+    compare_to_baseline,
+    fault_list,
+    recovery,
+    rejoins,
+    trajectory,
+    write_results,
+)
 from .scenario import Scenario, Step
 
 POLL_S = 0.1
@@ -300,7 +308,8 @@ class ScenarioRunner:
         self.failures.update(check_close_logs(logs))
         self.failures.update(check_checkpoint(s, self.bucket, self.cluster.prefix))
         self.failures.update(check_retention(s, self.bucket, self.cluster.prefix))
-        self.failures.update(check_recovery(self.sc, s))
+        rejoined = rejoins(logs)
+        self.failures.update(check_recovery(self.sc, s, rejoined))
         done = closed(s)
         last = done[-1] if done else None
         ref = reference_fingerprint(s, last.round) if last else None
@@ -320,9 +329,10 @@ class ScenarioRunner:
             "agreement": records,
             "gather": {r.round: r.gather for r in done},
             "excluded": {r.round: r.excluded for r in done if r.excluded},
-            "recovery": recovery(self.sc, s),
+            "recovery": recovery(self.sc, s, rejoined),
             "checkpoint": s.checkpoint.model_dump(mode="json") if s.checkpoint else None,
             "final_eval_loss": sum(losses) / len(losses) if losses else None,
+            "trajectory": trajectory(s),
             "failures": [str(f) for f in sorted(self.failures)],
             "wall_s": round(time.monotonic() - self.t0, 1),
         }

@@ -54,6 +54,8 @@ RUN = RunConfig(
     min_nodes=3,
     checkpoint_every=5,
     retention_rounds=8,
+    # An eval loss after every round: check (e) compares runs after equal outer steps.
+    eval_every=1,
     timing=TIMING,
 )
 
@@ -77,10 +79,12 @@ LONG = Scenario(
         at(26, "kill_node", "node-1"),
         at(27, "restart_node", "node-1", when="closed"),
     ),
-    # Counted from the fault's round: node-1's second kill keeps it down two rounds on purpose,
-    # and a restarted process needs about 6 s (Python, torch, compiled codec) while a healthy
-    # tiny round takes about 1.3 s, so about 5 more rounds pass before it can submit again.
-    recover_within=10,
+    # Counted from the round each node is back in the run (``results``), so the seconds a
+    # restarted process needs (Python, torch, compiled codec) no longer count. One more than
+    # the default: node-1, back after its second kill, finds its pending round pruned and
+    # skips to a checkpoint (download, then replay). Not yet measured with this count (the
+    # README's table counts from the fault's round).
+    recover_within=4,
     timeout_s=1200,
 )
 

@@ -41,6 +41,8 @@ RUN = RunConfig(
     min_nodes=3,
     checkpoint_every=4,
     retention_rounds=6,
+    # An eval loss after every round: check (e) compares runs after equal outer steps.
+    eval_every=1,
     timing=TIMING,
 )
 

@@ -9,8 +9,11 @@ a straggler sleeping 15 s really misses its round. Faults, each keyed to a round
 - the coordinator is killed as round 5 opens and restarted on the same port;
 - node-0 straggles 15 s in round 8: excluded as late, keeps its contribution, applies the round.
 
-Every invariant of ``invariants`` is checked after every round, and the final eval loss must be
-within 5 % of the same config run without faults (run first, in the same test).
+Every invariant of ``invariants`` is checked after every round; each faulted node is gathered
+again within 3 rounds of its return to the run; and the final eval loss may exceed the same
+config run without faults (run first, in the same test) by at most 5 %, taken where that run had
+gathered as many payloads. ``results`` says why both are counted in the run's own terms: the
+verdict must not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ RUN = RunConfig(
     min_nodes=3,
     checkpoint_every=4,
     retention_rounds=6,
+    # An eval loss after every round: check (e) compares runs after equal outer steps.
+    eval_every=1,
     timing=TIMING,
 )
 
@@ -67,7 +72,12 @@ def test_short_chaos_scenario(tmp_path, store) -> None:
 
 
 SHORT_OVERLAP = replace(
-    SHORT, name="short-overlap", run=RUN.model_copy(update={"overlap": "eager"})
+    SHORT,
+    name="short-overlap",
+    run=RUN.model_copy(update={"overlap": "eager"}),
+    # One round more: a node's first payload after its return is trained beside one round and
+    # sent as the next opens. Measured under load: 3 rounds after the return (1-2 without).
+    recover_within=SHORT.recover_within + 1,
 )
 
 
