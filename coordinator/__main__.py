@@ -8,6 +8,9 @@ missing bucket). No message or log line shows a secret.
 
 ``python -m coordinator token add|list|revoke ...`` manages the node tokens in the state
 directory, also while the coordinator runs (``coordinator.admin``; ``token --help``).
+
+The service's modules (aiohttp, boto3, uvloop) are imported only once the flags are parsed:
+``--help`` and ``--version`` answer at once.
 """
 
 from __future__ import annotations
@@ -18,13 +21,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-import uvloop
-
-from coordinator.config import load_config
-from coordinator.errors import StartupError
-from coordinator.redact import install, scrub
-from coordinator.server import serve
-from protocol.errors import ConfigError
 from protocol.version import version_line
 
 #: Set by ``sparseloco coordinator`` so usage lines name the command the operator typed.
@@ -61,6 +57,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return token_main(args_in[1:], prog=f"{prog()} token")
     args = parse_args(args_in)
+    # Heavy imports only now that there is a service to run (``--help`` stays fast).
+    import uvloop
+
+    from coordinator.config import load_config
+    from coordinator.errors import StartupError
+    from coordinator.redact import install, scrub
+    from coordinator.server import serve
+    from protocol.errors import ConfigError
+
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
