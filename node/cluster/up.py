@@ -6,7 +6,9 @@ trains on the bundled demo corpus (or ``--data``: text each node reads, or a fol
 ``sparseloco data prepare``, which is uploaded to the store and streamed from there by the
 nodes, a shard at a time); shows live progress from the coordinator's status endpoint;
 and stops everything again in reverse order, on success, on error and on Ctrl-C. Everything
-(store data, coordinator database, node states, logs) lands in one run folder.
+(store data, coordinator database, node states, logs) lands in one run folder, and with it
+the final model (``final/``: θ after the last round, the agreed fingerprint and the run
+config, ``node.tools.offline``), which ``sparseloco export --run`` exports with nothing running.
 
 The result (``--json``) has ``run_id``, ``final_eval_loss`` and per round the gather set,
 exclusions and every node's reported fingerprint, plus whether they all agreed. A round's
@@ -37,6 +39,7 @@ from node.compute.presets import get_run_preset
 from node.daemon.ratelimit import parse_rate
 from node.daemon.settings import check_device_spec
 from node.errors import DataError, UpError
+from node.tools.offline import keep_final
 from node.tools.shards import upload
 from protocol.dataset import MANIFEST_FILE, DatasetManifest, parse_manifest
 from protocol.messages import RoundState, StatusView
@@ -376,6 +379,7 @@ def up(
             if code != 0:
                 raise UpError(f"{node.name} exited with code {code}:\n{node.tail()}")
         result = summarize(status)
+        result["final_model"] = _keep_final(run_dir, run, status, cfg)
         result["wall_seconds"] = time.monotonic() - t0
         result["run_dir"] = str(run_dir)
         result["nodes"] = cfg.nodes
@@ -384,6 +388,27 @@ def up(
         for proc in reversed(procs):
             proc.stop()
         store.stop()
+
+
+def _keep_final(run_dir: Path, run: RunConfig, status: StatusView, cfg: UpConfig) -> str | None:
+    """Keep θ after the last round in ``run_dir/final`` (``node.tools.offline``), for
+    ``sparseloco export --run`` and ``up --export``; its folder, or None (logged) when the
+    nodes did not agree on it."""
+    last = [r for r in status.rounds if r.state == RoundState.CLOSED and r.round == run.rounds - 1]
+    agreed = set(last[0].fingerprints.values()) if last else set()
+    if len(agreed) != 1:
+        log.warning("event=final_model_not_kept why=no_agreed_fingerprint rounds=%d", run.rounds)
+        return None
+    final = keep_final(
+        run_dir,
+        run,
+        status.run_id,
+        agreed.pop(),
+        [run_dir / "nodes" / f"node-{i}" for i in range(cfg.nodes)],
+        cfg.data,
+    )
+    log.info("event=final_model_kept path=%s", final)
+    return str(final)
 
 
 def prepared_dataset(data: str | None, model: str) -> DatasetManifest | None:
@@ -408,6 +433,7 @@ def _watch(
     url: str, nodes: list[Process], on_status: Callable[[StatusView], None] | None
 ) -> StatusView:
     """Poll the coordinator until the run finishes and every node has exited."""
+    exited: set[str] = set()
     while True:
         try:
             status = fetch_status(url)
@@ -419,6 +445,9 @@ def _watch(
             code = node.poll()
             if code not in (None, 0):
                 raise UpError(f"{node.name} exited with code {code}:\n{node.tail()}")
+            if code == 0 and node.name not in exited:
+                exited.add(node.name)
+                log.info("event=node_exited node=%s code=0 round=%d", node.name, status.round)
         if status.state == RoundState.FINISHED and all(n.poll() is not None for n in nodes):
             return status
         time.sleep(0.5)
