@@ -24,8 +24,12 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from node.compute.modelconfig import PRESETS as MODEL_PRESETS
+from node.compute.presets import PRESETS as RUN_PRESETS
+from node.errors import UpError
 from node.research.bench.cli import add_bench
 from node.tools.commands import (
     add_data,
@@ -48,10 +52,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         description="Train N workers in one process on equal token budgets and write JSON.",
     )
     p.add_argument("--algo", required=True, choices=["sparseloco", "diloco", "ddp"])
+    p.add_argument("--preset", help=f"run preset (node/compute/presets.py): {_names(RUN_PRESETS)}")
     p.add_argument(
-        "--preset", help="run preset: tiny (seconds), small, bench (the CPU benchmark) or base"
+        "--model",
+        help=f"model preset (node/compute/modelconfig.py), overriding the run preset's:"
+        f" {_names(MODEL_PRESETS)}",
     )
-    p.add_argument("--model", help="model preset: tiny, small, base, medium, large, 1b")
     p.add_argument("--workers", type=int)
     p.add_argument("--inner-steps", type=int, help="H, inner steps per round")
     p.add_argument("--rounds", type=int)
@@ -92,6 +98,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the result here")
     p.set_defaults(func=_cmd_simulate)
+
+
+def _names(table: dict[str, Any]) -> str:
+    """A table's names for a help text, in the table's order."""
+    return ", ".join(table)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -139,14 +150,20 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
         "up",
         help="a whole local run: object store, coordinator and N nodes on this machine",
         description="Start SeaweedFS, a coordinator and N node processes on loopback, train"
-        " on the bundled corpus, show progress, and stop everything at the end.",
+        " on the bundled corpus, show progress, and stop everything at the end. Everything"
+        " (store, database, node states, logs, the final model) stays in the run folder.",
     )
-    p.add_argument("--nodes", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--nodes", type=int, default=3, help="node processes (default: %(default)s)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds of the run (default: %(default)s)",
+    )
     p.add_argument(
         "--preset",
         default="tiny",
-        help="run shape: tiny (default), small, bench, base, llama, llama_bpe",
+        help=f"run shape (node/compute/presets.py; default %(default)s): {_names(RUN_PRESETS)}",
     )
     p.add_argument(
         "--data",
@@ -154,7 +171,14 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
         " (uploaded to the run's store; the nodes stream it) (default: bundled corpus)",
     )
     p.add_argument("--dir", dest="run_dir", help="run folder (default: runs/up-<time>)")
-    p.add_argument("--round-timeout", type=float, default=120.0, help="seconds per round")
+    p.add_argument(
+        "--round-timeout",
+        type=float,
+        default=120.0,
+        help="seconds the first round may take before it closes without the missing nodes;"
+        " later deadlines are learnt from the nodes' arrivals, at most this long"
+        " (default: %(default)s)",
+    )
     p.add_argument(
         "--overlap",
         nargs="?",
@@ -177,6 +201,13 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
         help="processes per node, under torchrun (default 1): one count for all, or a list the"
         " nodes take in turn, e.g. 1,2,4; each node shards its model state over its processes",
     )
+    p.add_argument(
+        "--export",
+        metavar="DIR",
+        help="at the end, export the final model here, as `sparseloco export` does (for a"
+        " LLaMA-style model a transformers model); the run folder keeps it anyway (final/),"
+        " for `sparseloco export --run RUN_DIR` later",
+    )
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the summary here")
     p.set_defaults(func=_cmd_up)
 
@@ -195,18 +226,22 @@ def _check_ranks(cfg: Any) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    import time
+
     from pydantic import ValidationError
 
     from node.cluster.up import UpConfig, up
     from node.cluster.view import UpView
     from node.research.simulate import write_json
 
+    # Named now: the view's log file lives in it before the run starts.
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S"))
     try:
         cfg = UpConfig(
             nodes=args.nodes,
             rounds=args.rounds,
             preset=args.preset,
-            run_dir=args.run_dir,
+            run_dir=run_dir,
             data=args.data,
             round_timeout_s=args.round_timeout,
             overlap=args.overlap,
@@ -223,9 +258,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
         for i in range(cfg.nodes):
             resolve_device(cfg.node_device(i))  # DeviceError before anything starts
-    with UpView(cfg.rounds, cfg.nodes) as view:
+    with UpView(cfg.rounds, cfg.nodes, log_path=run_dir / "logs" / "up.log") as view:
         result = up(cfg, on_status=view.update)
     view.summary(result)
+    if args.export:
+        if result.get("final_model") is None:
+            raise UpError("the nodes did not agree on the final model: nothing to export")
+        from node.tools.offline import export_run
+
+        done = export_run(Path(result["run_dir"]), Path(args.export))
+        print(f"exported θ after round {done['round'] - 1} ({done['format']}) to {args.export}")
     if args.json_out:
         write_json(result, args.json_out)
         print(f"wrote {args.json_out}")
@@ -248,7 +290,12 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     )
     connection_flags(p)
     p.add_argument("--state-dir", help="local state folder (or SPARSELOCO_NODE_STATE_DIR)")
-    p.add_argument("--data", help="text file, directory or glob (default: bundled corpus)")
+    p.add_argument(
+        "--data",
+        help="text file, directory or glob; for a run that names a dataset, that dataset's"
+        " folder made by `sparseloco data prepare`, read here instead of downloaded (default:"
+        " the bundled corpus, or the run's dataset streamed from the store)",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument(
         "--device",
