@@ -32,20 +32,22 @@ def _theta() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _node_state(state_dir: Path, theta: dict[str, torch.Tensor], world: int, fp: str) -> None:
+def _node_state(
+    state_dir: Path, theta: dict[str, torch.Tensor], world: int, fp: str, run: RunConfig = RUN
+) -> None:
     """θ after the run's last round as a node of ``world`` processes leaves it."""
     state_dir.mkdir(parents=True)
     names = sorted(theta)
     for rank in range(world):
         mine = {n: theta[n] for n in names[rank::world]}
         suffix = "" if world == 1 else f".rank{rank}"
-        path = state_dir / f"theta-{RUN.rounds}{suffix}.safetensors"
-        write_safetensors(path, mine, {"round": str(RUN.rounds), "fingerprint": fp})
+        path = state_dir / f"theta-{run.rounds}{suffix}.safetensors"
+        write_safetensors(path, mine, {"round": str(run.rounds), "fingerprint": fp})
     header = {
         "version": STATE_VERSION,
-        "run_id": RUN.run_id,
+        "run_id": run.run_id,
         "node_id": state_dir.name,
-        "round": RUN.rounds,
+        "round": run.rounds,
         "phase": "idle",
         "fingerprint": fp,
         "world": world,
@@ -101,3 +103,25 @@ def test_a_changed_or_missing_final_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="changed since the run kept it"):
         export_run(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out" / MODEL_FILE).exists()
+
+
+def test_a_run_on_a_prepared_dataset_exports_with_its_tokenizer(tmp_path: Path) -> None:
+    """The run folder keeps the dataset's manifest and tokenizer.json: the offline export of a
+    LLaMA-style BPE run is a transformers folder whose tokenizer is that one."""
+    from node.tools.shards import prepare
+    from support.harness import REPO_ROOT
+
+    corpus = REPO_ROOT / "node" / "corpus" / "hamlet_gut.txt"
+    data = tmp_path / "ds"
+    manifest = prepare([str(corpus)], data, train_vocab=512, shard_tokens=20000)
+    run = RunConfig(name="bpe", model="llama_bpe4k", rounds=1, dataset=manifest.dataset_id)
+    model = build_model(get_preset(run.model), seed=0)
+    theta = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = tmp_path / "run" / "nodes" / "node-0"
+    _node_state(state, theta, 1, fingerprint(theta), run)
+    keep_final(tmp_path / "run", run, run.run_id, fingerprint(theta), [state], str(data))
+    document = export_run(tmp_path / "run", tmp_path / "out")
+    assert document["format"] == "transformers"
+    assert document["tokenizer"] == f"dataset {manifest.dataset_id}"
+    kept = (tmp_path / "out" / "tokenizer.json").read_text()
+    assert kept == (data / "tokenizer.json").read_text()

@@ -39,7 +39,7 @@ from node.compute.presets import get_run_preset
 from node.daemon.ratelimit import parse_rate
 from node.daemon.settings import check_device_spec
 from node.errors import DataError, UpError
-from node.tools.offline import keep_final
+from node.tools.offline import keep_agreed
 from node.tools.shards import upload
 from protocol.dataset import MANIFEST_FILE, DatasetManifest, parse_manifest
 from protocol.messages import RoundState, StatusView
@@ -379,7 +379,8 @@ def up(
             if code != 0:
                 raise UpError(f"{node.name} exited with code {code}:\n{node.tail()}")
         result = summarize(status)
-        result["final_model"] = _keep_final(run_dir, run, status, cfg)
+        node_dirs = [run_dir / "nodes" / name for name in tokens]
+        result["final_model"] = keep_agreed(run_dir, run, status, node_dirs, cfg.data)
         result["wall_seconds"] = time.monotonic() - t0
         result["run_dir"] = str(run_dir)
         result["nodes"] = cfg.nodes
@@ -388,27 +389,6 @@ def up(
         for proc in reversed(procs):
             proc.stop()
         store.stop()
-
-
-def _keep_final(run_dir: Path, run: RunConfig, status: StatusView, cfg: UpConfig) -> str | None:
-    """Keep θ after the last round in ``run_dir/final`` (``node.tools.offline``), for
-    ``sparseloco export --run`` and ``up --export``; its folder, or None (logged) when the
-    nodes did not agree on it."""
-    last = [r for r in status.rounds if r.state == RoundState.CLOSED and r.round == run.rounds - 1]
-    agreed = set(last[0].fingerprints.values()) if last else set()
-    if len(agreed) != 1:
-        log.warning("event=final_model_not_kept why=no_agreed_fingerprint rounds=%d", run.rounds)
-        return None
-    final = keep_final(
-        run_dir,
-        run,
-        status.run_id,
-        agreed.pop(),
-        [run_dir / "nodes" / f"node-{i}" for i in range(cfg.nodes)],
-        cfg.data,
-    )
-    log.info("event=final_model_kept path=%s", final)
-    return str(final)
 
 
 def prepared_dataset(data: str | None, model: str) -> DatasetManifest | None:

@@ -22,9 +22,11 @@ and ``run.json``, for a LLaMA-style model a ``transformers`` model with its toke
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +34,10 @@ from node.errors import CheckpointError
 from protocol.dataset import MANIFEST_FILE, TOKENIZER_FILE
 from protocol.errors import PayloadError
 from protocol.fingerprint import digest_file
-from protocol.messages import CheckpointInfo
+from protocol.messages import CheckpointInfo, RoundState, StatusView
 from protocol.runconfig import RunConfig
+
+log = logging.getLogger("sparseloco.up")
 
 #: The folder of the run folder that holds the final model.
 FINAL_DIR = "final"
@@ -100,6 +104,21 @@ def keep_final(
         f"no node's saved state holds θ after round {run.rounds - 1} with fingerprint"
         f" {fingerprint}; the final model was not kept"
     )
+
+
+def keep_agreed(
+    run_dir: Path, run: RunConfig, status: StatusView, node_dirs: list[Path], data: str | None
+) -> str | None:
+    """``keep_final`` with the fingerprint the nodes agreed on after the last round, from the
+    coordinator's final ``status``; the folder, or None (logged) when they did not agree."""
+    last = [r for r in status.rounds if r.state == RoundState.CLOSED and r.round == run.rounds - 1]
+    agreed = set(last[0].fingerprints.values()) if last else set()
+    if len(agreed) != 1:
+        log.warning("event=final_model_not_kept why=no_agreed_fingerprint rounds=%d", run.rounds)
+        return None
+    final = keep_final(run_dir, run, status.run_id, agreed.pop(), node_dirs, data)
+    log.info("event=final_model_kept path=%s", final)
+    return str(final)
 
 
 def _state_header(state_dir: Path) -> dict[str, Any] | None:
@@ -177,7 +196,10 @@ def export_run(run_dir: Path, out: Path, tokenizer: Path | None = None) -> dict[
     kept = run_dir / FINAL_DIR / "dataset"
     if tokenizer is None and run.dataset is not None and (kept / MANIFEST_FILE).is_file():
         tokenizer = kept
-    tok = _tokenizer_for(run, load_tokenizer(tokenizer) if tokenizer is not None else None)
+    given = load_tokenizer(tokenizer) if tokenizer is not None else None
+    if given is not None and tokenizer == kept:  # said as the online export says it
+        given = replace(given, source=f"dataset {run.dataset}")
+    tok = _tokenizer_for(run, given)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staging:
         copy = Path(staging) / MODEL_FILE  # _write_model moves a plain file: never the kept one
