@@ -330,7 +330,29 @@ def _cmd_node(args: argparse.Namespace) -> int:
     log.info("event=device device=%s requested=%s", device, settings.device)
     from node.daemon.serve import run_node
 
-    return run_node(settings)
+    _leave(run_node(settings))
+    return 0  # not reached
+
+
+def _leave(code: int) -> None:
+    """End the node process with ``code`` without tearing the interpreter down.
+
+    The daemon has committed its state and closed its connections when it returns; what is
+    left is unloading torch and the model's objects, which took about 13 s after every finished
+    run on a loaded 2-core machine (most of ``sparseloco up``'s shutdown). First comes what a
+    normal exit does first (``threading._shutdown``: idle executor workers are told to stop,
+    threads that are not daemons are joined), then the logs are flushed.
+    """
+    import os
+    import threading
+
+    finish_threads = getattr(threading, "_shutdown", None)
+    if finish_threads is not None:
+        finish_threads()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _add_coordinator(sub: argparse._SubParsersAction) -> None:
