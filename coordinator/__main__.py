@@ -8,9 +8,8 @@ missing bucket). No message or log line shows a secret.
 
 ``python -m coordinator token add|list|revoke ...`` manages the node tokens in the state
 directory, also while the coordinator runs (``coordinator.admin``; ``token --help``).
-
-The service's modules (aiohttp, boto3, uvloop) are imported only once the flags are parsed:
-``--help`` and ``--version`` answer at once.
+``python -m coordinator backup|restore ...`` copies the state directory into one file, also while
+the coordinator runs, and back into a new state directory (``coordinator.backup_cli``).
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         " Before it writes anything it binds the port and checks the object store. Exit status:"
         " 0 after a clean stop (SIGTERM, Ctrl-C), 1 when a start-up check fails, 2 for a bad"
         " configuration.",
-        epilog=f"token administration: {prog()} token {{add,list,revoke}} --help",
+        epilog=f"token administration: {prog()} token {{add,list,revoke}} --help; state:"
+        f" {prog()} {{backup,restore}} --help",
     )
     parser.add_argument("--version", action="version", version=version_line("sparseloco"))
     parser.add_argument("--config", required=True, help="TOML file (see deploy/run.example.toml)")
@@ -56,8 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coordinator.admin import main as token_main
 
         return token_main(args_in[1:], prog=f"{prog()} token")
+    if args_in[:1] in (["backup"], ["restore"]):
+        from coordinator.backup_cli import main as backup_main
+
+        return backup_main(args_in[0], args_in[1:], prog=f"{prog()} {args_in[0]}")
     args = parse_args(args_in)
-    # Heavy imports only now that there is a service to run (``--help`` stays fast).
+    # The service's libraries are imported only now: the token commands above and ``--help``
+    # need none of them, and they take seconds to import on a busy machine.
     import uvloop
 
     from coordinator.config import load_config
@@ -71,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    for name in ("botocore", "boto3", "s3transfer", "urllib3"):  # their chatter, not ours
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     overrides = {"server": {"host": args.host, "port": args.port, "state_dir": args.state_dir}}
     try:
         config = load_config(args.config, overrides)
