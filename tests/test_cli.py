@@ -10,6 +10,7 @@ while that coordinator runs.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import signal
@@ -72,6 +73,78 @@ def test_each_documented_command_has_help_with_its_flags(sub: list[str], flags: 
     assert proc.stdout.startswith(f"usage: sparseloco {' '.join(sub)}"), proc.stdout[:200]
     missing = [flag for flag in flags if flag not in proc.stdout]
     assert not missing, f"README shows {missing} for `sparseloco {' '.join(sub)}`"
+
+
+def _subcommands(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> set[str]:
+    """Every command path the parser accepts (``bench sweep``, ``data prepare``, ...)."""
+    found = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found |= _subcommands(sub, (*words, name)) or {" ".join((*words, name))}
+    return found
+
+
+def test_every_command_of_the_help_is_in_the_readme() -> None:
+    """The other direction: whatever ``--help`` offers (``sparseloco`` and ``coordinator
+    token``) has a line in README's Commands block."""
+    from coordinator.admin import build_parser as token_parser
+    from node.cli import build_parser
+
+    offered = _subcommands(build_parser()) | {
+        f"coordinator token {name}" for name in _subcommands(token_parser("token"))
+    }
+    top = sparseloco("--help").stdout
+    assert all(name.split()[0] in top for name in offered)
+    documented = {" ".join(sub) for sub, _ in COMMANDS}
+    assert not offered - documented, f"README's Commands block lacks {offered - documented}"
+
+
+def _alternatives(flag: str) -> dict[str, set[str]]:
+    """The ``FLAG a|b|c`` lists of README's Commands block, by command."""
+    section = README.read_text().split("## Commands", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    lists = {}
+    for line in block.splitlines():
+        words = line.split("#", 1)[0].split()
+        m = re.search(rf"{flag} ([a-z0-9_]+(?:\|[a-z0-9_]+)+)", line)
+        if "sparseloco" in words and m:
+            lists[words[words.index("sparseloco") + 1]] = set(m.group(1).split("|"))
+    return lists
+
+
+def test_readme_and_the_example_config_list_the_presets_the_code_has() -> None:
+    """Lists of presets and models, wherever they are shown, are the code's tables: the help
+    texts are generated from them, README and deploy/run.example.toml are checked here."""
+    from node.compute.modelconfig import PRESETS as MODELS
+    from node.compute.presets import PRESETS as RUNS
+
+    assert _alternatives("--preset") == {"up": set(RUNS), "simulate": set(RUNS)}
+    assert _alternatives("--model") == {"simulate": set(MODELS)}
+    for command, table in (("up", RUNS), ("simulate", RUNS)):
+        help_text = " ".join(sparseloco(command, "--help").stdout.split())
+        assert ", ".join(table) in help_text
+    assert ", ".join(MODELS) in " ".join(sparseloco("simulate", "--help").stdout.split())
+    example = (REPO_ROOT / "deploy" / "run.example.toml").read_text()
+    listed = re.search(r"model = .*?\n((?:#.*\n)+)", example)
+    assert listed is not None
+    names = set(re.findall(r"[a-z0-9_]+", listed.group(1).split("(llama_*")[0]))
+    assert names == set(MODELS), names ^ set(MODELS)
+
+
+def test_coordinator_help_answers_without_loading_the_service() -> None:
+    """``coordinator --help`` imports neither aiohttp, boto3 nor torch (it took seconds)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from coordinator.__main__ import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['--help'])\n"
+        "print(sorted(m for m in ('aiohttp', 'boto3', 'torch') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60
+    )
+    assert proc.stdout.split() == ["[]"], proc.stderr
 
 
 @pytest.mark.parametrize("action", ["add", "list", "revoke"])

@@ -260,9 +260,44 @@ def test_up_with_overlap_on_capped_links(tmp_path) -> None:
         assert len(set(r["fingerprints"].values())) == 1
 
 
-def test_up_trains_the_llama_style_model(tmp_path) -> None:
-    """``sparseloco up --preset llama``: the LLaMA-style model through the whole system."""
-    _, result = _sparseloco_up(tmp_path, "--preset", "llama", "--nodes", "2", "--rounds", "2")
+def test_up_trains_the_llama_style_model_and_keeps_it(tmp_path) -> None:
+    """``sparseloco up --preset llama --export DIR``: the LLaMA-style model through the whole
+    system, and the final model kept: exported at the end (a transformers model that loads and
+    generates), and again afterwards from the run folder alone with ``sparseloco export --run``
+    (``up`` has stopped its coordinator and store by then), to the same bytes. Without a
+    terminal, each closed round is a line with the bytes moved, as README says."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = tmp_path / "model"
+    proc, result = _sparseloco_up(
+        tmp_path, "--preset", "llama", "--nodes", "2", "--rounds", "2", "--export", str(exported)
+    )
     assert result["run"]["model"] == "llama_tiny"
     assert result["fingerprints_agree"] is True
     assert [sorted(r["gather"]) for r in result["rounds"]] == [["node-0", "node-1"]] * 2
+    closes = [line for line in proc.stderr.splitlines() if "event=round_closed" in line]
+    assert len(closes) == 2 and all(re.search(r"bytes_up=[1-9]\d* ", c) for c in closes)
+    assert all(re.search(r"bytes_down=[1-9]\d* ", c) for c in closes), closes
+    agreed = set(result["rounds"][-1]["fingerprints"].values())
+
+    later = tmp_path / "later"
+    offline = subprocess.run(
+        [str(Path(sys.executable).parent / "sparseloco"), "export", "--run",
+         str(tmp_path / "run"), "--out", str(later)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    for out in (exported, later):
+        document = json.loads((out / "run.json").read_text())
+        assert document["format"] == "transformers" and document["round"] == 2
+        assert {document["fingerprint"]} == agreed
+        assert document["run_id"] == result["run_id"]
+    kept = [(out / "model.safetensors").read_bytes() for out in (exported, later)]
+    assert kept[0] == kept[1]
+    model = AutoModelForCausalLM.from_pretrained(later, torch_dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(later)
+    prompt = tokenizer("To be, or", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    text = tokenizer.decode(generated[0])
+    assert isinstance(text, str) and text.startswith("To be, or")

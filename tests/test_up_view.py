@@ -6,6 +6,7 @@ in progress and how many are done; a finished run says so, and its members show 
 
 from __future__ import annotations
 
+import io
 import logging
 
 import pytest
@@ -99,3 +100,92 @@ def test_rounds_without_evaluation_keep_the_newest_loss_and_the_summary_ends(cap
     }
     view.summary(result)
     assert "eval loss 3.0000 -> 2.5000" in capsys.readouterr().out
+
+
+def test_the_table_fits_80_columns_with_the_widest_values() -> None:
+    """32 nodes with the longest state, four-digit losses and the widest byte counts, and
+    fingerprints that differ: every line within 80 columns, no cell cut or wrapped."""
+    nodes = [f"node-{i}" for i in range(32)]
+    report = RoundReport(
+        fingerprint=FP, eval_loss=12.3456, train_loss=12.3456, bytes_up=333_333_333
+    )
+    closed = [
+        RoundSummary(
+            round=r,
+            state=RoundState.CLOSED,
+            gather=nodes,
+            reports=dict.fromkeys(nodes, report.model_copy(update={"bytes_down": 999_900_000})),
+            fingerprints={n: str(i % 3) * 32 for i, n in enumerate(nodes)},
+        )
+        for r in range(3)
+    ]
+    members = [
+        MemberView(node_id=n, state=MemberState.TIMED_OUT, slot=i, joined_round=0, last_seen_s=0)
+        for i, n in enumerate(nodes)
+    ]
+    st = StatusView(
+        run_id=RUN.run_id, run=RUN, round=3, state=RoundState.OPEN, members=members, rounds=closed
+    )
+    view = UpView(rounds=5, nodes=32)
+    view.tty, view.live = False, None
+    view.update(st)
+    console = Console(width=80, record=True)
+    console.print(view._render(st, closed))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in "".join(lines)
+    rows = {line.split()[0]: line.split() for line in lines if line.strip().startswith("node-")}
+    assert set(rows) == set(nodes)
+    # node, state (two words), train, eval, up (two words), down (two words), gathered
+    assert all(
+        row == [n, "timed", "out", "12.3456", "12.3456", "1000.0", "MB", "3.0", "GB", "yes"]
+        for n, row in rows.items()
+    ), rows["node-31"]
+    assert "round 3 (open), 3 of 5 done" in lines
+    assert "last gather: 32 of 32 nodes, fingerprints DIFFER (3 values)" in lines
+
+
+def test_round_lines_without_a_terminal_carry_losses_and_bytes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "sparseloco.up")
+    reports = {
+        "n0": RoundReport(fingerprint=FP, train_loss=3.5, eval_loss=3, bytes_up=10, bytes_down=30),
+        "n1": RoundReport(fingerprint=FP, train_loss=2.5, bytes_up=20, bytes_down=40),
+    }
+    closed = RoundSummary(round=0, state=RoundState.CLOSED, gather=["n0", "n1"], reports=reports)
+    st = StatusView(
+        run_id=RUN.run_id, run=RUN, round=1, state=RoundState.OPEN, members=[], rounds=[closed]
+    )
+    view = UpView(rounds=2, nodes=2)
+    view.tty, view.live = False, None
+    view.update(st)
+    assert (
+        "round=0 done=1/2 gather=n0,n1 excluded=- train_loss=3.0000 eval_loss=3.0000"
+        " bytes_up=30 bytes_down=70 " in caplog.text
+    )
+
+
+def test_log_lines_go_to_the_run_folder_while_the_table_is_live(tmp_path) -> None:
+    """On a terminal, this process's log lines would run into the live table: they go to
+    ``logs/up.log`` in the run folder while it is on, and to the terminal again after."""
+    terminal = io.StringIO()
+    handler = logging.StreamHandler(terminal)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        view = UpView(rounds=2, nodes=1, log_path=tmp_path / "logs" / "up.log")
+        view.tty = True
+        view.console = Console(file=io.StringIO(), width=80, force_terminal=True)
+        with view:
+            logging.getLogger("sparseloco.up").info("event=up_started while live")
+        logging.getLogger("sparseloco.up").info("event=after the table")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    assert "while live" in (tmp_path / "logs" / "up.log").read_text()
+    assert "while live" not in terminal.getvalue()
+    assert "after the table" in terminal.getvalue()
+    assert "after the table" not in (tmp_path / "logs" / "up.log").read_text()

@@ -6,7 +6,9 @@ trains on the bundled demo corpus (or ``--data``: text each node reads, or a fol
 ``sparseloco data prepare``, which is uploaded to the store and streamed from there by the
 nodes, a shard at a time); shows live progress from the coordinator's status endpoint;
 and stops everything again in reverse order, on success, on error and on Ctrl-C. Everything
-(store data, coordinator database, node states, logs) lands in one run folder.
+(store data, coordinator database, node states, logs) lands in one run folder, and with it
+the final model (``final/``: θ after the last round, the agreed fingerprint and the run
+config, ``node.tools.offline``), which ``sparseloco export --run`` exports with nothing running.
 
 The result (``--json``) has ``run_id``, ``final_eval_loss`` and per round the gather set,
 exclusions and every node's reported fingerprint, plus whether they all agreed. A round's
@@ -37,6 +39,7 @@ from node.compute.presets import get_run_preset
 from node.daemon.ratelimit import parse_rate
 from node.daemon.settings import check_device_spec
 from node.errors import DataError, UpError
+from node.tools.offline import keep_agreed
 from node.tools.shards import upload
 from protocol.dataset import MANIFEST_FILE, DatasetManifest, parse_manifest
 from protocol.messages import RoundState, StatusView
@@ -376,6 +379,8 @@ def up(
             if code != 0:
                 raise UpError(f"{node.name} exited with code {code}:\n{node.tail()}")
         result = summarize(status)
+        node_dirs = [run_dir / "nodes" / name for name in tokens]
+        result["final_model"] = keep_agreed(run_dir, run, status, node_dirs, cfg.data)
         result["wall_seconds"] = time.monotonic() - t0
         result["run_dir"] = str(run_dir)
         result["nodes"] = cfg.nodes
@@ -408,6 +413,7 @@ def _watch(
     url: str, nodes: list[Process], on_status: Callable[[StatusView], None] | None
 ) -> StatusView:
     """Poll the coordinator until the run finishes and every node has exited."""
+    exited: set[str] = set()
     while True:
         try:
             status = fetch_status(url)
@@ -419,6 +425,9 @@ def _watch(
             code = node.poll()
             if code not in (None, 0):
                 raise UpError(f"{node.name} exited with code {code}:\n{node.tail()}")
+            if code == 0 and node.name not in exited:
+                exited.add(node.name)
+                log.info("event=node_exited node=%s code=0 round=%d", node.name, status.round)
         if status.state == RoundState.FINISHED and all(n.poll() is not None for n in nodes):
             return status
         time.sleep(0.5)

@@ -13,8 +13,9 @@ Two properties matter to the rest of the system, beyond "it trains":
   shapes.
 
 Sizes come from ``PRESETS`` ("tiny" for tests up to "1b" for real GPUs, and the LLaMA-style
-``llama_*`` of ``node.compute.llama``); ``param_count`` computes a config's size by arithmetic, so
-nobody has to allocate a billion parameters to learn it.
+``llama_*`` of ``node.compute.llama``), defined with ``ModelConfig`` in the torch-free
+``node.compute.modelconfig`` and re-exported here; ``param_count`` computes a config's size by
+arithmetic, so nobody has to allocate a billion parameters to learn it.
 """
 
 from __future__ import annotations
@@ -22,172 +23,20 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
+
+# The shape and the named sizes live apart, without torch (the console script's help reads them).
+from node.compute.modelconfig import PRESETS, ModelConfig, get_preset
+
+__all__ = ["PRESETS", "ModelConfig", "get_preset"]
 
 # GPT-2's initialisation scale; residual projections are further scaled by 1/sqrt(2 * n_layers)
 # so the residual stream's variance does not grow with depth.
 INIT_STD = 0.02
-
-
-class ModelConfig(BaseModel):
-    """Shape of the transformer. Dimensions are multiples of 64 so the codec's tiles divide them.
-
-    ``arch`` "gpt" is this module's byte-level GPT; "llama" is ``node.compute.llama`` (RMSNorm,
-    rotary positions, SwiGLU of width ``ffn_dim``, ``n_kv_heads`` key/value heads, a tied or
-    separate output head). The fields after ``arch`` are the LLaMA ones.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    vocab_size: int = Field(default=256, gt=0)
-    d_model: int = Field(gt=0)
-    n_layers: int = Field(gt=0)
-    n_heads: int = Field(gt=0)
-    ctx_len: int = Field(gt=0)
-    mlp_ratio: int = Field(default=4, gt=0)
-    arch: Literal["gpt", "llama"] = "gpt"
-    #: Key/value heads (grouped-query attention); None: as many as ``n_heads``.
-    n_kv_heads: int | None = Field(default=None, gt=0)
-    #: SwiGLU width; None: 8/3 of d_model rounded up to a multiple of 64.
-    ffn_dim: int | None = Field(default=None, gt=0)
-    tie_embeddings: bool = True
-    rope_theta: float = Field(default=10000.0, gt=0)
-    norm_eps: float = Field(default=1e-5, gt=0)
-
-    @model_validator(mode="after")
-    def _check_shapes(self) -> ModelConfig:
-        if self.d_model % 64 != 0:
-            raise ValueError(
-                f"d_model={self.d_model} must be a multiple of 64 (codec tiles are up to 64 wide);"
-                f" use e.g. {max(64, round(self.d_model / 64) * 64)}"
-            )
-        if self.vocab_size % 64 != 0:
-            raise ValueError(
-                f"vocab_size={self.vocab_size} must be a multiple of 64; use 256 for bytes"
-            )
-        if self.d_model % self.n_heads != 0:
-            divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0]
-            nearest = min(divisors, key=lambda h: abs(h - self.n_heads))
-            raise ValueError(
-                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads};"
-                f" use e.g. n_heads={nearest}"
-            )
-        if self.arch == "llama":
-            self._check_llama()
-        elif self.n_kv_heads is not None or self.ffn_dim is not None or not self.tie_embeddings:
-            raise ValueError("n_kv_heads, ffn_dim and tie_embeddings=false need arch='llama'")
-        return self
-
-    def _check_llama(self) -> None:
-        if self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head width {self.head_dim} must be even for rotary positions")
-        for field, value in (("ffn_dim", self.ffn), ("n_kv_heads * head width", self.kv_dim)):
-            if value % 64:
-                raise ValueError(
-                    f"{field}={value} must be a multiple of 64 (codec tiles are up to 64 wide);"
-                    f" use e.g. {max(64, -(-value // 64) * 64)}"
-                )
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def ffn(self) -> int:
-        """The MLP's hidden width."""
-        if self.arch == "gpt":
-            return self.mlp_ratio * self.d_model
-        return self.ffn_dim or -(-8 * self.d_model // 3 // 64) * 64
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # Tests: trains in seconds on one CPU core.
-    "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=2, ctx_len=64),
-    # CPU benchmark (~0.44M parameters).
-    "small": ModelConfig(d_model=128, n_layers=2, n_heads=4, ctx_len=128),
-    # ~10.8M: a laptop-sized real run.
-    "base": ModelConfig(d_model=384, n_layers=6, n_heads=6, ctx_len=256),
-    # ~128M, GPT-2-small class.
-    "medium": ModelConfig(d_model=768, n_layers=18, n_heads=12, ctx_len=1024),
-    # ~354M, GPT-2-medium class.
-    "large": ModelConfig(d_model=1024, n_layers=28, n_heads=16, ctx_len=1024),
-    # ~1.01B.
-    "1b": ModelConfig(d_model=2048, n_layers=20, n_heads=16, ctx_len=2048),
-    # LLaMA-style (node.compute.llama). Tests and CPU runs, bytes as tokens:
-    "llama_tiny": ModelConfig(arch="llama", d_model=64, n_layers=2, n_heads=2, ctx_len=64),
-    "llama_small": ModelConfig(
-        arch="llama", d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=128
-    ),
-    # ~2.1M with a 4,096-entry vocabulary: CPU runs on BPE shards (``sparseloco data prepare``).
-    "llama_bpe4k": ModelConfig(
-        arch="llama",
-        vocab_size=4096,
-        d_model=192,
-        n_layers=4,
-        n_heads=3,
-        ffn_dim=512,
-        ctx_len=256,
-    ),
-    # ~0.95M with the same vocabulary: the H/k sweep on BPE shards (``bench sweep``).
-    "llama_bpe4k_1m": ModelConfig(
-        arch="llama", vocab_size=4096, d_model=128, n_layers=2, n_heads=2, ffn_dim=384, ctx_len=128
-    ),
-    # ~12.2M with the same vocabulary: a 30-minute comparison on a quiet 2-core CPU (estimated).
-    "llama_bpe4k_12m": ModelConfig(
-        arch="llama", vocab_size=4096, d_model=384, n_layers=6, n_heads=6, ffn_dim=1024, ctx_len=256
-    ),
-    # ~520M, the class of the SparseLoCo paper's 512 M LLaMA runs (a 32,768-entry BPE vocabulary).
-    "llama_512m": ModelConfig(
-        arch="llama",
-        vocab_size=32768,
-        d_model=1280,
-        n_layers=22,
-        n_heads=20,
-        ffn_dim=3456,
-        tie_embeddings=False,
-        ctx_len=2048,
-    ),
-    # ~0.97B with grouped-query attention (8 key/value heads).
-    "llama_1b": ModelConfig(
-        arch="llama",
-        vocab_size=32768,
-        d_model=2048,
-        n_layers=18,
-        n_heads=16,
-        n_kv_heads=8,
-        ffn_dim=5504,
-        tie_embeddings=False,
-        ctx_len=2048,
-    ),
-}
-
-
-def get_preset(name: str) -> ModelConfig:
-    """Return the preset ``name``; raise ``ValueError`` listing the valid names if unknown."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}"
-        ) from None
 
 
 def param_count(cfg: ModelConfig) -> int:

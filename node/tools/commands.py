@@ -101,9 +101,16 @@ def add_export(sub: argparse._SubParsersAction) -> None:
         " its sha256, its shapes against the run's model and its fingerprint against the one"
         " the nodes agreed on, and writes OUT/model.safetensors and OUT/run.json; for a"
         " LLaMA-style model OUT is also a Hugging Face transformers model (config.json) with"
-        " its tokenizer (--tokenizer; the byte tokenizer for a byte-level model).",
+        " its tokenizer (--tokenizer; the byte tokenizer for a byte-level model). With --run,"
+        " the same from a run folder of `sparseloco up`, with no coordinator running.",
     )
     connection_flags(p)
+    p.add_argument(
+        "--run",
+        metavar="RUN_DIR",
+        help="export offline from a run folder of `sparseloco up` (its final model, kept in"
+        " RUN_DIR/final), instead of asking a coordinator",
+    )
     p.add_argument("--out", required=True, help="folder for model.safetensors and run.json")
     p.add_argument(
         "--tokenizer",
@@ -116,6 +123,8 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     import asyncio
 
+    if args.run is not None:
+        return _export_run(args)
     connection = _connection(args)
     token = connection.token
     if token is None:
@@ -138,6 +147,24 @@ def _cmd_export(args: argparse.Namespace) -> int:
         f"exported θ at the start of round {info.round} (fingerprint {info.fingerprint},"
         f" {info.size:,} bytes, verified) to {done.model}; run config in {done.manifest}"
         + (f"; tokenizer: {done.tokenizer}" if done.tokenizer else "")
+    )
+    return 0
+
+
+def _export_run(args: argparse.Namespace) -> int:
+    given = [flag for flag, value in connection_values(args).items() if value is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(f"--run exports without a coordinator: drop {flag}")
+    from node.tools.offline import export_run
+
+    done = export_run(
+        Path(args.run), Path(args.out), Path(args.tokenizer) if args.tokenizer else None
+    )
+    print(
+        f"exported θ after round {done['round'] - 1} of run {done['run_id']} (fingerprint"
+        f" {done['fingerprint']}, verified) from {args.run} to {args.out}"
+        + (f"; tokenizer: {done['tokenizer']}" if done["tokenizer"] else "")
     )
     return 0
 
@@ -209,7 +236,8 @@ def add_data(sub: argparse._SubParsersAction) -> None:
     q = data.add_parser(
         "prepare",
         help="turn text into shards of token ids with a manifest (node.tools.shards)",
-        description="Files, directories or globs (.jsonl: one document per line, --column) into"
+        description="Files, directories or globs (plain text; .jsonl: one document per line,"
+        " .parquet: one per row, the text in --column) into"
         " fixed-size shards of token ids (bytes, a tokenizer.json, or a byte-level BPE trained"
         " here), every 20th shard held out for evaluation, with OUT/manifest.json; --upload"
         " copies them to the object store (credentials from AWS_ACCESS_KEY_ID and"
