@@ -9,12 +9,13 @@ outage is seen even when no node can submit, and its end is seen soon.
 
 While the store is down no round closes on its deadline (nodes cannot deliver payloads, and the
 coordinator could not check them); when it answers again the open round's deadline moves later
-by the time the outage took from it (``coordinator.deadlines``). One line when it goes, one when
-it is back::
+by the time the outage took from it (``coordinator.deadlines``). The outage itself, with its
+cause, is the store link's pair of lines (``event=unreachable service=store`` ...,
+``event=reachable service=store`` ...: ``S3Store.link``); what it does to the round is one line
+when the deadline pauses and one when it runs again::
 
-    event=store_unreachable round=3 what='probe' error='head ...: ClientConnectorError'
-      deadline=paused
-    event=store_reachable round=3 after_s=61.2 deadline_extended_s=61.2
+    event=deadline_paused round=3 why=store_unreachable
+    event=deadline_resumed round=3 paused_s=61.2 deadline_extended_s=61.2
 
 Only failures that mean "not answering" count: a connection error, a timeout, a 5xx, throttling.
 A 404 or a refusal (403) is an answer.
@@ -77,13 +78,9 @@ class StoreWatch:
             return
         self.down_since = self.clock()
         round_ = self.machine.store_down()
-        log.warning(
-            "event=store_unreachable round=%s what=%r error=%r deadline=%s",
-            "-" if round_ is None else round_,
-            what,
-            str(exc)[:ERROR_CHARS],
-            "paused" if round_ is not None else "-",
-        )
+        if round_ is not None:
+            log.info("event=deadline_paused round=%d why=store_unreachable", round_)
+        log.debug("event=store_watch_down what=%r error=%r", what, str(exc)[:ERROR_CHARS])
 
     def answered(self) -> None:
         if self.down_since is None:
@@ -91,12 +88,11 @@ class StoreWatch:
         after = self.clock() - self.down_since
         self.down_since = None
         moved = self.machine.store_back()
-        log.warning(
-            "event=store_reachable round=%s after_s=%.1f deadline_extended_s=%s",
-            "-" if moved is None else moved[0],
-            after,
-            "-" if moved is None else f"{moved[1]:.1f}",
-        )
+        if moved is not None:
+            log.info(
+                "event=deadline_resumed round=%d paused_s=%.1f deadline_extended_s=%.1f",
+                moved[0], after, moved[1],
+            )  # fmt: skip
 
     async def watched(self, what: str, call: Awaitable[T]) -> T:
         """``call``'s result, its outcome reported."""

@@ -317,12 +317,10 @@ async def test_the_watch_pauses_deadlines_for_the_outage_and_logs_it_twice(
     flaky.down = False
     assert await store.head("k") is None
     assert watch.up and bench.deadline(0) > before + 60
-    lines = [r.message for r in caplog.records if "event=store_" in r.message]
+    lines = [r.message for r in caplog.records if "event=deadline_" in r.message]
     assert len(lines) == 2, lines
-    assert lines[0].startswith("event=store_unreachable round=0")
-    assert "deadline=paused" in lines[0]
-    assert lines[1].startswith("event=store_reachable round=0")
-    assert "ClientConnectorError" in lines[0]
+    assert lines[0] == "event=deadline_paused round=0 why=store_unreachable"
+    assert lines[1].startswith("event=deadline_resumed round=0 paused_s=")
 
 
 # ---- the API ---------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ def test_a_store_outage_loses_no_round(tmp_path: Path, own_store: EmbeddedStore)
         status = cluster.wait_finished()
         _assert_no_round_lost(cluster, status)
         log = (cluster.root / "logs" / "coordinator-1.log").read_text()
-        assert "event=store_unreachable" in log and "event=store_reachable" in log
+        assert "event=deadline_paused" in log and "event=deadline_resumed" in log
     finally:
         cluster.stop()
 
