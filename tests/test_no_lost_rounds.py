@@ -5,8 +5,10 @@ with deadlines learnt as tight as the rules allow (the median of recent rounds p
 Without holds, both faults below closed rounds with an empty gather set (checked on the code
 before them: rounds 2 and 3 of the outage run closed empty, and the run finished during it):
 
-- the store stops for 60 s as round 2 opens (its deadline is a few seconds): nodes cannot
-  upload, the coordinator cannot check; the round must wait and gather once the store is back;
+- the store stops for 60 s as round 2 opens (its deadline is a few seconds; the nodes pause
+  after training it, ``slow:10@2``, so the outage surely lands before anyone submitted): nodes
+  cannot upload, the coordinator cannot check; the round must wait and gather once the store is
+  back;
 - every node trains 4x slower from round 5 on (``SPARSELOCO_FAULTS=slower:4@5``: after training
   it waits 3x the training's time), whose deadline was learnt from the fast rounds before. (A
   SIGSTOP/SIGCONT duty cycle slows a process 4x only on an idle machine: on a loaded one the
@@ -42,6 +44,8 @@ TIMING = Timing(
 )
 NODES = 2
 OUTAGE_S = 60.0
+#: How long each node pauses after training round 2 in the outage run (the store stops meanwhile).
+STRAGGLE_S = 10.0
 
 
 def _run(name: str, rounds: int, inner_steps: int = 10) -> RunConfig:
@@ -89,8 +93,11 @@ def test_a_store_outage_loses_no_round(tmp_path: Path, own_store: EmbeddedStore)
     cluster = Cluster(tmp_path / "run", own_store, _run("outage", rounds=4), NODES)
     try:
         cluster.start_coordinator()
+        # Tiny rounds take a fraction of a second: each node pauses STRAGGLE_S after training
+        # round 2 (before its upload), so the store surely stops while round 2 is open and
+        # nobody has submitted to it, whatever the machine's speed.
         for name in cluster.tokens:
-            cluster.start_node(name)
+            cluster.start_node(name, faults=f"slow:{STRAGGLE_S:g}@2")
         _open(cluster, 2)
         own_store.stop()
         until = time.monotonic() + OUTAGE_S
