@@ -85,7 +85,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--dir", dest="run_dir", help="keep the store, database and logs here")
     k.add_argument("--json", dest="json_out", metavar="OUT")
     k.set_defaults(func=_cmd_bench_coordinator)
-    from node.research.bench.projection import add_flags
+    from node.research.bench.projection_report import add_flags
 
     j = bench.add_parser("project", help="round time and utilisation at 1-70 B, projected")
     add_flags(j).set_defaults(func=_cmd_bench_project)
@@ -197,7 +197,7 @@ def _cmd_bench_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_project(args: argparse.Namespace) -> int:
-    from node.research.bench.projection import run
+    from node.research.bench.projection_report import run
 
     return run(args)
 

@@ -1,38 +1,51 @@
 """``sparseloco bench project``: round time and utilisation at 1 B-70 B, from measured costs.
 
-Arithmetic only (issue 11, benchmark 5): nothing is run. Every term is linear in the parameter
-count N, so utilisation depends on the link, the batch and the per-parameter costs, not on N.
-Per node and round (a link of ``r`` bit/s, full duplex, the same rate both ways):
+Arithmetic only (issue 11, benchmark 5): nothing is run. Every term but the link's round trips
+is linear in the parameter count N, so on a link without delay utilisation depends on the link,
+the batch and the per-parameter costs, not on N. Per node and round, on a link of ``up`` and
+``down`` bit/s (``--links``: the same rate both ways) and round trip ``RTT``:
 
     train    = 6 · N · tokens_per_step · H / (gpus · peak_flops · mfu)
-    up       = bits_per_param · N / r                 (one payload)
-    down     = G · bits_per_param · N / r             (G peers' payloads, after the manifest)
+    up       = bits_per_param · N / up                (one payload)
+    down     = G · bits_per_param · N / down          (G peers' payloads, after the manifest)
+    link     = requests + slow start + resets         (``node.research.bench.wire``; 0 at RTT 0)
     work     = work_ns · 1e-9 · N                     (encode, checks, aggregate+apply, saves)
-    round    = train + work + up + down                                   (no overlap)
-    round_ov = max(train, up + down) + (work − overlappable_ns · 1e-9 · N) (overlap)
+    round    = train + work + up + down + link                                     (no overlap)
+    round_ov = max(train + 2 RTT, up + down + link − 2 RTT) + (work − overlappable_ns · 1e-9 · N)
     util     = train / round
 
-With overlap (README benchmark 12: round r's aggregate applied one round late) the transfers run
-while the next round trains, and so can the payload checks (they need only the bytes); the rest
-of the work touches θ or the error buffer and stays between two trainings. Waits for a slower
-peer, the coordinator's close and request latencies are left out (tens of ms, README benchmark 4).
+``link``: ``5 + ⌈G / parallel_downloads⌉`` round trips the round waits for (requests to the
+coordinator, the PUT, the GETs' waves), TCP slow start from an idle connection for the PUT and
+for the GETs, and on a link that resets, the expected retries (issue 20; README benchmark 17
+measures them against the WAN lab). With overlap (README benchmark 12: round r's aggregate
+applied one round late) the transfers run while the next round trains, and so can the payload
+checks (they need only the bytes); the rest of the work touches θ or the error buffer and stays
+between two trainings, with two of the round trips (the report, the next round's view). Waits
+for a slower peer and the coordinator's close are left out (tens of ms, README benchmark 4).
 
 Dense comparisons (their own work taken as 0): DiLoCo with an fp32 pseudo-gradient over a ring
-all-reduce among the G nodes (each node sends and receives 2(G−1)/G of it, concurrently),
-DiLoCo with a bf16 pseudo-gradient through the store (as SparseLoCo: one up, G down), and DDP
-with a bf16 gradient ring all-reduce after every inner step (overlap: max(step, exchange) per step).
+all-reduce among the G nodes (each node sends and receives 2(G−1)/G of it, concurrently, in
+2(G−1) steps of a round trip each), DiLoCo with a bf16 pseudo-gradient through the store (as
+SparseLoCo: one up, G down), and DDP with a bf16 gradient ring all-reduce after every inner step
+(overlap: max(step, exchange) per step).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from protocol.errors import ConfigError, Problem, config_error
+from node.research.bench.wire import (
+    OVERLAP_PATH_RTTS,
+    PARALLEL_DOWNLOADS,
+    Link,
+    WireTimes,
+    bytes_s,
+    lab_links,
+    reset_s,
+    store_round,
+)
 
 Method = Literal[
     "sparseloco, CPU work",
@@ -56,7 +69,11 @@ class Assumptions(BaseModel):
     #: Model sizes projected (parameters).
     sizes: tuple[Positive, ...] = Field((1e9, 8e9, 70e9), min_length=1)
     #: Link rates projected, Mbit/s, each direction (issue 11, benchmark 5: 100 Mbit/s, 1 Gbit/s).
-    links_mbit: tuple[Positive, ...] = Field((100.0, 1000.0), min_length=1)
+    links_mbit: tuple[Positive, ...] = Field((100.0, 1000.0))
+    #: WAN lab profiles projected besides (``--link home,far``: rates, RTT and resets).
+    profiles: tuple[str, ...] = ()
+    #: Parallel GETs of a node (``NodeSettings.parallel_downloads``): ⌈G / this⌉ waves.
+    parallel_downloads: int = Field(PARALLEL_DOWNLOADS, ge=1)
     #: G: payloads downloaded per round (issue 11's assumption).
     peers: int = Field(16, ge=1)
     #: H: inner steps per round (issue 11's assumption; README benchmark 3 runs H=30 too).
@@ -95,6 +112,12 @@ class Assumptions(BaseModel):
     #: ... and the part each rank does for its own tensors only (codec, aggregation, saves).
     shard_scaled_ns: float = Field(SHARD_SCALED_NS, ge=0.0)
 
+    @model_validator(mode="after")
+    def _some_link(self) -> Assumptions:
+        if not self.links_mbit and not self.profiles:
+            raise ValueError("no link to project: give --links rates or --link profiles")
+        return self
+
 
 class Row(BaseModel):
     """One model size, link and method: seconds per round and the share spent training."""
@@ -102,7 +125,7 @@ class Row(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     params: float
-    link_mbit: float
+    link: Link
     method: Method
     #: Bytes this node sends plus receives per round.
     bytes_moved: float
@@ -113,8 +136,17 @@ class Row(BaseModel):
     #: Time on the wire per round: up + down through the store, one direction for all-reduce.
     comm_s: float
     work_s: float
+    #: What the link adds besides bytes / rate: round trips, slow start, resets (0 at RTT 0).
+    requests_s: float = 0.0
+    slow_start_s: float = 0.0
+    resets_s: float = 0.0
     round_s: float
     round_overlap_s: float
+
+    @property
+    def link_mbit(self) -> float:
+        """The upload rate (the rate of a ``--links`` link, the same both ways)."""
+        return self.link.up_mbit
 
     @property
     def util(self) -> float:
@@ -134,29 +166,28 @@ def train_seconds(a: Assumptions, params: float) -> float:
 
 def wire_seconds(nbytes: float, link_mbit: float) -> float:
     """Time to move ``nbytes`` over a link of ``link_mbit`` Mbit/s."""
-    return nbytes * 8.0 / (link_mbit * 1e6)
+    return bytes_s(nbytes, link_mbit)
 
 
-def _row(
-    a: Assumptions, n: float, link: float, method: Method, sent: float, received: float, **kw: float
-) -> Row:
-    """A row from the bytes on the wire; ``comm_s``, ``work_s`` and ``path_s`` may be given."""
-    train = train_seconds(a, n)
-    up, down = wire_seconds(sent, link), wire_seconds(received, link)
-    comm, work = kw.get("comm_s", up + down), kw.get("work_s", 0.0)
-    return Row(
-        params=n,
-        link_mbit=link,
-        method=method,
-        bytes_moved=sent + received,
-        train_s=train,
-        up_s=up,
-        down_s=down,
-        comm_s=comm,
-        work_s=work,
-        round_s=train + work + comm,
-        round_overlap_s=max(train, comm) + kw.get("path_s", work),
-    )
+def on_link(
+    link: Link,
+    *,
+    train_s: float,
+    work_s: float,
+    path_s: float,
+    payload: float,
+    peers: int,
+    parallel: int = PARALLEL_DOWNLOADS,
+) -> tuple[WireTimes, float, float]:
+    """One node's round through the store on ``link``: the wire's terms, the round plain and
+    the round overlapped (module docstring). ``path_s`` is the work that stays between two
+    trainings under overlap. ``bench wan`` calls this with measured inputs."""
+    wire = store_round(link, payload, peers, parallel)
+    plain = train_s + work_s + wire.comm_s
+    resets = reset_s(link, wire, plain, payload)
+    between = OVERLAP_PATH_RTTS * link.rtt_s
+    overlap = max(train_s + between, wire.comm_s - between) + path_s + resets
+    return wire.model_copy(update={"reset_cost_s": resets}), plain + resets, overlap
 
 
 def sharded_work_ns(a: Assumptions) -> float:
@@ -164,8 +195,7 @@ def sharded_work_ns(a: Assumptions) -> float:
     return a.shard_fixed_ns + a.shard_scaled_ns / a.gpus
 
 
-def _sparse(a: Assumptions, n: float, link: float, kind: str) -> Row:
-    payload = a.bits_per_param * n / 8.0
+def _sparse(a: Assumptions, n: float, link: Link, kind: str) -> Row:
     method: Method
     if kind == "device":
         work_ns, free_ns = a.device_work_ns, a.device_overlappable_ns
@@ -177,26 +207,80 @@ def _sparse(a: Assumptions, n: float, link: float, kind: str) -> Row:
     else:
         work_ns, free_ns = a.cpu_work_ns, a.cpu_overlappable_ns
         method = "sparseloco, CPU work"
-    return _row(
-        a,
-        n,
+    return _store_row(a, n, link, method, a.bits_per_param * n / 8.0, work_ns, free_ns)
+
+
+def _store_row(
+    a: Assumptions,
+    n: float,
+    link: Link,
+    method: Method,
+    payload: float,
+    work_ns: float = 0.0,
+    free_ns: float = 0.0,
+) -> Row:
+    """One payload up and G down through the store, with the node's work around them."""
+    train = train_seconds(a, n)
+    wire, plain, overlap = on_link(
         link,
-        method,
-        payload,
-        a.peers * payload,
+        train_s=train,
         work_s=work_ns * 1e-9 * n,
         path_s=max(work_ns - free_ns, 0.0) * 1e-9 * n,
+        payload=payload,
+        peers=a.peers,
+        parallel=a.parallel_downloads,
+    )
+    return Row(
+        params=n,
+        link=link,
+        method=method,
+        bytes_moved=(1 + a.peers) * payload,
+        train_s=train,
+        up_s=wire.up_s,
+        down_s=wire.down_s,
+        comm_s=wire.comm_s,
+        work_s=work_ns * 1e-9 * n,
+        requests_s=wire.requests_s,
+        slow_start_s=wire.slow_start_s,
+        resets_s=wire.reset_cost_s,
+        round_s=plain,
+        round_overlap_s=overlap,
     )
 
 
-def _dense(a: Assumptions, n: float, link: float, method: Method) -> Row:
-    if method == "DiLoCo bf16, via the store":
-        return _row(a, n, link, method, 2.0 * n, a.peers * 2.0 * n)
-    # A ring all-reduce: each node sends and receives 2(G-1)/G of the buffer, concurrently.
+def _ring(a: Assumptions, n: float, link: Link, method: Method) -> Row:
+    """A ring all-reduce: each node sends and receives 2(G-1)/G of the buffer, concurrently,
+    in 2(G-1) steps of a round trip each; once a round (DiLoCo) or every inner step (DDP)."""
     fp32 = method == "DiLoCo fp32, ring all-reduce"
     times = 1 if fp32 else a.inner_steps
     each_way = times * 2.0 * (a.peers - 1) / a.peers * (4.0 if fp32 else 2.0) * n
-    return _row(a, n, link, method, each_way, each_way, comm_s=wire_seconds(each_way, link))
+    up, down = bytes_s(each_way, link.up_mbit), bytes_s(each_way, link.down_mbit)
+    hops = times * 2.0 * (a.peers - 1) * link.rtt_s
+    comm = max(up, down) + hops
+    train = train_seconds(a, n)
+    return Row(
+        params=n,
+        link=link,
+        method=method,
+        bytes_moved=2.0 * each_way,
+        train_s=train,
+        up_s=up,
+        down_s=down,
+        comm_s=comm,
+        work_s=0.0,
+        requests_s=hops,
+        round_s=train + comm,
+        round_overlap_s=max(train, comm),
+    )
+
+
+def links_of(a: Assumptions) -> list[Link]:
+    """The links projected: ``--links`` rates, then ``--link`` lab profiles by name."""
+    named = lab_links() if a.profiles else {}
+    unknown = [name for name in a.profiles if name not in named]
+    if unknown:
+        raise ValueError(f"unknown link {unknown[0]!r}; choose from {', '.join(named)}")
+    return [Link.symmetric(m) for m in a.links_mbit] + [named[name] for name in a.profiles]
 
 
 def project(a: Assumptions | None = None) -> list[Row]:
@@ -205,127 +289,10 @@ def project(a: Assumptions | None = None) -> list[Row]:
     a = a or Assumptions()
     rows: list[Row] = []
     for n in a.sizes:
-        for link in a.links_mbit:
+        for link in links_of(a):
             rows += [_sparse(a, n, link, kind) for kind in ("cpu", "sharded", "device")]
-            rows += [_dense(a, n, link, m) for m in get_args(Method)[3:]]
+            rows.append(_ring(a, n, link, "DiLoCo fp32, ring all-reduce"))
+            rows.append(_store_row(a, n, link, "DiLoCo bf16, via the store", 2.0 * n))
+            rows.append(_ring(a, n, link, "DDP bf16, all-reduce per step"))
     return rows
 
-
-def _size(n: float) -> str:
-    return f"{n / 1e9:g} B"
-
-
-def _link(mbit: float) -> str:
-    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
-
-
-def markdown(a: Assumptions, rows: list[Row]) -> str:
-    """The SparseLoCo table, then the comparison with dense DiLoCo and DDP."""
-    out = [
-        f"G={a.peers}, H={a.inner_steps}, {a.gpus} GPUs x {a.peak_flops / 1e12:g} TFLOP/s at"
-        f" {a.mfu:.0%} MFU, {a.tokens_per_step:,} tokens per inner step per node,"
-        f" {a.bits_per_param} bits/param",
-        "",
-        "| model | link | node work | train s | up s | down s | work s | round s | util"
-        " | round s, overlap | util, overlap |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        if r.method.startswith("sparseloco"):
-            kind = (
-                "device (assumed)"
-                if "device" in r.method
-                else f"CPU, {a.gpus} ranks"
-                if "sharded" in r.method
-                else "CPU, one process"
-            )
-            out.append(
-                f"| {_size(r.params)} | {_link(r.link_mbit)} | {kind} | {r.train_s:,.1f}"
-                f" | {r.up_s:,.2f} | {r.down_s:,.1f} | {r.work_s:,.1f} | {r.round_s:,.1f}"
-                f" | {r.util:.1%} | {r.round_overlap_s:,.1f} | {r.util_overlap:.1%} |"
-            )
-    out += [
-        "",
-        "| model | link | method | GB moved per node and round | comm s | round s | util"
-        " | round s, overlap | util, overlap |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        if not r.method.startswith("sparseloco, CPU work"):
-            out.append(
-                f"| {_size(r.params)} | {_link(r.link_mbit)} | {r.method}"
-                f" | {r.bytes_moved / 1e9:,.2f} | {r.comm_s:,.1f} | {r.round_s:,.1f} | {r.util:.1%}"
-                f" | {r.round_overlap_s:,.1f} | {r.util_overlap:.1%} |"
-            )
-    return "\n".join(out) + "\n"
-
-
-def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The command's flags (defaults: ``Assumptions``); ``p`` is returned for chaining."""
-    p.add_argument("--sizes", help="parameter counts, comma-separated: 1B,8B,70B or 1e9,...")
-    p.add_argument("--links", help="link rates in Mbit/s, comma-separated (default 100,1000)")
-    p.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.4)")
-    p.add_argument("--gpus", type=int, help="GPUs per node (default 8)")
-    p.add_argument("--peak-tflops", type=float, help="one GPU's peak (default 989, H100 bf16)")
-    p.add_argument("--tokens-per-step", type=int, help="per node (default 262144)")
-    p.add_argument("--inner-steps", "-H", type=int, help="H (default 30)")
-    p.add_argument("--peers", "-G", type=int, help="G, payloads gathered (default 16)")
-    p.add_argument("--bits-per-param", type=float, help="payload size (default 0.1445)")
-    p.add_argument("--cpu-work-ns", type=float, help="node work, CPU path (default 28.5)")
-    p.add_argument("--device-work-ns", type=float, help="device path (assumed 5.0)")
-    p.add_argument(
-        "--shard-fixed-ns", type=float, help="per-rank work that does not shrink with ranks"
-    )
-    p.add_argument("--shard-scaled-ns", type=float, help="per-rank work divided by the ranks")
-    p.add_argument("--json", dest="json_out", metavar="OUT", help="write inputs and rows here")
-    return p
-
-
-def _count(word: str) -> float:
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(word[-1:].upper(), 1.0)
-    return float(word[:-1] if scale != 1.0 else word) * scale
-
-
-#: Fields whose flag is not the field's name with dashes.
-_FLAGS = {"links_mbit": "--links", "peak_flops": "--peak-tflops"}
-
-
-def _flag(problem: Problem) -> str:
-    field = str(problem.loc[0]) if problem.loc else ""
-    return f"{_FLAGS.get(field, '--' + field.replace('_', '-'))}: {problem.message}"
-
-
-def assumptions_from(args: argparse.Namespace) -> Assumptions:
-    """The flags given, over the defaults; a bad value raises ``ConfigError`` naming its flag."""
-    fields = Assumptions.model_fields
-    given: dict[str, Any] = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    for flag, field, parse in (("sizes", "sizes", _count), ("links", "links_mbit", float)):
-        text = getattr(args, flag)
-        if text is not None:
-            try:
-                given[field] = tuple(parse(w.strip()) for w in text.split(",") if w.strip())
-            except ValueError as exc:
-                raise ConfigError(f"--{flag}: not a list of numbers: {text!r}") from exc
-    if args.peak_tflops is not None:
-        given["peak_flops"] = args.peak_tflops * 1e12
-    try:
-        return Assumptions(**given)
-    except ValidationError as exc:
-        raise config_error(exc, _flag) from exc
-
-
-def run(args: argparse.Namespace) -> int:
-    """Print the tables; with ``--json``, write the inputs and every row too."""
-    a = assumptions_from(args)
-    rows = project(a)
-    print(markdown(a, rows), end="")
-    if args.json_out:
-        report = {
-            "assumptions": a.model_dump(),
-            "rows": [
-                r.model_dump() | {"util": r.util, "util_overlap": r.util_overlap} for r in rows
-            ],
-        }
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json_out}")
-    return 0

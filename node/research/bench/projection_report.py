@@ -1,0 +1,175 @@
+"""``sparseloco bench project``'s tables and flags (the arithmetic is ``projection``).
+
+The SparseLoCo table, the comparison with dense DiLoCo and DDP, and, for ``--link`` profiles
+of the WAN lab, what the link adds per round besides its bytes (round trips, slow start,
+resets). Flags name the ``Assumptions`` field they set; a bad value is refused by its flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from node.research.bench.projection import Assumptions, Row, project
+from node.research.bench.wire import Link
+from protocol.errors import ConfigError, Problem, config_error
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:g} B"
+
+
+def _rate(mbit: float) -> str:
+    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+
+
+def _link(link: Link) -> str:
+    """``100 Mbit/s`` for a symmetric link without delay, else its name, rates and RTT."""
+    if link.up_mbit == link.down_mbit and not link.rtt_ms and link.reset_every_s is None:
+        return _rate(link.up_mbit)
+    return f"{link.name} ({link.up_mbit:g}/{link.down_mbit:g} Mbit/s, {link.rtt_ms:g} ms)"
+
+
+def markdown(a: Assumptions, rows: list[Row]) -> str:
+    """The SparseLoCo table, then the comparison with dense DiLoCo and DDP."""
+    out = [
+        f"G={a.peers}, H={a.inner_steps}, {a.gpus} GPUs x {a.peak_flops / 1e12:g} TFLOP/s at"
+        f" {a.mfu:.0%} MFU, {a.tokens_per_step:,} tokens per inner step per node,"
+        f" {a.bits_per_param} bits/param",
+        "",
+        "| model | link | node work | train s | up s | down s | work s | round s | util"
+        " | round s, overlap | util, overlap |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r.method.startswith("sparseloco"):
+            kind = (
+                "device (assumed)"
+                if "device" in r.method
+                else f"CPU, {a.gpus} ranks"
+                if "sharded" in r.method
+                else "CPU, one process"
+            )
+            out.append(
+                f"| {_size(r.params)} | {_link(r.link)} | {kind} | {r.train_s:,.1f}"
+                f" | {r.up_s:,.2f} | {r.down_s:,.1f} | {r.work_s:,.1f} | {r.round_s:,.1f}"
+                f" | {r.util:.1%} | {r.round_overlap_s:,.1f} | {r.util_overlap:.1%} |"
+            )
+    out += [
+        "",
+        "| model | link | method | GB moved per node and round | comm s | round s | util"
+        " | round s, overlap | util, overlap |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r.method.startswith("sparseloco, CPU work"):
+            out.append(
+                f"| {_size(r.params)} | {_link(r.link)} | {r.method}"
+                f" | {r.bytes_moved / 1e9:,.2f} | {r.comm_s:,.1f} | {r.round_s:,.1f} | {r.util:.1%}"
+                f" | {r.round_overlap_s:,.1f} | {r.util_overlap:.1%} |"
+            )
+    delayed = [r for r in rows if r.method == "sparseloco, CPU work" and r.link.rtt_ms > 0]
+    if delayed:
+        out += [
+            "",
+            "What the link adds per round besides bytes / rate (SparseLoCo, seconds):",
+            "",
+            "| model | link | round trips | slow start | resets | bytes up + down |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        out += [
+            f"| {_size(r.params)} | {_link(r.link)} | {r.requests_s:,.2f}"
+            f" | {r.slow_start_s:,.2f} | {r.resets_s:,.2f} | {r.up_s + r.down_s:,.2f} |"
+            for r in delayed
+        ]
+    return "\n".join(out) + "\n"
+
+
+def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The command's flags (defaults: ``Assumptions``); ``p`` is returned for chaining."""
+    p.add_argument("--sizes", help="parameter counts, comma-separated: 1B,8B,70B or 1e9,...")
+    p.add_argument("--links", help="link rates in Mbit/s, comma-separated (default 100,1000)")
+    p.add_argument(
+        "--link",
+        dest="lab_links",
+        help="WAN lab profiles too, comma-separated: home, office, far, flaky (rates, RTT,"
+        " resets; README benchmark 17); alone, only those",
+    )
+    p.add_argument(
+        "--parallel-downloads", type=int, help="a node's parallel GETs (default 8)"
+    )
+    p.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.4)")
+    p.add_argument("--gpus", type=int, help="GPUs per node (default 8)")
+    p.add_argument("--peak-tflops", type=float, help="one GPU's peak (default 989, H100 bf16)")
+    p.add_argument("--tokens-per-step", type=int, help="per node (default 262144)")
+    p.add_argument("--inner-steps", "-H", type=int, help="H (default 30)")
+    p.add_argument("--peers", "-G", type=int, help="G, payloads gathered (default 16)")
+    p.add_argument("--bits-per-param", type=float, help="payload size (default 0.1445)")
+    p.add_argument("--cpu-work-ns", type=float, help="node work, CPU path (default 28.5)")
+    p.add_argument("--device-work-ns", type=float, help="device path (assumed 5.0)")
+    p.add_argument(
+        "--shard-fixed-ns", type=float, help="per-rank work that does not shrink with ranks"
+    )
+    p.add_argument("--shard-scaled-ns", type=float, help="per-rank work divided by the ranks")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write inputs and rows here")
+    return p
+
+
+def _count(word: str) -> float:
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(word[-1:].upper(), 1.0)
+    return float(word[:-1] if scale != 1.0 else word) * scale
+
+
+#: Fields whose flag is not the field's name with dashes.
+_FLAGS = {"links_mbit": "--links", "peak_flops": "--peak-tflops", "profiles": "--link"}
+
+
+def _flag(problem: Problem) -> str:
+    field = str(problem.loc[0]) if problem.loc else ""
+    return f"{_FLAGS.get(field, '--' + field.replace('_', '-'))}: {problem.message}"
+
+
+def assumptions_from(args: argparse.Namespace) -> Assumptions:
+    """The flags given, over the defaults; a bad value raises ``ConfigError`` naming its flag."""
+    fields = Assumptions.model_fields
+    given: dict[str, Any] = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    for flag, field, parse in (("sizes", "sizes", _count), ("links", "links_mbit", float)):
+        text = getattr(args, flag)
+        if text is not None:
+            try:
+                given[field] = tuple(parse(w.strip()) for w in text.split(",") if w.strip())
+            except ValueError as exc:
+                raise ConfigError(f"--{flag}: not a list of numbers: {text!r}") from exc
+    if args.peak_tflops is not None:
+        given["peak_flops"] = args.peak_tflops * 1e12
+    if args.lab_links is not None:
+        given["profiles"] = tuple(w.strip() for w in args.lab_links.split(",") if w.strip())
+        given.setdefault("links_mbit", ())  # --link alone: only the profiles
+    try:
+        return Assumptions(**given)
+    except ValidationError as exc:
+        raise config_error(exc, _flag) from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the tables; with ``--json``, write the inputs and every row too."""
+    a = assumptions_from(args)
+    try:
+        rows = project(a)
+    except ValueError as exc:  # an unknown --link profile
+        raise ConfigError(f"--link: {exc}") from exc
+    print(markdown(a, rows), end="")
+    if args.json_out:
+        report = {
+            "assumptions": a.model_dump(),
+            "rows": [
+                r.model_dump() | {"util": r.util, "util_overlap": r.util_overlap} for r in rows
+            ],
+        }
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json_out}")
+    return 0

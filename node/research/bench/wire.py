@@ -1,0 +1,172 @@
+"""What a real link adds to ``bytes / rate``: round trips, slow start and resets (issue 20).
+
+``bench project`` (README benchmark 13) prices a round's transfers as ``bytes / rate`` on a
+symmetric link with no delay. A commodity link differs in four ways, each a term here, each
+zero on the old link (rate only, RTT 0, no resets), so the old numbers are unchanged:
+
+- **asymmetry**: uploads at the up rate, downloads at the down rate (home: 20 / 100 Mbit/s);
+- **sequential requests**: every request the round waits for costs a round trip before its
+  first byte. A plain round of one node, from the close of round r-1 to the close of round r
+  (``node.daemon.loop``, ``node.daemon.rounds``, ``node.daemon.upload``):
+
+      manifest of r-1 (a long-poll already waiting: the answer's one way)   0.5 RTT
+      ⌈G / parallel⌉ waves of presigned GETs (``parallel_downloads``)        1 RTT each
+      report of r-1, the round view of r, the upload grant                  3 RTT
+      the presigned PUT                                                     1 RTT
+      the submit (the last one closes the round on arrival: one way)        0.5 RTT
+
+  so ``5 + ⌈G / parallel⌉`` round trips. Connections are kept alive (aiohttp's pool), so no
+  handshake per request; heartbeats run beside the round and cost nothing on its path.
+  Overlapped (``node.daemon.overlap``), only the report of round k and the round view of k+1
+  stand between two trainings (2 RTT); the rest travels beside training with the transfers.
+- **slow start**: a connection idle for longer than its retransmission timeout starts again
+  from the initial window (Linux ``tcp_slow_start_after_idle``; between two rounds every
+  connection is idle for the whole training), 10 segments (RFC 6928), doubling each round trip
+  until it holds the bandwidth-delay product ``rate · RTT``. ``streams`` parallel connections
+  (the GETs of one wave) open ``streams`` windows at once and fill the link sooner.
+- **resets** (``flaky``): a reset breaks what is in flight; the transfer layer retries it after
+  its first backoff (``node.daemon.retry``: uniform in [0, 0.25 s], mean 0.125 s) on a new
+  connection (one round trip for the handshake, slow start again) and sends the object again
+  from its start (half an object lost on average). Expected per round: the round's length over
+  the mean interval between resets, times that cost.
+
+Jitter is left out of the mean (it averages to zero per packet); the round waits for the
+slowest node, which the measurement shows and the formula does not.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: RFC 6928's initial window, 10 segments of a 1,460-byte MSS (Linux's default since 2.6.39).
+INIT_WINDOW_BYTES = 10 * 1460
+#: Round trips on a plain round's path besides the downloads (module docstring).
+PLAIN_REQUEST_RTTS = 5.0
+#: Round trips between two trainings when transfers overlap: the report, the next round view.
+OVERLAP_PATH_RTTS = 2.0
+#: The node's default parallel GETs (``NodeSettings.parallel_downloads``).
+PARALLEL_DOWNLOADS = 8
+#: Mean of the transfer layer's first retry pause (``RetryPolicy.base_s`` 0.25, full jitter).
+FIRST_RETRY_MEAN_S = 0.125
+
+
+class Link(BaseModel):
+    """One node's link to the store and the coordinator."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    up_mbit: float = Field(gt=0.0)
+    down_mbit: float = Field(gt=0.0)
+    rtt_ms: float = Field(0.0, ge=0.0)
+    jitter_ms: float = Field(0.0, ge=0.0)
+    #: Mean seconds between resets of the node's connections; None: never.
+    reset_every_s: float | None = Field(None, gt=0.0)
+
+    @classmethod
+    def symmetric(cls, mbit: float) -> Link:
+        """``bench project --links``: the same rate both ways, no delay, no resets."""
+        return cls(name=f"{mbit:g} Mbit/s", up_mbit=mbit, down_mbit=mbit)
+
+    @property
+    def rtt_s(self) -> float:
+        return self.rtt_ms / 1e3
+
+
+def from_profile(name: str, profile: Any) -> Link:
+    """A ``Link`` from a WAN lab profile (``node.research.wan.profiles.LinkProfile``)."""
+    reset = getattr(profile, "reset_every_s", None)
+    return Link(
+        name=name,
+        up_mbit=float(profile.up_mbit),
+        down_mbit=float(profile.down_mbit),
+        rtt_ms=float(profile.rtt_ms),
+        jitter_ms=float(getattr(profile, "jitter_ms", 0.0) or 0.0),
+        reset_every_s=float(reset) if reset else None,
+    )
+
+
+def lab_links() -> dict[str, Link]:
+    """The WAN lab's profiles (home, office, far, flaky) as links."""
+    from node.research.wan.profiles import PROFILES
+
+    return {name: from_profile(name, p) for name, p in PROFILES.items()}
+
+
+def bytes_s(nbytes: float, mbit: float) -> float:
+    """``nbytes`` at ``mbit`` Mbit/s, nothing else."""
+    return nbytes * 8.0 / (mbit * 1e6)
+
+
+def slow_start_s(nbytes: float, mbit: float, rtt_s: float, streams: int = 1) -> float:
+    """What slow start adds to ``nbytes / rate`` for ``nbytes`` sent on ``streams`` idle
+    connections sharing one link of ``mbit`` Mbit/s and ``rtt_s`` round trip (0 if RTT is 0).
+
+    The first windows, ``streams · INIT_WINDOW_BYTES`` together, leave with the request (its
+    round trip is counted with the requests); each later round trip carries twice the one
+    before, until a window holds ``rate · RTT`` and the link is full. After ``j`` such round
+    trips the rest goes at the link's rate: ``j · RTT`` minus what the ``j`` windows carried.
+    """
+    if rtt_s <= 0.0 or nbytes <= 0.0:
+        return 0.0
+    rate = mbit * 1e6 / 8.0  # bytes per second
+    w0 = streams * INIT_WINDOW_BYTES
+    full = max(0, math.ceil(math.log2(rate * rtt_s / w0))) if rate * rtt_s > w0 else 0
+    rounds = min(full, math.ceil(math.log2(nbytes / w0 + 1.0)) - 1)
+    return max(rounds * rtt_s - w0 * (2.0**rounds - 1.0) / rate, 0.0)
+
+
+class WireTimes(BaseModel):
+    """One node's round on a link, split by cause (seconds); ``bytes`` terms as before."""
+
+    model_config = ConfigDict(frozen=True)
+
+    up_s: float
+    down_s: float
+    #: Round trips the round waits for (requests, the GETs' waves).
+    requests_s: float
+    slow_start_s: float
+    #: Expected seconds lost to resets in a round of ``round_s`` (see ``reset_s``).
+    reset_cost_s: float
+
+    @property
+    def comm_s(self) -> float:
+        return self.up_s + self.down_s + self.requests_s + self.slow_start_s
+
+
+def store_round(
+    link: Link, payload: float, peers: int, parallel: int = PARALLEL_DOWNLOADS
+) -> WireTimes:
+    """One payload up, ``peers`` down (``parallel`` at a time) through the store, plus the
+    round's requests: the plain round's sequential path on ``link`` (no resets yet)."""
+    waves = math.ceil(peers / parallel)
+    streams = min(peers, parallel)
+    rtt = link.rtt_s
+    slow = slow_start_s(payload, link.up_mbit, rtt) + slow_start_s(
+        peers * payload, link.down_mbit, rtt, streams
+    )
+    return WireTimes(
+        up_s=bytes_s(payload, link.up_mbit),
+        down_s=bytes_s(peers * payload, link.down_mbit),
+        requests_s=(PLAIN_REQUEST_RTTS + waves) * rtt if rtt else 0.0,
+        slow_start_s=slow,
+        reset_cost_s=0.0,
+    )
+
+
+def reset_s(link: Link, wire: WireTimes, round_s: float, payload: float) -> float:
+    """Expected seconds per round lost to resets on ``link`` in a round of ``round_s``: each
+    reset lands in a transfer with the share of the round spent transferring, and then costs
+    the first retry's pause, a handshake, slow start again and half an object resent; a reset
+    of an idle connection costs the handshake alone."""
+    if link.reset_every_s is None or round_s <= 0.0:
+        return 0.0
+    resets = round_s / link.reset_every_s
+    busy = min(1.0, wire.comm_s / round_s)
+    redo = bytes_s(payload / 2.0, link.down_mbit) + slow_start_s(
+        payload / 2.0, link.down_mbit, link.rtt_s
+    )
+    return resets * (link.rtt_s + busy * (FIRST_RETRY_MEAN_S + redo))
