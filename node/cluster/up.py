@@ -292,20 +292,13 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def up(
+def run_config(
     cfg: UpConfig,
-    on_status: Callable[[StatusView], None] | None = None,
-    *,
+    dataset: DatasetManifest | None = None,
     run_overrides: dict[str, Any] | None = None,
-    node_env: dict[str, str] | None = None,
-    node_threads: list[int] | None = None,
-) -> dict[str, Any]:
-    """Run the whole local run; its summary. ``run_overrides`` replace run config values,
-    ``node_env`` adds to every node's environment, ``node_threads[i]`` is node i's threads."""
-    shape = get_run_preset(cfg.preset).shape()
-    dataset = prepared_dataset(cfg.data, shape["model"])
-    run_dir = cfg.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
+) -> RunConfig:
+    """The run a local run of ``cfg`` starts: its preset's shape, every node a member of the
+    gather set, deadlines from ``round_timeout_s``; ``run_overrides`` replace values."""
     run = RunConfig(
         dataset=None if dataset is None else dataset.dataset_id,
         name="up",
@@ -318,12 +311,29 @@ def up(
             max_round_s=max(cfg.round_timeout_s, 15.0),
             heartbeat_timeout_s=30.0,
         ),
-        **shape,
+        **get_run_preset(cfg.preset).shape(),
         **({} if cfg.eval_every is None else {"eval_every": cfg.eval_every}),
         **({} if cfg.overlap is None else {"overlap": cfg.overlap}),
     )
     if run_overrides:
         run = RunConfig.model_validate({**run.model_dump(), **run_overrides})
+    return run
+
+
+def up(
+    cfg: UpConfig,
+    on_status: Callable[[StatusView], None] | None = None,
+    *,
+    run_overrides: dict[str, Any] | None = None,
+    node_env: dict[str, str] | None = None,
+    node_threads: list[int] | None = None,
+) -> dict[str, Any]:
+    """Run the whole local run; its summary. ``run_overrides`` replace run config values,
+    ``node_env`` adds to every node's environment, ``node_threads[i]`` is node i's threads."""
+    dataset = prepared_dataset(cfg.data, get_run_preset(cfg.preset).model)
+    run_dir = cfg.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = run_config(cfg, dataset, run_overrides)
     store = EmbeddedStore(run_dir / "store")
     procs: list[Process] = []
     t0 = time.monotonic()
@@ -373,7 +383,7 @@ def up(
             for i, (name, token) in enumerate(tokens.items())
         ]
         procs += nodes
-        status = _watch(url, nodes, on_status)
+        status = watch(url, nodes, on_status)
         for node in nodes:
             code = node.stop()
             if code != 0:
@@ -409,7 +419,7 @@ def prepared_dataset(data: str | None, model: str) -> DatasetManifest | None:
     return manifest
 
 
-def _watch(
+def watch(
     url: str, nodes: list[Process], on_status: Callable[[StatusView], None] | None
 ) -> StatusView:
     """Poll the coordinator until the run finishes and every node has exited."""

@@ -10,7 +10,8 @@ pass/fail).
 - ``project``: round time and utilisation projected to 1-70 B parameters (``projection``);
 - ``sweep``: SparseLoCo's loss over H and k at equal tokens (``sweep``);
 - ``node-work``: the node's own work per round and rank, memory per rank (``node_work``);
-- ``speed``: the node's training speed round by round beside ``simulate``'s (``speed``).
+- ``speed``: the node's training speed round by round beside ``simulate``'s (``speed``);
+- ``wan``: round time and utilisation across the WAN lab beside the projection (``wan``).
 
 Each module is imported only when its command runs, so ``--help`` stays fast.
 """
@@ -25,7 +26,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     bench = p.add_subparsers(
         dest="bench",
         required=True,
-        metavar="{codec,quality,robust,round,overlap,coordinator,project,sweep,node-work,speed}",
+        metavar="{codec,quality,robust,round,overlap,coordinator,project,sweep,node-work,speed,wan}",
     )
     c = bench.add_parser("codec", help="payload size, encode and decode+aggregate speed, memory")
     c.add_argument("--preset", default="base", help="model whose shapes are encoded")
@@ -111,6 +112,23 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--dir", dest="run_dir", help="run folder (default: runs/speed-<time>)")
     v.add_argument("--json", dest="json_out", metavar="OUT")
     v.set_defaults(func=_cmd_bench_speed)
+    wan = bench.add_parser(
+        "wan",
+        help="round time and utilisation across the emulated WAN (root: network namespaces),"
+        " plain and overlapped, beside bench project's prediction for the same link",
+    )
+    wan.add_argument(
+        "--profiles",
+        default="lan,home,office,far,flaky",
+        help="link profiles, every node on the same one (lan: the lab without delay)",
+    )
+    wan.add_argument("--models", default="small,base", help="small (0.44 M), base (10.8 M)")
+    wan.add_argument("--schedules", default="plain,overlap", help="plain, overlap (eager)")
+    wan.add_argument("--nodes", type=int, default=3)
+    wan.add_argument("--rounds", type=int, default=6, help="steady rounds are 2 .. R-2")
+    wan.add_argument("--dir", dest="run_dir", help="run folders (default: runs/bench-wan)")
+    wan.add_argument("--json", dest="json_out", metavar="OUT")
+    wan.set_defaults(func=_cmd_bench_wan)
 
 
 def node_work_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -228,3 +246,21 @@ def _cmd_bench_sweep(args: argparse.Namespace) -> int:
     from node.research.bench.sweep import run
 
     return run(args)
+
+
+def _cmd_bench_wan(args: argparse.Namespace) -> int:
+    from node.research.bench.wan import run
+
+    def words(text: str) -> list[str]:
+        return [w.strip() for w in text.split(",") if w.strip()]
+
+    run(
+        args.json_out,
+        profile_names=words(args.profiles),
+        models=words(args.models),
+        schedules=words(args.schedules),
+        nodes=args.nodes,
+        rounds=args.rounds,
+        run_dir=args.run_dir,
+    )
+    return 0

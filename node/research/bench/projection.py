@@ -283,16 +283,16 @@ def links_of(a: Assumptions) -> list[Link]:
     return [Link.symmetric(m) for m in a.links_mbit] + [named[name] for name in a.profiles]
 
 
-def project(a: Assumptions | None = None) -> list[Row]:
+def project(a: Assumptions | None = None, links: list[Link] | None = None) -> list[Row]:
     """Every (size, link, method) row: SparseLoCo three times (one CPU process, the CPU work
-    sharded over the node's ranks, device work), then the dense ones."""
+    sharded over the node's ranks, device work), then the dense ones. ``links`` replaces the
+    links the assumptions name."""
     a = a or Assumptions()
     rows: list[Row] = []
     for n in a.sizes:
-        for link in links_of(a):
+        for link in links if links is not None else links_of(a):
             rows += [_sparse(a, n, link, kind) for kind in ("cpu", "sharded", "device")]
             rows.append(_ring(a, n, link, "DiLoCo fp32, ring all-reduce"))
             rows.append(_store_row(a, n, link, "DiLoCo bf16, via the store", 2.0 * n))
             rows.append(_ring(a, n, link, "DDP bf16, all-reduce per step"))
     return rows
-

@@ -96,12 +96,11 @@ def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--link",
         dest="lab_links",
+        metavar="PROFILES",
         help="WAN lab profiles too, comma-separated: home, office, far, flaky (rates, RTT,"
         " resets; README benchmark 17); alone, only those",
     )
-    p.add_argument(
-        "--parallel-downloads", type=int, help="a node's parallel GETs (default 8)"
-    )
+    p.add_argument("--parallel-downloads", type=int, help="a node's parallel GETs (default 8)")
     p.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.4)")
     p.add_argument("--gpus", type=int, help="GPUs per node (default 8)")
     p.add_argument("--peak-tflops", type=float, help="one GPU's peak (default 989, H100 bf16)")

@@ -158,15 +158,18 @@ def store_round(
 
 
 def reset_s(link: Link, wire: WireTimes, round_s: float, payload: float) -> float:
-    """Expected seconds per round lost to resets on ``link`` in a round of ``round_s``: each
-    reset lands in a transfer with the share of the round spent transferring, and then costs
-    the first retry's pause, a handshake, slow start again and half an object resent; a reset
-    of an idle connection costs the handshake alone."""
+    """Expected seconds per round lost to resets on ``link`` in a round of ``round_s``.
+
+    A reset lands in a transfer with the share of the round spent transferring; it then costs
+    the first retry's pause, a new connection's handshake, and half an object sent again with
+    slow start from the start (uploads and downloads weighted by their time). A reset of an
+    idle kept-alive connection costs the next request on it a handshake and the pause.
+    """
     if link.reset_every_s is None or round_s <= 0.0:
         return 0.0
-    resets = round_s / link.reset_every_s
+    half, rtt = payload / 2.0, link.rtt_s
+    moving = wire.up_s + wire.down_s
+    redo = [bytes_s(half, m) + slow_start_s(half, m, rtt) for m in (link.up_mbit, link.down_mbit)]
+    lost = (wire.up_s * redo[0] + wire.down_s * redo[1]) / moving if moving > 0 else 0.0
     busy = min(1.0, wire.comm_s / round_s)
-    redo = bytes_s(payload / 2.0, link.down_mbit) + slow_start_s(
-        payload / 2.0, link.down_mbit, link.rtt_s
-    )
-    return resets * (link.rtt_s + busy * (FIRST_RETRY_MEAN_S + redo))
+    return round_s / link.reset_every_s * (rtt + FIRST_RETRY_MEAN_S + busy * lost)

@@ -1,0 +1,209 @@
+"""``sparseloco bench wan``: round time and utilisation across the WAN lab, beside the projection.
+
+For each link profile, model and schedule (plain, overlapped with ``overlap = "eager"``), one
+real short run (``node.research.wan.cluster.run_in_lab``): store and coordinator in the lab's
+server namespace, N node processes each behind the profile (all nodes on the same one, so the
+round is the profile's, not a mix's). From the run's summary, over the steady rounds (round 0
+loads the compiled codec and evaluates, round 1 carries round 0's first decode and apply, the
+last round has nothing to overlap with, so rounds 2 .. R-2):
+
+- **measured**: the mean round duration (the coordinator's, open to close) and utilisation,
+  training seconds over wall seconds per node, then the mean over nodes
+  (``node.research.bench.utilisation``);
+- **projected**: ``projection.on_link`` for the same link with the measured inputs plugged in:
+  training seconds and the node's own work (encode, decode, aggregate+apply, save) of the
+  slowest node each round (the round waits for it), the payload's bytes and the gather size;
+  utilisation is the nodes' mean training over that round, as measured.
+
+The ratio measured / projected is what README benchmark 17 diagnoses. Besides, per run, the
+medians of the node's ``upload`` (grant + PUT), ``download`` (the GETs) and ``wait`` (submit to
+manifest) phases, the relays' resets and the load average, for the diagnosis.
+
+``lan`` is an extra profile, not the issue's: 1 Gbit/s both ways and no delay, through the same
+namespaces, veths and relays, so its gap is the lab's and the machine's, not a link's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from node.cluster.up import UpConfig
+from node.research.bench.projection import on_link
+from node.research.bench.utilisation import utilisation
+from node.research.bench.wire import Link, from_profile
+
+log = logging.getLogger("sparseloco.bench.wan")
+
+#: Model sizes: a run preset and what the benchmark changes in it to train in seconds on a
+#: shared 2-core CPU. ``small`` (0.44 M parameters, a payload of about 8 KB: round trips
+#: dominate); ``base`` (10.8 M, about 183 KB: a tenth of a second on a 20 Mbit/s uplink, with
+#: H = 2 and batch 2 so that a round trains about as long as ``small``'s).
+MODELS: dict[str, tuple[str, dict[str, int]]] = {
+    "small": ("small", {"inner_steps": 10}),
+    "base": ("base", {"inner_steps": 2, "batch_size": 2}),
+}
+#: The node's own work beside training, as ``bench round`` counts it (no network, no waits).
+WORK = ("encode", "decode", "aggregate_apply", "save")
+#: Of that, what overlap moves beside training: the payload checks (README benchmark 13).
+FREE = ("decode",)
+#: Steady rounds start here (module docstring).
+FIRST_STEADY = 2
+
+
+def profiles(names: list[str]) -> dict[str, Any]:
+    """The lab's profiles by name, plus ``lan`` (the lab without a link's delay)."""
+    from node.research.wan.profiles import PROFILES, LinkProfile
+
+    known = {"lan": LinkProfile("lan", up_mbit=1000, down_mbit=1000, rtt_ms=0), **PROFILES}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown profile {unknown[0]!r}; choose from {', '.join(known)}")
+    return {n: known[n] for n in names}
+
+
+def _steady(result: dict[str, Any]) -> list[dict[str, Any]]:
+    rounds = sorted(result["rounds"], key=lambda e: e["round"])
+    return rounds[FIRST_STEADY:-1]
+
+
+def measured_inputs(result: dict[str, Any]) -> dict[str, float]:
+    """The projection's inputs as the run measured them, means over the steady rounds."""
+    rounds = _steady(result)
+    if not rounds:
+        raise ValueError(f"no steady rounds: run at least {FIRST_STEADY + 2} rounds")
+
+    def slowest(phases: tuple[str, ...], entry: dict[str, Any]) -> float:
+        return max(sum(t.get(p, 0.0) for p in phases) for t in entry["timings"].values())
+
+    def median(phase: str) -> float:
+        values = [t[phase] for e in rounds for t in e["timings"].values() if phase in t]
+        return statistics.median(values) if values else 0.0
+
+    nodes = [max(1, len(e["timings"])) for e in rounds]
+    return {
+        "train_s": statistics.fmean(slowest(("train",), e) for e in rounds),
+        "work_s": statistics.fmean(slowest(WORK, e) for e in rounds),
+        "free_s": statistics.fmean(slowest(FREE, e) for e in rounds),
+        "payload_bytes": statistics.fmean(
+            e["bytes_up"] / n for e, n in zip(rounds, nodes, strict=True)
+        ),
+        "peers": statistics.median(len(e["gather"]) for e in rounds),
+        "upload_s": median("upload"),
+        "download_s": median("download"),
+        "wait_s": median("wait"),
+    }
+
+
+def compare(result: dict[str, Any], link: Link, overlapped: bool) -> dict[str, Any]:
+    """Measured round and utilisation of one run beside the projection for ``link``."""
+    inputs = measured_inputs(result)
+    measured = utilisation(
+        {**result, "rounds": sorted(result["rounds"], key=lambda e: e["round"])[FIRST_STEADY - 1 :]}
+    )
+    wire, plain, overlap = on_link(
+        link,
+        train_s=inputs["train_s"],
+        work_s=inputs["work_s"],
+        path_s=inputs["work_s"] - inputs["free_s"],
+        payload=inputs["payload_bytes"],
+        peers=round(inputs["peers"]),
+    )
+    projected = overlap if overlapped else plain
+    return {
+        "inputs": inputs,
+        "wire": wire.model_dump(),
+        "measured_round_s": measured["round_s"],
+        "measured_util": measured["utilisation"],
+        "projected_round_s": projected,
+        "projected_util": measured["train_s"] / projected,
+        "ratio": measured["round_s"] / projected,
+    }
+
+
+def run(
+    json_out: str | None,
+    *,
+    profile_names: list[str],
+    models: list[str],
+    schedules: list[str],
+    nodes: int,
+    rounds: int,
+    run_dir: str | None,
+) -> dict[str, Any]:
+    """Every (profile, model, schedule) run in turn; prints the table, returns the report."""
+    from node.research.wan.cluster import run_in_lab
+
+    if rounds < FIRST_STEADY + 2:
+        raise ValueError(f"--rounds must be at least {FIRST_STEADY + 2} (steady rounds 2..R-2)")
+    unknown = [m for m in models if m not in MODELS] + [
+        s for s in schedules if s not in ("plain", "overlap")
+    ]
+    if unknown:
+        raise ValueError(f"unknown model or schedule {unknown[0]!r}")
+    chosen = profiles(profile_names)
+    root = Path(run_dir) if run_dir else Path("runs") / "bench-wan"
+    rows = []
+    for name, profile in chosen.items():
+        for model in models:
+            preset, overrides = MODELS[model]
+            for schedule in schedules:
+                tag = f"{name}-{model}-{schedule}"
+                log.info("event=bench_wan_run run=%s", tag)
+                load_before = os.getloadavg()[0]
+                cfg = UpConfig(
+                    nodes=nodes,
+                    rounds=rounds,
+                    preset=preset,
+                    run_dir=root / tag,
+                    round_timeout_s=300.0,
+                    eval_every=10_000,  # only the last round evaluates: no eval in steady rounds
+                    overlap="eager" if schedule == "overlap" else None,
+                )
+                result = run_in_lab(cfg, [profile], run_overrides=overrides)
+                row = compare(result, from_profile(name, profile), schedule == "overlap")
+                row |= {
+                    "profile": name,
+                    "model": model,
+                    "schedule": schedule,
+                    "load": [load_before, os.getloadavg()[0]],
+                    "resets": sum(result["resets"].values()),
+                    "fingerprints_agree": result["fingerprints_agree"],
+                    "rounds": result["rounds"],
+                }
+                rows.append(row)
+                print(markdown_row(row), flush=True)
+    report = {"nodes": nodes, "rounds": rounds, "models": MODELS, "rows": rows}
+    print(markdown(rows))
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_out}")
+    return report
+
+
+HEADER = (
+    "| profile | model | schedule | measured round s | projected round s | measured/projected"
+    " | measured util | projected util | train s | work s | payload KB | upload s | download s"
+    " | wait s | resets | load |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def markdown_row(r: dict[str, Any]) -> str:
+    i = r["inputs"]
+    return (
+        f"| {r['profile']} | {r['model']} | {r['schedule']} | {r['measured_round_s']:.2f}"
+        f" | {r['projected_round_s']:.2f} | {r['ratio']:.2f} | {r['measured_util']:.1%}"
+        f" | {r['projected_util']:.1%} | {i['train_s']:.2f} | {i['work_s']:.2f}"
+        f" | {i['payload_bytes'] / 1e3:.0f} | {i['upload_s']:.2f} | {i['download_s']:.2f}"
+        f" | {i['wait_s']:.2f} | {r['resets']} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
+    )
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    return "\n".join([HEADER, *(markdown_row(r) for r in rows)])
