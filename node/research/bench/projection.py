@@ -74,6 +74,9 @@ class Assumptions(BaseModel):
     profiles: tuple[str, ...] = ()
     #: Parallel GETs of a node (``NodeSettings.parallel_downloads``): ⌈G / this⌉ waves.
     parallel_downloads: int = Field(PARALLEL_DOWNLOADS, ge=1)
+    #: Bytes a reset makes a transfer send again at most (multipart parts, ranged resumes);
+    #: None: the whole object, as a single PUT or GET does.
+    resume_bytes: float | None = Field(None, gt=0.0)
     #: G: payloads downloaded per round (issue 11's assumption).
     peers: int = Field(16, ge=1)
     #: H: inner steps per round (issue 11's assumption; README benchmark 3 runs H=30 too).
@@ -178,13 +181,14 @@ def on_link(
     payload: float,
     peers: int,
     parallel: int = PARALLEL_DOWNLOADS,
+    resume_bytes: float | None = None,
 ) -> tuple[WireTimes, float, float]:
     """One node's round through the store on ``link``: the wire's terms, the round plain and
     the round overlapped (module docstring). ``path_s`` is the work that stays between two
     trainings under overlap. ``bench wan`` calls this with measured inputs."""
     wire = store_round(link, payload, peers, parallel)
     plain = train_s + work_s + wire.comm_s
-    resets = reset_s(link, wire, plain, payload)
+    resets = reset_s(link, wire, plain, payload, resume_bytes)
     between = OVERLAP_PATH_RTTS * link.rtt_s
     overlap = max(train_s + between, wire.comm_s - between) + path_s + resets
     return wire.model_copy(update={"reset_cost_s": resets}), plain + resets, overlap
@@ -229,6 +233,7 @@ def _store_row(
         payload=payload,
         peers=a.peers,
         parallel=a.parallel_downloads,
+        resume_bytes=a.resume_bytes,
     )
     return Row(
         params=n,

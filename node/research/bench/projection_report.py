@@ -19,6 +19,19 @@ from node.research.bench.wire import Link
 from protocol.errors import ConfigError, Problem, config_error
 
 
+#: Seconds from which a round is shown as never ending (an object that a reset restarts
+#: faster than it can arrive, ``wire.restarted_s``).
+NEVER_S = 1e7
+
+
+def _s(seconds: float, digits: int = 1) -> str:
+    return "never" if seconds >= NEVER_S else f"{seconds:,.{digits}f}"
+
+
+def _share(train_s: float, round_s: float) -> str:
+    return "0%" if round_s >= NEVER_S else f"{train_s / round_s:.1%}"
+
+
 def _size(n: float) -> str:
     return f"{n / 1e9:g} B"
 
@@ -56,8 +69,9 @@ def markdown(a: Assumptions, rows: list[Row]) -> str:
             )
             out.append(
                 f"| {_size(r.params)} | {_link(r.link)} | {kind} | {r.train_s:,.1f}"
-                f" | {r.up_s:,.2f} | {r.down_s:,.1f} | {r.work_s:,.1f} | {r.round_s:,.1f}"
-                f" | {r.util:.1%} | {r.round_overlap_s:,.1f} | {r.util_overlap:.1%} |"
+                f" | {r.up_s:,.2f} | {r.down_s:,.1f} | {r.work_s:,.1f} | {_s(r.round_s)}"
+                f" | {_share(r.train_s, r.round_s)} | {_s(r.round_overlap_s)}"
+                f" | {_share(r.train_s, r.round_overlap_s)} |"
             )
     out += [
         "",
@@ -69,8 +83,9 @@ def markdown(a: Assumptions, rows: list[Row]) -> str:
         if not r.method.startswith("sparseloco, CPU work"):
             out.append(
                 f"| {_size(r.params)} | {_link(r.link)} | {r.method}"
-                f" | {r.bytes_moved / 1e9:,.2f} | {r.comm_s:,.1f} | {r.round_s:,.1f} | {r.util:.1%}"
-                f" | {r.round_overlap_s:,.1f} | {r.util_overlap:.1%} |"
+                f" | {r.bytes_moved / 1e9:,.2f} | {r.comm_s:,.1f} | {_s(r.round_s)}"
+                f" | {_share(r.train_s, r.round_s)} | {_s(r.round_overlap_s)}"
+                f" | {_share(r.train_s, r.round_overlap_s)} |"
             )
     delayed = [r for r in rows if r.method == "sparseloco, CPU work" and r.link.rtt_ms > 0]
     if delayed:
@@ -83,7 +98,7 @@ def markdown(a: Assumptions, rows: list[Row]) -> str:
         ]
         out += [
             f"| {_size(r.params)} | {_link(r.link)} | {r.requests_s:,.2f}"
-            f" | {r.slow_start_s:,.2f} | {r.resets_s:,.2f} | {r.up_s + r.down_s:,.2f} |"
+            f" | {r.slow_start_s:,.2f} | {_s(r.resets_s, 2)} | {r.up_s + r.down_s:,.2f} |"
             for r in delayed
         ]
     return "\n".join(out) + "\n"
@@ -101,6 +116,12 @@ def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         " resets; README benchmark 17); alone, only those",
     )
     p.add_argument("--parallel-downloads", type=int, help="a node's parallel GETs (default 8)")
+    p.add_argument(
+        "--resume-bytes",
+        type=float,
+        help="bytes a reset makes a transfer send again at most (multipart parts, ranged"
+        " resumes; default: the whole object)",
+    )
     p.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.4)")
     p.add_argument("--gpus", type=int, help="GPUs per node (default 8)")
     p.add_argument("--peak-tflops", type=float, help="one GPU's peak (default 989, H100 bf16)")

@@ -51,6 +51,8 @@ OVERLAP_PATH_RTTS = 2.0
 PARALLEL_DOWNLOADS = 8
 #: Mean of the transfer layer's first retry pause (``RetryPolicy.base_s`` 0.25, full jitter).
 FIRST_RETRY_MEAN_S = 0.125
+#: Beyond e^this the expected time of a restarted transfer is "never" (and a float overflows).
+MAX_EXPONENT = 700.0
 
 
 class Link(BaseModel):
@@ -128,12 +130,21 @@ class WireTimes(BaseModel):
     down_s: float
     #: Round trips the round waits for (requests, the GETs' waves).
     requests_s: float
-    slow_start_s: float
-    #: Expected seconds lost to resets in a round of ``round_s`` (see ``reset_s``).
-    reset_cost_s: float
+    #: Slow start of the PUT and of the GETs.
+    slow_up_s: float
+    slow_down_s: float
+    #: Sequential waves of GETs (``⌈G / parallel⌉``).
+    waves: int
+    #: Expected seconds lost to resets in a round (``reset_s``); 0 until priced.
+    reset_cost_s: float = 0.0
+
+    @property
+    def slow_start_s(self) -> float:
+        return self.slow_up_s + self.slow_down_s
 
     @property
     def comm_s(self) -> float:
+        """The round's time on the wire without resets."""
         return self.up_s + self.down_s + self.requests_s + self.slow_start_s
 
 
@@ -143,33 +154,53 @@ def store_round(
     """One payload up, ``peers`` down (``parallel`` at a time) through the store, plus the
     round's requests: the plain round's sequential path on ``link`` (no resets yet)."""
     waves = math.ceil(peers / parallel)
-    streams = min(peers, parallel)
     rtt = link.rtt_s
-    slow = slow_start_s(payload, link.up_mbit, rtt) + slow_start_s(
-        peers * payload, link.down_mbit, rtt, streams
-    )
     return WireTimes(
         up_s=bytes_s(payload, link.up_mbit),
         down_s=bytes_s(peers * payload, link.down_mbit),
         requests_s=(PLAIN_REQUEST_RTTS + waves) * rtt if rtt else 0.0,
-        slow_start_s=slow,
-        reset_cost_s=0.0,
+        slow_up_s=slow_start_s(payload, link.up_mbit, rtt),
+        slow_down_s=slow_start_s(peers * payload, link.down_mbit, rtt, min(peers, parallel)),
+        waves=waves,
     )
 
 
-def reset_s(link: Link, wire: WireTimes, round_s: float, payload: float) -> float:
+def restarted_s(seconds: float, per_s: float, penalty_s: float) -> float:
+    """Expected extra seconds of a transfer that takes ``seconds`` undisturbed when resets
+    arrive at random (``per_s`` a second, a Poisson process) and each one restarts it from its
+    start after ``penalty_s``: ``(e^{λt} − 1)(1/λ + c) − t``. About ``λt²/2 + λtc`` while
+    ``λt`` is small (half the transfer lost per reset); it grows exponentially beyond: an
+    object that takes much longer than the mean time between resets never arrives whole.
+    """
+    if per_s <= 0.0 or seconds <= 0.0:
+        return 0.0
+    if per_s * seconds > MAX_EXPONENT:
+        return math.inf
+    return math.expm1(per_s * seconds) * (1.0 / per_s + penalty_s) - seconds
+
+
+def reset_s(
+    link: Link, wire: WireTimes, round_s: float, payload: float, resume_bytes: float | None = None
+) -> float:
     """Expected seconds per round lost to resets on ``link`` in a round of ``round_s``.
 
-    A reset lands in a transfer with the share of the round spent transferring; it then costs
-    the first retry's pause, a new connection's handshake, and half an object sent again with
-    slow start from the start (uploads and downloads weighted by their time). A reset of an
-    idle kept-alive connection costs the next request on it a handshake and the pause.
+    A reset of a transfer in flight costs the first retry's pause and a new connection's
+    handshake, and the object starts again from its first byte (``restarted_s``: the PUT,
+    and each wave of GETs, whose streams all wait for the slowest), or, with ``resume_bytes``
+    (multipart parts retried alone, ranged GETs resumed), only the piece of at most that many
+    bytes in flight. A reset of an idle kept-alive connection costs the next request on it
+    the pause and the handshake.
     """
     if link.reset_every_s is None or round_s <= 0.0:
         return 0.0
-    half, rtt = payload / 2.0, link.rtt_s
-    moving = wire.up_s + wire.down_s
-    redo = [bytes_s(half, m) + slow_start_s(half, m, rtt) for m in (link.up_mbit, link.down_mbit)]
-    lost = (wire.up_s * redo[0] + wire.down_s * redo[1]) / moving if moving > 0 else 0.0
-    busy = min(1.0, wire.comm_s / round_s)
-    return round_s / link.reset_every_s * (rtt + FIRST_RETRY_MEAN_S + busy * lost)
+    per_s, penalty, rtt = 1.0 / link.reset_every_s, FIRST_RETRY_MEAN_S + link.rtt_s, link.rtt_s
+    pieces = 1 if resume_bytes is None else max(1, math.ceil(payload / resume_bytes))
+
+    def lost(seconds: float) -> float:
+        return pieces * restarted_s(seconds / pieces, per_s, penalty)
+
+    put = wire.up_s + wire.slow_up_s
+    wave = (wire.down_s + wire.slow_down_s) / wire.waves
+    moving = put + wire.waves * wave + (1 + wire.waves) * rtt
+    idle = max(round_s - moving, 0.0) * per_s * penalty
+    return lost(put + rtt) + wire.waves * lost(wave + rtt) + idle

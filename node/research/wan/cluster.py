@@ -48,6 +48,9 @@ log = logging.getLogger("sparseloco.wan.cluster")
 #: Every address of the server namespace: relays reach it by its bridge address, the server's
 #: own processes by the service address.
 ANY_ADDRESS = "0.0.0.0"
+#: The lab's addresses are private to this machine: plain HTTP to the service address is what
+#: a node on a trusted private network is allowed with ``--allow-insecure-http``.
+LAB_ENV = {"SPARSELOCO_NODE_ALLOW_INSECURE_HTTP": "1"}
 
 
 def run_in_lab(
@@ -107,7 +110,7 @@ def run_in_lab(
                             run_dir / "nodes" / name,
                             run_dir / "logs" / f"{name}.log",
                             cfg.data,
-                            extra_env=node_env,
+                            extra_env={**LAB_ENV, **(node_env or {})},
                             limits=(cfg.upload_limit, cfg.download_limit),
                             device=cfg.node_device(i),
                             threads=cfg.threads,
