@@ -18,7 +18,6 @@ from node.research.bench.projection import Assumptions, Row, project
 from node.research.bench.wire import Link
 from protocol.errors import ConfigError, Problem, config_error
 
-
 #: Seconds from which a round is shown as never ending (an object that a reset restarts
 #: faster than it can arrive, ``wire.restarted_s``).
 NEVER_S = 1e7

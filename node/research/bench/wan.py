@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from node.cluster.up import UpConfig
+from node.errors import UpError
 from node.research.bench.projection import on_link
 from node.research.bench.utilisation import utilisation
 from node.research.bench.wire import Link, from_profile
@@ -164,12 +165,16 @@ def run(
                     eval_every=10_000,  # only the last round evaluates: no eval in steady rounds
                     overlap="eager" if schedule == "overlap" else None,
                 )
-                result = run_in_lab(cfg, [profile], run_overrides=overrides)
-                row = compare(result, from_profile(name, profile), schedule == "overlap")
+                row: dict[str, Any] = {"profile": name, "model": model, "schedule": schedule}
+                try:
+                    result = run_in_lab(cfg, [profile], run_overrides=overrides)
+                except UpError as exc:  # one failed run is a row that says so, not the end
+                    log.warning("event=bench_wan_failed run=%s error=%r", tag, str(exc)[:500])
+                    rows.append(row | {"error": str(exc)})
+                    print(f"| {name} | {model} | {schedule} | failed: {str(exc)[:80]!r} |")
+                    continue
+                row |= compare(result, from_profile(name, profile), schedule == "overlap")
                 row |= {
-                    "profile": name,
-                    "model": model,
-                    "schedule": schedule,
                     "load": [load_before, os.getloadavg()[0]],
                     "resets": sum(result["resets"].values()),
                     "fingerprints_agree": result["fingerprints_agree"],
@@ -206,4 +211,6 @@ def markdown_row(r: dict[str, Any]) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    return "\n".join([HEADER, *(markdown_row(r) for r in rows)])
+    done = [r for r in rows if "error" not in r]
+    failed = [f"failed: {r['profile']} {r['model']} {r['schedule']}" for r in rows if "error" in r]
+    return "\n".join([HEADER, *(markdown_row(r) for r in done), *failed])
