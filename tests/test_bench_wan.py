@@ -42,6 +42,8 @@ def test_the_inputs_are_the_slowest_node_over_rounds_two_to_the_one_before_last(
     assert inputs["work_s"] == pytest.approx(0.2) and inputs["free_s"] == pytest.approx(0.05)
     assert inputs["payload_bytes"] == 10_000 and inputs["peers"] == 2
     assert inputs["upload_s"] == pytest.approx(0.2)
+    # Overlapped, a slow round is caught up in the next: the slowest node's mean, 2 s here.
+    assert measured_inputs(result, overlapped=True)["train_s"] == pytest.approx(2.0)
 
 
 def test_on_a_link_without_delay_the_projection_is_training_work_and_bytes() -> None:

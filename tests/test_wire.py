@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from node.research.bench.projection import Assumptions, on_link, project
+from node.research.bench.projection import Assumptions, Row, on_link, project
 from node.research.bench.wire import (
     INIT_WINDOW_BYTES,
     OVERLAP_PATH_RTTS,
@@ -95,8 +95,8 @@ def test_overlap_never_slower_than_plain_on_any_link() -> None:
 def test_dense_ring_pays_a_round_trip_per_hop_and_ddp_one_ring_per_step() -> None:
     a = Assumptions(sizes=(1e9,), peers=4, inner_steps=10)
     flat = Link(name="flat", up_mbit=50, down_mbit=50)
-    flat_rows = {r.method: r for r in project(a, [flat])}
-    far_rows = {r.method: r for r in project(a, [FAR])}
+    flat_rows: dict[str, Row] = {r.method: r for r in project(a, [flat])}
+    far_rows: dict[str, Row] = {r.method: r for r in project(a, [FAR])}
     hops = 2 * (4 - 1) * 0.150
     ring, ddp = "DiLoCo fp32, ring all-reduce", "DDP bf16, all-reduce per step"
     assert far_rows[ring].comm_s - flat_rows[ring].comm_s == pytest.approx(hops)

@@ -12,7 +12,7 @@ last round has nothing to overlap with, so rounds 2 .. R-2):
   (``node.research.bench.utilisation``);
 - **projected**: ``projection.on_link`` for the same link with the measured inputs plugged in:
   training seconds and the node's own work (encode, decode, aggregate+apply, save) of the
-  slowest node each round (the round waits for it), the payload's bytes and the gather size;
+  slowest node (``measured_inputs``), the payload's bytes and the gather size;
   utilisation is the nodes' mean training over that round, as measured.
 
 The ratio measured / projected is what README benchmark 17 diagnoses. Besides, per run, the
@@ -72,14 +72,26 @@ def _steady(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rounds[FIRST_STEADY:-1]
 
 
-def measured_inputs(result: dict[str, Any]) -> dict[str, float]:
-    """The projection's inputs as the run measured them, means over the steady rounds."""
+def measured_inputs(result: dict[str, Any], overlapped: bool = False) -> dict[str, float]:
+    """The projection's inputs as the run measured them over the steady rounds.
+
+    Plain, every round waits for its slowest node: training and work are the mean over rounds
+    of the slowest node's. Overlapped, a node that trained slowly in one round catches up in
+    the next (it trains while it waits), so the run goes at the pace of the node slowest on
+    average: the largest of the nodes' means.
+    """
     rounds = _steady(result)
     if not rounds:
         raise ValueError(f"no steady rounds: run at least {FIRST_STEADY + 2} rounds")
 
-    def slowest(phases: tuple[str, ...], entry: dict[str, Any]) -> float:
-        return max(sum(t.get(p, 0.0) for p in phases) for t in entry["timings"].values())
+    def seconds(phases: tuple[str, ...]) -> float:
+        per_round = [
+            {n: sum(t.get(p, 0.0) for p in phases) for n, t in e["timings"].items()} for e in rounds
+        ]
+        if not overlapped:
+            return statistics.fmean(max(r.values()) for r in per_round)
+        nodes = {n for r in per_round for n in r}
+        return max(statistics.fmean(r[n] for r in per_round if n in r) for n in nodes)
 
     def median(phase: str) -> float:
         values = [t[phase] for e in rounds for t in e["timings"].values() if phase in t]
@@ -87,9 +99,9 @@ def measured_inputs(result: dict[str, Any]) -> dict[str, float]:
 
     nodes = [max(1, len(e["timings"])) for e in rounds]
     return {
-        "train_s": statistics.fmean(slowest(("train",), e) for e in rounds),
-        "work_s": statistics.fmean(slowest(WORK, e) for e in rounds),
-        "free_s": statistics.fmean(slowest(FREE, e) for e in rounds),
+        "train_s": seconds(("train",)),
+        "work_s": seconds(WORK),
+        "free_s": seconds(FREE),
         "payload_bytes": statistics.fmean(
             e["bytes_up"] / n for e, n in zip(rounds, nodes, strict=True)
         ),
@@ -102,7 +114,7 @@ def measured_inputs(result: dict[str, Any]) -> dict[str, float]:
 
 def compare(result: dict[str, Any], link: Link, overlapped: bool) -> dict[str, Any]:
     """Measured round and utilisation of one run beside the projection for ``link``."""
-    inputs = measured_inputs(result)
+    inputs = measured_inputs(result, overlapped)
     measured = utilisation(
         {**result, "rounds": sorted(result["rounds"], key=lambda e: e["round"])[FIRST_STEADY - 1 :]}
     )
