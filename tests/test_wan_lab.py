@@ -130,8 +130,7 @@ def test_the_lab_shapes_each_link_as_its_profile(tmp_path: Path) -> None:
         up = measure.upload_mbit(lab, home, probe.port, 3_000_000)
         down = measure.download_mbit(lab, home, probe.port, 8_000_000)
         trips = {h.name: measure.round_trips(lab, h, probe.port, 5) for h in (home, far)}
-        # A reset may be pending from before (no connection was open): the first connection
-        # takes it; the second lives until the next one, 0.5-1.5 s later.
+        # Two connections in turn, each held until a reset ends it (0.5-1.5 s on average).
         lived = [measure.held_until_reset(lab, flaky, probe.port, limit_s=10.0) for _ in "ab"]
         rtt = {name: statistics.median(times) for name, (_, times) in trips.items()}
         print(

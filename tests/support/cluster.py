@@ -9,6 +9,7 @@ fixture calls it even when the test fails.
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import urllib.error
@@ -28,6 +29,8 @@ from protocol.signing import public_key_hex
 
 #: Safety net for any single wait; a healthy tiny run needs a small fraction of it.
 WAIT_S = 240.0
+#: A node's log line for a round it applied: the round and the fingerprint of θ after it.
+APPLIED = r"event=applied node=\S+ .*?applied_round=(\d+) .*?fingerprint=(\w+)"
 
 
 class Cluster:
@@ -120,6 +123,16 @@ class Cluster:
         key = load_pem_private_key(pem, None)
         assert isinstance(key, Ed25519PrivateKey)
         return public_key_hex(key)
+
+    def applied_fingerprints(self, node: str) -> dict[int, str]:
+        """round -> fingerprint of θ after it, as ``node`` logged applying it (replays
+        included: a node reports only the rounds it took part in, but logs every round it
+        applies)."""
+        text = (self.root / "logs" / f"{node}.log").read_text()
+        found = re.findall(
+            r"event=applied node=\S+ .*?applied_round=(\d+) .*?fingerprint=(\w+)", text
+        )
+        return {int(r): fp for r, fp in found}
 
     def status(self) -> StatusView:
         return fetch_status(self.url)

@@ -208,7 +208,9 @@ class WanLab:
     def resets(self, name: str) -> int:
         """How many connections node ``name``'s relay has reset so far."""
         log = self.hosts[name].relay_log
-        return 0 if log is None else log.read_text(errors="replace").count("event=relay_reset")
+        return (
+            0 if log is None else log.read_text(errors="replace").count("event=relay_reset conn=")
+        )
 
     def _popen(self, ns: str, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
         kw.setdefault("stdin", subprocess.DEVNULL)

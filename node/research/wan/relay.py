@@ -24,10 +24,15 @@ The model, per connection and direction:
   again from 10 segments after an idle spell longer than a retransmission timeout (Linux's
   ``tcp_slow_start_after_idle``). A long round trip therefore really slows a short transfer and
   caps a long one at ``MAX_WINDOW / rtt``.
-- **Resets**: with ``--reset-every-s P`` the relay waits a uniform 0.5-1.5 P, then resets one
-  live connection chosen at random (seeded): ``SO_LINGER`` 0 and close on both sockets, so the
-  client and the server each get a RST. When no connection is open at that moment, the next one
-  to forward data is reset. A RST from either side is passed on to the other as a RST.
+- **Resets**: with ``--reset-every-s P`` the relay takes a turn every uniform 0.5-1.5 P. A turn
+  resets a connection that is carrying data (bytes in flight either way), chosen at random
+  (seeded): ``SO_LINGER`` 0 and close on both sockets, so the client and the server each get a
+  RST. With none busy, the turn arms a reset for the next chunk of data on any connection in
+  one direction drawn at random: a *request* (the server never sees it) or a *response* (the
+  server acted, the client never hears back, the nastier case for a retry); an armed reset not
+  fired by the next turn lapses. Idle kept-alive connections are never chosen: a client drops
+  those silently and opens another, so resetting them would test nothing. A RST from either
+  side is passed on to the other as a RST.
 
 Not modelled: loss and retransmission (so no congestion avoidance, no fast recovery; ``cwnd``
 never shrinks but after idling), the receiver's window, packet-level queueing on the delay (the
@@ -36,7 +41,8 @@ delay on the first SYN as seen by the server (its accept happens after one round
 own clock never sees the handshake's cost).
 
 Log lines (stderr, key=value): ``event=relay_ready`` once every listener is bound, then
-``event=relay_reset`` per reset, ``event=relay_stopped`` on SIGTERM/SIGINT.
+``event=relay_reset`` per reset (``event=relay_reset_armed``/``_lapsed`` for
+turns that found no busy connection), ``event=relay_stopped`` on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ INIT_WINDOW = 10 * MSS
 MAX_WINDOW = 4 * 1024 * 1024
 #: Largest chunk read at once.
 CHUNK = 64 * 1024
+#: The directions of a connection, as the reset log names them.
+WAYS = ("request", "response")
 #: Lower bound of the retransmission timeout (Linux TCP_RTO_MIN), after which an idle
 #: connection's window starts again from INIT_WINDOW.
 RTO_MIN_S = 0.2
@@ -130,6 +138,11 @@ class Direction:
             self.bytes += len(data)
             self.last_active = now
 
+    @property
+    def busy(self) -> bool:
+        """Bytes read and not yet acknowledged, or waiting for their release."""
+        return self.inflight > 0 or bool(self.queue)
+
     async def write_side(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -164,16 +177,23 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
+@dataclass
+class _Connection:
+    writers: tuple[asyncio.StreamWriter, asyncio.StreamWriter]  # to the client, to the server
+    ways: list[Direction]  # request, response
+
+
 class Relay:
     """Listeners, their live connections, and the reset schedule."""
 
     def __init__(self, pairs: list[tuple[str, int, str, int]], timing: LinkTiming) -> None:
         self.pairs, self.timing = pairs, timing
         self.rng = random.Random(timing.seed)
-        self.live: dict[int, tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = {}
+        self.live: dict[int, _Connection] = {}
         self.count = 0
         self.resets = 0
-        self.reset_pending = False
+        #: The direction (index into WAYS) whose next chunk of data triggers a reset.
+        self.armed: int | None = None
         self.servers: list[asyncio.Server] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._resets: asyncio.Task[None] | None = None
@@ -195,9 +215,9 @@ class Relay:
             self._resets.cancel()
         for server in self.servers:
             server.close()
-        for c_writer, u_writer in list(self.live.values()):
-            c_writer.transport.abort()
-            u_writer.transport.abort()
+        for conn in list(self.live.values()):
+            for w in conn.writers:
+                w.transport.abort()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _connection(
@@ -217,17 +237,11 @@ class Relay:
             log.info("event=relay_connect_failed conn=%d upstream=%s:%d error=%s", cid, *up, exc)
             _reset(c_writer)
             return
-        self.live[cid] = (c_writer, u_writer)
-
-        def data() -> None:
-            if self.reset_pending:
-                self.reset_pending = False
-                self.reset(cid)
-
         ways = [
-            Direction(c_reader, u_writer, self.timing, rng, data),
-            Direction(u_reader, c_writer, self.timing, rng, data),
+            Direction(r, w, self.timing, rng, functools.partial(self._data, cid, way))
+            for way, (r, w) in enumerate(((c_reader, u_writer), (u_reader, c_writer)))
         ]
+        self.live[cid] = _Connection((c_writer, u_writer), ways)
         tasks = [asyncio.create_task(c()) for d in ways for c in (d.read_side, d.write_side)]
         try:
             await asyncio.gather(*tasks)
@@ -243,15 +257,26 @@ class Relay:
             for w in (c_writer, u_writer):
                 w.close()
 
-    def reset(self, cid: int) -> None:
+    def _data(self, cid: int, way: int) -> None:
+        if self.armed == way:
+            self.armed = None
+            self.reset(cid, WAYS[way])
+
+    def reset(self, cid: int, during: str) -> None:
         """Reset connection ``cid`` on both sides (a RST to the client and to the server)."""
-        writers = self.live.pop(cid, None)
-        if writers is None:
+        conn = self.live.pop(cid, None)
+        if conn is None:
             return
         self.resets += 1
-        for w in writers:
+        for w in conn.writers:
             _reset(w)
-        log.info("event=relay_reset conn=%d resets=%d live=%d", cid, self.resets, len(self.live))
+        log.info(
+            "event=relay_reset conn=%d during=%s resets=%d live=%d",
+            cid,
+            during,
+            self.resets,
+            len(self.live),
+        )
 
     async def _reset_loop(self) -> None:
         period = self.timing.reset_every_s
@@ -259,10 +284,15 @@ class Relay:
             return
         while True:
             await asyncio.sleep(self.rng.uniform(0.5 * period, 1.5 * period))
-            if self.live:
-                self.reset(self.rng.choice(sorted(self.live)))
+            if self.armed is not None:
+                log.info("event=relay_reset_lapsed way=%s", WAYS[self.armed])
+                self.armed = None
+            busy = sorted(cid for cid, c in self.live.items() if any(w.busy for w in c.ways))
+            if busy:
+                self.reset(self.rng.choice(busy), "transfer")
             else:
-                self.reset_pending = True  # the next connection to carry data
+                self.armed = self.rng.randrange(len(WAYS))
+                log.info("event=relay_reset_armed way=%s live=%d", WAYS[self.armed], len(self.live))
 
 
 def parse_pair(text: str) -> tuple[str, int, str, int]:
