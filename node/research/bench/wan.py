@@ -36,7 +36,7 @@ from node.cluster.up import UpConfig
 from node.errors import UpError
 from node.research.bench.projection import on_link
 from node.research.bench.utilisation import utilisation
-from node.research.bench.wire import Link, from_profile
+from node.research.bench.wire import Link, WireTimes, from_profile
 
 log = logging.getLogger("sparseloco.bench.wan")
 
@@ -113,28 +113,35 @@ def measured_inputs(result: dict[str, Any], overlapped: bool = False) -> dict[st
 
 
 def compare(result: dict[str, Any], link: Link, overlapped: bool) -> dict[str, Any]:
-    """Measured round and utilisation of one run beside the projection for ``link``."""
+    """Measured round and utilisation of one run beside the projection for ``link``, and
+    beside benchmark 13's formula (bytes / rate only: the same link without its delay)."""
     inputs = measured_inputs(result, overlapped)
-    measured = utilisation(
-        {**result, "rounds": sorted(result["rounds"], key=lambda e: e["round"])[FIRST_STEADY - 1 :]}
-    )
-    wire, plain, overlap = on_link(
-        link,
-        train_s=inputs["train_s"],
-        work_s=inputs["work_s"],
-        path_s=inputs["work_s"] - inputs["free_s"],
-        payload=inputs["payload_bytes"],
-        peers=round(inputs["peers"]),
-    )
-    projected = overlap if overlapped else plain
+    ordered = sorted(result["rounds"], key=lambda e: e["round"])
+    measured = utilisation({**result, "rounds": ordered[FIRST_STEADY - 1 :]})
+
+    def projected(on: Link) -> tuple[WireTimes, float]:
+        wire, plain, overlap = on_link(
+            on,
+            train_s=inputs["train_s"],
+            work_s=inputs["work_s"],
+            path_s=inputs["work_s"] - inputs["free_s"],
+            payload=inputs["payload_bytes"],
+            peers=round(inputs["peers"]),
+        )
+        return wire, overlap if overlapped else plain
+
+    wire, round_s = projected(link)
+    _, bytes_only = projected(Link(name=link.name, up_mbit=link.up_mbit, down_mbit=link.down_mbit))
     return {
         "inputs": inputs,
-        "wire": wire.model_dump(),
+        "wire": wire.model_dump() | {"slow_start_s": wire.slow_start_s},
         "measured_round_s": measured["round_s"],
         "measured_util": measured["utilisation"],
-        "projected_round_s": projected,
-        "projected_util": measured["train_s"] / projected,
-        "ratio": measured["round_s"] / projected,
+        "projected_round_s": round_s,
+        "projected_util": measured["train_s"] / round_s,
+        "ratio": measured["round_s"] / round_s,
+        "bytes_only_round_s": bytes_only,
+        "bytes_only_ratio": measured["round_s"] / bytes_only,
     }
 
 
@@ -205,9 +212,9 @@ def run(
 
 HEADER = (
     "| profile | model | schedule | measured round s | projected round s | measured/projected"
-    " | measured util | projected util | train s | work s | payload KB | upload s | download s"
-    " | wait s | resets | load |\n"
-    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    " | measured util | projected util | bytes-only round s (ratio) | train s | work s"
+    " | payload KB | upload s | download s | wait s | resets | load |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -216,7 +223,9 @@ def markdown_row(r: dict[str, Any]) -> str:
     return (
         f"| {r['profile']} | {r['model']} | {r['schedule']} | {r['measured_round_s']:.2f}"
         f" | {r['projected_round_s']:.2f} | {r['ratio']:.2f} | {r['measured_util']:.1%}"
-        f" | {r['projected_util']:.1%} | {i['train_s']:.2f} | {i['work_s']:.2f}"
+        f" | {r['projected_util']:.1%}"
+        f" | {r['bytes_only_round_s']:.2f} ({r['bytes_only_ratio']:.2f})"
+        f" | {i['train_s']:.2f} | {i['work_s']:.2f}"
         f" | {i['payload_bytes'] / 1e3:.0f} | {i['upload_s']:.2f} | {i['download_s']:.2f}"
         f" | {i['wait_s']:.2f} | {r['resets']} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
     )
