@@ -3,13 +3,14 @@ run through the WAN lab (root only; no timing is asserted, the machine's load de
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from node.cli import parse
-from node.research.bench.wan import compare, markdown, measured_inputs, profiles
+from node.research.bench.wan import again, compare, markdown, measured_inputs, profiles
 from node.research.bench.wire import Link
 
 
@@ -66,6 +67,21 @@ def test_on_a_link_without_delay_the_projection_is_training_work_and_bytes() -> 
         ]
     )
     assert "| flat | m | plain | 3.00 | 2.23 | 1.35 |" in table
+
+
+def test_a_saved_report_is_compared_again_without_running(tmp_path: Path) -> None:
+    result = summary([9, 9, 3, 3, 3, 1], {"a": [5, 5, 2, 2, 2, 5], "b": [5, 5, 2, 2, 2, 5]})
+    rows = [
+        {"profile": "home", "model": "m", "schedule": "plain", "load": [1.0, 1.0], "resets": 0}
+        | {"rounds": result["rounds"], "ratio": 99.0},
+        {"profile": "far", "model": "m", "schedule": "overlap", "error": "node-0 exited"},
+    ]
+    saved = tmp_path / "wan.json"
+    saved.write_text(json.dumps({"rows": rows}))
+    again_rows = again(str(saved), str(tmp_path / "again.json"))["rows"]
+    assert again_rows[0]["ratio"] < 2 and again_rows[0]["wire"]["requests_s"] > 0
+    assert again_rows[1]["error"] == "node-0 exited"
+    assert json.loads((tmp_path / "again.json").read_text())["rows"][0]["ratio"] < 2
 
 
 def test_too_few_rounds_are_refused() -> None:

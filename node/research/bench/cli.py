@@ -128,6 +128,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     wan.add_argument("--rounds", type=int, default=6, help="steady rounds are 2 .. R-2")
     wan.add_argument("--dir", dest="run_dir", help="run folders (default: runs/bench-wan)")
     wan.add_argument("--json", dest="json_out", metavar="OUT")
+    wan.add_argument(
+        "--from",
+        dest="from_json",
+        metavar="REPORT",
+        help="run nothing: compare a saved --json report's runs with the projection again",
+    )
     wan.set_defaults(func=_cmd_bench_wan)
 
 
@@ -249,7 +255,11 @@ def _cmd_bench_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_wan(args: argparse.Namespace) -> int:
-    from node.research.bench.wan import run
+    from node.research.bench.wan import again, run
+
+    if args.from_json:
+        again(args.from_json, args.json_out)
+        return 0
 
     def words(text: str) -> list[str]:
         return [w.strip() for w in text.split(",") if w.strip()]

@@ -210,6 +210,27 @@ def run(
     return report
 
 
+def again(path: str, json_out: str | None = None) -> dict[str, Any]:
+    """A saved report's runs compared again with the projection as it is now (after a change
+    to the formula, nothing run); prints the table and returns the new report."""
+    report = json.loads(Path(path).read_text())
+    chosen = profiles(sorted({r["profile"] for r in report["rows"]}))
+    rows = []
+    for old in report["rows"]:
+        if "error" in old:
+            rows.append(old)
+            continue
+        link = from_profile(old["profile"], chosen[old["profile"]])
+        new = compare({"rounds": old["rounds"]}, link, old["schedule"] == "overlap")
+        rows.append(old | new)
+    report = report | {"rows": rows}
+    print(markdown(rows))
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_out}")
+    return report
+
+
 HEADER = (
     "| profile | model | schedule | measured round s | projected round s | measured/projected"
     " | measured util | projected util | bytes-only round s (ratio) | train s | work s"
