@@ -92,6 +92,7 @@ def test_too_few_rounds_are_refused() -> None:
 def test_the_profiles_are_the_labs_and_lan() -> None:
     assert list(profiles(["lan", "home", "flaky"])) == ["lan", "home", "flaky"]
     assert profiles(["lan"])["lan"].rtt_ms == 0
+    assert profiles(["flaky@5"])["flaky@5"].reset_every_s == 5.0
     with pytest.raises(ValueError, match="unknown profile"):
         profiles(["moon"])
 

@@ -119,8 +119,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     )
     wan.add_argument(
         "--profiles",
-        default="lan,home,office,far,flaky",
-        help="link profiles, every node on the same one (lan: the lab without delay)",
+        default="lan,home,office,far,flaky,flaky@5",
+        help="link profiles, every node on the same one (lan: the lab without delay;"
+        " NAME@S: that profile with a reset about every S seconds)",
     )
     wan.add_argument("--models", default="small,base", help="small (0.44 M), base (10.8 M)")
     wan.add_argument("--schedules", default="plain,overlap", help="plain, overlap (eager)")

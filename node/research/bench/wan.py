@@ -57,14 +57,22 @@ FIRST_STEADY = 2
 
 
 def profiles(names: list[str]) -> dict[str, Any]:
-    """The lab's profiles by name, plus ``lan`` (the lab without a link's delay)."""
+    """The lab's profiles by name, plus ``lan`` (the lab without a link's delay); ``NAME@S``
+    is profile NAME with a reset about every S seconds (``flaky@5``: a run of a minute sees
+    several, where ``flaky``'s one a minute may land in none)."""
     from node.research.wan.profiles import PROFILES, LinkProfile
 
     known = {"lan": LinkProfile("lan", up_mbit=1000, down_mbit=1000, rtt_ms=0), **PROFILES}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"unknown profile {unknown[0]!r}; choose from {', '.join(known)}")
-    return {n: known[n] for n in names}
+    chosen = {}
+    for name in names:
+        base, _, every = name.partition("@")
+        if base not in known:
+            raise ValueError(f"unknown profile {name!r}; choose from {', '.join(known)}")
+        try:
+            chosen[name] = known[base].with_reset(float(every)) if every else known[base]
+        except ValueError as exc:
+            raise ValueError(f"profile {name!r}: NAME@SECONDS, e.g. flaky@5 ({exc})") from exc
+    return chosen
 
 
 def _steady(result: dict[str, Any]) -> list[dict[str, Any]]:
