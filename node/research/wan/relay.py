@@ -12,9 +12,9 @@ The model, per connection and direction:
   ``jitter_ms``, so a round trip varies by ± ``jitter_ms``. Release times never go backwards
   (a chunk waits for the one before it), which keeps the byte order of the stream and turns
   jitter into occasional extra delay, as a FIFO queue on a real path does.
-- **Handshake**: the upstream connection is opened one round trip after the client connected
-  (SYN, SYN-ACK), so a request on a new connection costs two round trips, one on a kept-alive
-  connection one, as over real TCP.
+- **Handshake**: nothing is forwarded on a new connection until one round trip after the
+  client connected (its SYN and the SYN-ACK), so a request on a new connection costs two round
+  trips and one on a kept-alive connection one, as over real TCP.
 - **Window** (the bandwidth-delay effect): the relay terminates TCP on both sides, so the
   kernels see loopback and a veth with no delay and would fill any link at once. Instead, at
   most ``cwnd`` bytes are in flight: read from the sender but not yet acknowledged, an
@@ -35,10 +35,11 @@ The model, per connection and direction:
   side is passed on to the other as a RST.
 
 Not modelled: loss and retransmission (so no congestion avoidance, no fast recovery; ``cwnd``
-never shrinks but after idling), the receiver's window, packet-level queueing on the delay (the
-rate is ``tbf``'s, applied to the veth the relay's upstream socket crosses), reordering, and
-delay on the first SYN as seen by the server (its accept happens after one round trip, but its
-own clock never sees the handshake's cost).
+never shrinks but after idling), the receiver's window, reordering, packet-level queueing in
+the delay (the rate is ``tbf``'s, on the veth the relay's upstream socket crosses: on the way
+up the kernel's send buffer between the relay and that veth can take a few hundred kB ahead of
+the shaper, which the window counts as delivered), and the handshake as the server sees it (it
+accepts at once; only the client's first bytes wait).
 
 Log lines (stderr, key=value): ``event=relay_ready`` once every listener is bound, then
 ``event=relay_reset`` per reset (``event=relay_reset_armed``/``_lapsed`` for
@@ -118,25 +119,31 @@ class Direction:
     async def read_side(self) -> None:
         loop = asyncio.get_running_loop()
         release = 0.0
+        carry = b""  # read from the socket, not yet let into the window
         while True:
-            if self.inflight == 0 and loop.time() - self.last_active > self.rto_s:
-                self.cwnd = min(self.cwnd, INIT_WINDOW)  # slow start again after idling
+            if not carry:
+                carry = await self.reader.read(CHUNK)
+                if not carry:
+                    break
+                if self.inflight == 0 and loop.time() - self.last_active > self.rto_s:
+                    self.cwnd = min(self.cwnd, INIT_WINDOW)  # slow start again after idling
             space = self.cwnd - self.inflight
             if space <= 0:
                 self.window_open.clear()
                 await self.window_open.wait()
                 continue
-            data = await self.reader.read(min(CHUNK, space))
+            data, carry = carry[:space], carry[space:]
             now = loop.time()
             release = max(release, now + self.timing.one_way_s(self.rng))
             self.queue.append((release, data))
             self.queued.set()
-            if not data:
-                return  # EOF: the writer passes it on in order
             self.on_data()
             self.inflight += len(data)
             self.bytes += len(data)
             self.last_active = now
+        # EOF: the writer passes it on in order, after the last bytes.
+        self.queue.append((max(release, loop.time() + self.timing.one_way_s(self.rng)), b""))
+        self.queued.set()
 
     @property
     def busy(self) -> bool:
