@@ -86,9 +86,14 @@ def test_a_run_across_mixed_links_agrees_and_keeps_the_flaky_node(
             assert all(r is not None and r.poll() is None for r in relays.values()), relays
         finally:
             cluster.stop()
+            weed = store.process
             store.stop()
         resets = lab.resets(FLAKY)
     wall = time.monotonic() - t0
+    # The lab stopped its relays with SIGTERM: each must have ended cleanly, like the store.
+    assert weed is not None and weed.returncode == 0, weed and weed.tail()
+    for name, relay in relays.items():
+        assert relay is not None and relay.returncode == 0, (name, relay and relay.returncode)
 
     closed = [r for r in status.rounds if r.state == RoundState.CLOSED]
     assert [r.round for r in closed] == list(range(ROUNDS))
