@@ -27,8 +27,9 @@ import pytest
 from node.research.wan import measure
 from node.research.wan.lab import WanLab
 from node.research.wan.netns import PREFIX, probe, remove_leftovers, run
+from node.research.wan.pipe import INIT_WINDOW, LinkTiming
 from node.research.wan.profiles import PROFILES, LinkProfile
-from node.research.wan.relay import INIT_WINDOW, LinkTiming, Relay, parse_pair
+from node.research.wan.relay import Relay, parse_pair
 
 needs_lab = pytest.mark.skipif(
     WanLab.available() is not None, reason=f"WAN lab unavailable: {WanLab.available()}"
