@@ -18,6 +18,7 @@ import asyncio
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -25,9 +26,10 @@ import pytest
 
 from node.research.wan import measure
 from node.research.wan.lab import WanLab
-from node.research.wan.netns import PREFIX, remove_leftovers, run
+from node.research.wan.netns import PREFIX, probe, remove_leftovers, run
+from node.research.wan.pipe import INIT_WINDOW, LinkTiming
 from node.research.wan.profiles import PROFILES, LinkProfile
-from node.research.wan.relay import INIT_WINDOW, LinkTiming, Relay, parse_pair
+from node.research.wan.relay import Relay, parse_pair
 
 needs_lab = pytest.mark.skipif(
     WanLab.available() is not None, reason=f"WAN lab unavailable: {WanLab.available()}"
@@ -46,6 +48,12 @@ def test_the_profiles_are_the_issues_links() -> None:
     assert parse_pair("10.0.0.1:80=10.0.0.2:8080") == ("10.0.0.1", 80, "10.0.0.2", 8080)
     with pytest.raises(ValueError, match="HOST:PORT=UPHOST:UPPORT"):
         parse_pair("10.0.0.1:80")
+
+
+def test_without_root_the_lab_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    reason = probe.__wrapped__()  # the uncached probe: this process may well be root
+    assert reason is not None and "needs root" in reason
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -82,6 +90,9 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
 
 
 def test_the_relay_delays_in_order_and_starts_slow() -> None:
+    """Jitter keeps the byte order; a request costs its round trips; 600 kB on a new
+    connection, and again after idling, need the round trips of slow start."""
+
     async def main() -> None:
         rtt = 0.1
         echo, relay, port = await _relayed(LinkTiming(rtt_ms=100, jitter_ms=40, seed=3))
@@ -95,6 +106,11 @@ def test_the_relay_delays_in_order_and_starts_slow() -> None:
         writer.write(blob)
         back = await reader.readexactly(len(blob))
         slow = time.monotonic() - t0
+        await asyncio.sleep(0.3)  # idle past the retransmission timeout: slow start again
+        t0 = time.monotonic()
+        writer.write(blob)
+        await reader.readexactly(len(blob))
+        again = time.monotonic() - t0
         await _close(echo, relay, writer)
         assert back == blob, "the relay reordered or lost bytes"
         assert first >= 2 * rtt - 0.04
@@ -102,6 +118,7 @@ def test_the_relay_delays_in_order_and_starts_slow() -> None:
         # 14.6 kB, then doubling per round trip each way: at least 5 round trips for 600 kB.
         assert len(blob) > INIT_WINDOW * (2**5 - 1)
         assert slow >= 5 * (rtt - 0.04), slow
+        assert again >= 5 * (rtt - 0.04), again
 
     asyncio.run(main())
 
@@ -127,6 +144,11 @@ def test_the_lab_shapes_each_link_as_its_profile(tmp_path: Path) -> None:
         home = lab.add_node("home", PROFILES["home"])
         far = lab.add_node("far", PROFILES["far"])
         flaky = lab.add_node("flaky", PROFILES["flaky"].with_reset(1.0))
+        # Processes started in the lab: one in the server namespace (stopped when the lab
+        # closes), one in a node's that reaches the server by the service address.
+        sleeper = lab.server_run(["sleep", "600"])
+        dial = f"import socket; socket.create_connection(({lab.service_ip!r}, {probe.port}), 10)"
+        assert home.popen([sys.executable, "-c", dial]).wait(timeout=60) == 0
         up = measure.upload_mbit(lab, home, probe.port, 3_000_000)
         down = measure.download_mbit(lab, home, probe.port, 8_000_000)
         trips = {h.name: measure.round_trips(lab, h, probe.port, 5) for h in (home, far)}
@@ -146,6 +168,7 @@ def test_the_lab_shapes_each_link_as_its_profile(tmp_path: Path) -> None:
         assert trips["far"][0] >= 2 * 0.12  # a new connection: the handshake's round trip too
         assert None not in lived and lab.resets("flaky") >= 2
         assert {lab.server, lab.bridge, home.netns} <= set(os.listdir("/var/run/netns"))
+    assert sleeper.poll() is not None, "the lab's process outlived it"
     left = [ns for ns in os.listdir("/var/run/netns") if ns.startswith(lab.prefix + "-")]
     assert not left, "the lab left namespaces behind"
 
