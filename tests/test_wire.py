@@ -103,3 +103,20 @@ def test_dense_ring_pays_a_round_trip_per_hop_and_ddp_one_ring_per_step() -> Non
     assert far_rows[ddp].comm_s - flat_rows[ddp].comm_s == pytest.approx(10 * hops)
     for method, row in far_rows.items():
         assert row.round_s >= flat_rows[method].round_s
+
+
+def test_the_round_trips_counted_by_hand() -> None:
+    """One window each way (no slow start), 1 MB/s, 100 ms: a plain round waits for 6 round
+    trips and one wave of GETs; overlapped, 5 of them and the wave travel beside training and
+    2 stand between two trainings."""
+    link = Link(name="hand", up_mbit=8, down_mbit=8, rtt_ms=100)
+    wire = store_round(link, 1000.0, PEERS)
+    assert wire.slow_start_s == 0.0 and wire.requests_s == pytest.approx(0.7)
+    bytes_ = 0.001 + PEERS * 0.001
+    _, plain, overlap = on_link(
+        link, train_s=2.0, work_s=0.3, path_s=0.2, payload=1000.0, peers=PEERS
+    )
+    assert plain == pytest.approx(2.0 + 0.3 + 0.7 + bytes_)
+    assert overlap == pytest.approx(2.0 + 0.2 + 0.2)  # training is the longer branch
+    _, _, short = on_link(link, train_s=0.1, work_s=0.3, path_s=0.2, payload=1000.0, peers=PEERS)
+    assert short == pytest.approx(0.6 + bytes_ + 0.2 + 0.2)  # the transfers' chain is

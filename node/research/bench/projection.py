@@ -11,17 +11,19 @@ the batch and the per-parameter costs, not on N. Per node and round, on a link o
     link     = requests + slow start + resets         (``node.research.bench.wire``; 0 at RTT 0)
     work     = work_ns · 1e-9 · N                     (encode, checks, aggregate+apply, saves)
     round    = train + work + up + down + link                                     (no overlap)
-    round_ov = max(train + 2 RTT, up + down + link − 2 RTT) + (work − overlappable_ns · 1e-9 · N)
+    round_ov = max(train, up + down + requests + slow start − RTT) + 2 RTT + path work + resets
     util     = train / round
 
-``link``: ``5 + ⌈G / parallel_downloads⌉`` round trips the round waits for (requests to the
+``link``: ``6 + ⌈G / parallel_downloads⌉`` round trips the round waits for (requests to the
 coordinator, the PUT, the GETs' waves), TCP slow start from an idle connection for the PUT and
 for the GETs, and on a link that resets, the expected retries (issue 20; README benchmark 17
 measures them against the WAN lab). With overlap (README benchmark 12: round r's aggregate
 applied one round late) the transfers run while the next round trains, and so can the payload
 checks (they need only the bytes); the rest of the work touches θ or the error buffer and stays
-between two trainings, with two of the round trips (the report, the next round's view). Waits
-for a slower peer and the coordinator's close are left out (tens of ms, README benchmark 4).
+between two trainings, with two round trips (the loop's round view, the report), which leave
+the transfers' chain one round trip shorter than plain's (the report) and one longer (the round
+view of the payload's round): ``comm − RTT`` beside training. Waits for a slower peer and the
+coordinator's close are left out (tens of ms, README benchmark 4).
 
 Dense comparisons (their own work taken as 0): DiLoCo with an fp32 pseudo-gradient over a ring
 all-reduce among the G nodes (each node sends and receives 2(G−1)/G of it, concurrently, in
@@ -37,8 +39,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from node.research.bench.wire import (
+    OVERLAP_BESIDE_RTTS,
     OVERLAP_PATH_RTTS,
     PARALLEL_DOWNLOADS,
+    PLAIN_REQUEST_RTTS,
     Link,
     WireTimes,
     bytes_s,
@@ -189,8 +193,10 @@ def on_link(
     wire = store_round(link, payload, peers, parallel)
     plain = train_s + work_s + wire.comm_s
     resets = reset_s(link, wire, plain, payload, resume_bytes)
-    between = OVERLAP_PATH_RTTS * link.rtt_s
-    overlap = max(train_s + between, wire.comm_s - between) + path_s + resets
+    # Overlapped, the report leaves the transfers' chain for the path between two trainings,
+    # and the loop's round view joins it there (``wire``'s docstring).
+    beside = wire.comm_s - (PLAIN_REQUEST_RTTS - OVERLAP_BESIDE_RTTS) * link.rtt_s
+    overlap = max(train_s, beside) + OVERLAP_PATH_RTTS * link.rtt_s + path_s + resets
     return wire.model_copy(update={"reset_cost_s": resets}), plain + resets, overlap
 
 

@@ -9,16 +9,19 @@ zero on the old link (rate only, RTT 0, no resets), so the old numbers are uncha
   first byte. A plain round of one node, from the close of round r-1 to the close of round r
   (``node.daemon.loop``, ``node.daemon.rounds``, ``node.daemon.upload``):
 
-      manifest of r-1 (a long-poll already waiting: the answer's one way)   0.5 RTT
+      the submit of r-1 answered, then the manifest of r-1 asked for       2 RTT
       ⌈G / parallel⌉ waves of presigned GETs (``parallel_downloads``)        1 RTT each
-      report of r-1, the round view of r, the upload grant                  3 RTT
-      the presigned PUT                                                     1 RTT
-      the submit (the last one closes the round on arrival: one way)        0.5 RTT
+      the report of r-1, the round view of r, the upload grant              3 RTT
+      the presigned PUT (the submit's own trip is the next round's)         1 RTT
 
-  so ``5 + ⌈G / parallel⌉`` round trips. Connections are kept alive (aiohttp's pool), so no
-  handshake per request; heartbeats run beside the round and cost nothing on its path.
-  Overlapped (``node.daemon.overlap``), only the report of round k and the round view of k+1
-  stand between two trainings (2 RTT); the rest travels beside training with the transfers.
+  so ``6 + ⌈G / parallel⌉`` round trips. (The first version of this count had the manifest's
+  long-poll already waiting when the round closed, 5 + ⌈G / parallel⌉; README benchmark 17
+  measured one round trip more on every link: the node asks for the manifest only once its
+  submit is answered.) Connections are kept alive (aiohttp's pool), so no handshake per
+  request; heartbeats run beside the round and cost nothing on its path. Overlapped
+  (``node.daemon.overlap``), the round view at the top of the loop and the report stand
+  between two trainings (2 RTT); the round view of the payload's round, the grant, the PUT,
+  the submit, the manifest and the GETs travel beside training (5 RTT and the waves).
 - **slow start**: a connection idle for longer than its retransmission timeout starts again
   from the initial window (Linux ``tcp_slow_start_after_idle``; between two rounds every
   connection is idle for the whole training), 10 segments (RFC 6928), doubling each round trip
@@ -44,9 +47,11 @@ from pydantic import BaseModel, ConfigDict, Field
 #: RFC 6928's initial window, 10 segments of a 1,460-byte MSS (Linux's default since 2.6.39).
 INIT_WINDOW_BYTES = 10 * 1460
 #: Round trips on a plain round's path besides the downloads (module docstring).
-PLAIN_REQUEST_RTTS = 5.0
-#: Round trips between two trainings when transfers overlap: the report, the next round view.
+PLAIN_REQUEST_RTTS = 6.0
+#: Overlapped, the round trips between two trainings: the loop's round view, the report ...
 OVERLAP_PATH_RTTS = 2.0
+#: ... and those that travel beside training with the transfers (besides the GETs' waves).
+OVERLAP_BESIDE_RTTS = 5.0
 #: The node's default parallel GETs (``NodeSettings.parallel_downloads``).
 PARALLEL_DOWNLOADS = 8
 #: Mean of the transfer layer's first retry pause (``RetryPolicy.base_s`` 0.25, full jitter).
