@@ -18,7 +18,7 @@ import pytest
 
 from node.compute.state import load_state
 from node.daemon.faults import Faults
-from protocol.messages import Exclusion, MemberState
+from protocol.messages import Exclusion, MemberState, RoundState, RoundView
 from support.daemon_harness import (
     Crash,
     assert_mass_balanced,
@@ -163,3 +163,30 @@ async def test_sigterm_while_the_next_round_trains_leaves_and_resumes(harness) -
     assert [e.node_id for e in h.manifest(run.rounds - 1).manifest.gather] == ["node-0"]
     final = load_state(h.state_dir("node-0"), worker(run).shapes)
     assert final is not None and (final.round, final.phase) == (run.rounds, "idle")
+
+
+async def test_a_node_that_first_sees_round_zero_waiting_trains_it_before_overlapping(
+    harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by ``bench wan`` (README benchmark 17): the first node to join saw round 0 still
+    # waiting for members, took that for "not expected" and trained round 1 beside round 0
+    # without ever submitting round 0, which then waited for its deadline.
+    h = harness(run_config(overlap="eager", min_nodes=2, rounds=3))
+    early = h.daemon("node-0")
+    seen: list[str] = []
+    ask = early.api.round
+
+    async def round_view() -> RoundView:
+        view = await ask()
+        seen.append(view.state)
+        return view
+
+    monkeypatch.setattr(early.api, "round", round_view)
+    first = h.start(early)
+    await until(lambda: bool(seen), "node-0's first round view")
+    assert seen[0] == RoundState.WAITING
+    second = h.start(h.daemon("node-1"))
+    async with asyncio.timeout(60):
+        assert await first == 0 and await second == 0
+    for r in range(h.run.rounds):
+        assert {e.node_id for e in h.manifest(r).manifest.gather} == {"node-0", "node-1"}

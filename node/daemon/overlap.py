@@ -46,11 +46,13 @@ OPEN_POLL_S = 0.25
 def beside(d: NodeDaemon, view: RoundView) -> bool:
     """Whether the next round can train beside the transfers of the round θ is at: not the
     run's last round, not a closed round being caught up on, and not round 0's first training
-    (nothing in flight yet)."""
+    (nothing in flight yet), also while round 0 still waits for members: then no one is
+    expected yet, but this node will be once it opens."""
     k = d.worker.round
     if k + 1 >= d.worker.run.rounds or view.round > k + 1:
         return False
-    return not (k == 0 and d.pending is None and view.round == 0 and view.expected)
+    first = k == 0 and d.pending is None and view.round == 0
+    return not (first and (view.expected or view.state == RoundState.WAITING))
 
 
 async def step(d: NodeDaemon) -> None:
