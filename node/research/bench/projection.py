@@ -11,7 +11,7 @@ the batch and the per-parameter costs, not on N. Per node and round, on a link o
     link     = requests + slow start + resets         (``node.research.bench.wire``; 0 at RTT 0)
     work     = work_ns · 1e-9 · N                     (encode, checks, aggregate+apply, saves)
     round    = train + work + up + down + link                                     (no overlap)
-    round_ov = max(train, up + down + requests + slow start − RTT) + 2 RTT + path work + resets
+    round_ov = max(train, up + down + requests + slow start − RTT + resets) + 2 RTT + path work
     util     = train / round
 
 ``link``: ``6 + ⌈G / parallel_downloads⌉`` round trips the round waits for (requests to the
@@ -186,17 +186,20 @@ def on_link(
     peers: int,
     parallel: int = PARALLEL_DOWNLOADS,
     resume_bytes: float | None = None,
+    nodes: int | None = None,
 ) -> tuple[WireTimes, float, float]:
     """One node's round through the store on ``link``: the wire's terms, the round plain and
     the round overlapped (module docstring). ``path_s`` is the work that stays between two
     trainings under overlap. ``bench wan`` calls this with measured inputs."""
     wire = store_round(link, payload, peers, parallel)
     plain = train_s + work_s + wire.comm_s
-    resets = reset_s(link, wire, plain, payload, resume_bytes)
+    resets = reset_s(link, wire, plain, payload, resume_bytes, peers if nodes is None else nodes)
     # Overlapped, the report leaves the transfers' chain for the path between two trainings,
     # and the loop's round view joins it there (``wire``'s docstring).
+    # A reset delays what is in flight, which under overlap is the transfers' chain beside
+    # training: its cost shows only where that chain is the longer branch.
     beside = wire.comm_s - (PLAIN_REQUEST_RTTS - OVERLAP_BESIDE_RTTS) * link.rtt_s
-    overlap = max(train_s, beside) + OVERLAP_PATH_RTTS * link.rtt_s + path_s + resets
+    overlap = max(train_s, beside + resets) + OVERLAP_PATH_RTTS * link.rtt_s + path_s
     return wire.model_copy(update={"reset_cost_s": resets}), plain + resets, overlap
 
 

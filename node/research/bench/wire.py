@@ -28,10 +28,16 @@ zero on the old link (rate only, RTT 0, no resets), so the old numbers are uncha
   until it holds the bandwidth-delay product ``rate · RTT``. ``streams`` parallel connections
   (the GETs of one wave) open ``streams`` windows at once and fill the link sooner.
 - **resets** (``flaky``): a reset breaks what is in flight; the transfer layer retries it after
-  its first backoff (``node.daemon.retry``: uniform in [0, 0.25 s], mean 0.125 s) on a new
-  connection (one round trip for the handshake, slow start again) and sends the object again
-  from its start (half an object lost on average). Expected per round: the round's length over
-  the mean interval between resets, times that cost.
+  its first pause (``node.daemon.retry``: full jitter, mean ``RetryPolicy.base_s``, 0.25 s) on
+  a new connection (one round trip for the handshake, slow start again) and sends the object
+  again from its start; a reset between transfers costs the next coordinator request its first
+  pause (mean ``FOREVER.base_s``, 0.5 s) and a handshake. Resets arrive at random (a Poisson
+  process), so an object that takes longer than the mean time between them restarts
+  exponentially often (``restarted_s``). And a round waits for its slowest node: with N nodes
+  each hit with probability p in a round, it is delayed whenever any one is, by about one
+  node's cost: ``cost · (1 − (1 − p)^N) / p`` (N times one node's cost while hits are rare,
+  one node's when every node is hit; README benchmark 17 measured the round at 1.2x one
+  node's projection on ``flaky@5`` before this factor).
 
 Jitter is left out of the mean (it averages to zero per packet); the round waits for the
 slowest node, which the measurement shows and the formula does not.
@@ -44,6 +50,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from node.daemon.retry import FOREVER, RetryPolicy
+
 #: RFC 6928's initial window, 10 segments of a 1,460-byte MSS (Linux's default since 2.6.39).
 INIT_WINDOW_BYTES = 10 * 1460
 #: Round trips on a plain round's path besides the downloads (module docstring).
@@ -54,8 +62,10 @@ OVERLAP_PATH_RTTS = 2.0
 OVERLAP_BESIDE_RTTS = 5.0
 #: The node's default parallel GETs (``NodeSettings.parallel_downloads``).
 PARALLEL_DOWNLOADS = 8
-#: Mean of the transfer layer's first retry pause (``RetryPolicy.base_s`` 0.25, full jitter).
-FIRST_RETRY_MEAN_S = 0.125
+#: Mean first pause of a retried transfer: full jitter over [0, 2 · base_s] (``retry``).
+TRANSFER_PAUSE_S = RetryPolicy().base_s
+#: ... and of a retried coordinator request (the client retries with ``FOREVER``).
+REQUEST_PAUSE_S = FOREVER.base_s
 #: Beyond e^this the expected time of a restarted transfer is "never" (and a float overflows).
 MAX_EXPONENT = 700.0
 
@@ -185,20 +195,28 @@ def restarted_s(seconds: float, per_s: float, penalty_s: float) -> float:
 
 
 def reset_s(
-    link: Link, wire: WireTimes, round_s: float, payload: float, resume_bytes: float | None = None
+    link: Link,
+    wire: WireTimes,
+    round_s: float,
+    payload: float,
+    resume_bytes: float | None = None,
+    nodes: int = 1,
 ) -> float:
-    """Expected seconds per round lost to resets on ``link`` in a round of ``round_s``.
+    """Expected seconds per round lost to resets on ``link`` in a round of ``round_s`` that
+    waits for ``nodes`` nodes, each behind such a link.
 
-    A reset of a transfer in flight costs the first retry's pause and a new connection's
-    handshake, and the object starts again from its first byte (``restarted_s``: the PUT,
-    and each wave of GETs, whose streams all wait for the slowest), or, with ``resume_bytes``
-    (multipart parts retried alone, ranged GETs resumed), only the piece of at most that many
-    bytes in flight. A reset of an idle kept-alive connection costs the next request on it
-    the pause and the handshake.
+    One node: a reset of a transfer in flight costs the transfer's first retry pause and a
+    new connection's handshake, and the object starts again from its first byte
+    (``restarted_s``: the PUT, and each wave of GETs, whose streams all wait for the slowest),
+    or, with ``resume_bytes`` (multipart parts retried alone, ranged GETs resumed), only the
+    piece of at most that many bytes in flight. A reset between transfers costs the next
+    coordinator request its first pause and a handshake. The round is delayed whenever any of
+    the ``nodes`` is (module docstring).
     """
     if link.reset_every_s is None or round_s <= 0.0:
         return 0.0
-    per_s, penalty, rtt = 1.0 / link.reset_every_s, FIRST_RETRY_MEAN_S + link.rtt_s, link.rtt_s
+    per_s, rtt = 1.0 / link.reset_every_s, link.rtt_s
+    penalty = TRANSFER_PAUSE_S + rtt
     pieces = 1 if resume_bytes is None else max(1, math.ceil(payload / resume_bytes))
 
     def lost(seconds: float) -> float:
@@ -207,5 +225,7 @@ def reset_s(
     put = wire.up_s + wire.slow_up_s
     wave = (wire.down_s + wire.slow_down_s) / wire.waves
     moving = put + wire.waves * wave + (1 + wire.waves) * rtt
-    idle = max(round_s - moving, 0.0) * per_s * penalty
-    return lost(put + rtt) + wire.waves * lost(wave + rtt) + idle
+    idle = max(round_s - moving, 0.0) * per_s * (REQUEST_PAUSE_S + rtt)
+    one = lost(put + rtt) + wire.waves * lost(wave + rtt) + idle
+    hit = -math.expm1(-per_s * round_s)  # P(a node is reset at least once in the round)
+    return one * (1.0 - (1.0 - hit) ** nodes) / hit
