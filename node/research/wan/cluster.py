@@ -62,9 +62,11 @@ def run_in_lab(
     node_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` in a new lab, node ``i`` behind ``profiles[i % len(profiles)]``; ``up``'s
-    summary plus ``profiles`` (node → profile name) and ``resets`` (node → connections its
-    relay reset). ``cfg.data`` must be text or None (the bundled corpus): every node reads it
-    locally, as a prepared dataset would have to be uploaded first."""
+    summary plus ``profiles`` (node → profile name), ``resets`` (node → connections its relay
+    reset), ``relays_alive`` (every relay still ran at the end) and ``coordinator_exit`` (its
+    code after SIGTERM); every process's log is in ``run_dir/logs``, every relay's in
+    ``run_dir/lab``. ``cfg.data`` must be text or None (the bundled corpus): every node reads
+    it locally, as a prepared dataset would have to be uploaded first."""
     if not profiles:
         raise UpError("run_in_lab needs at least one link profile")
     if cfg.data is not None and (Path(cfg.data) / "manifest.json").exists():
@@ -123,7 +125,12 @@ def run_in_lab(
                 code = node.stop()
                 if code != 0:
                     raise UpError(f"{node.name} exited with code {code}:\n{node.tail()}")
+            relays = {name: host.relay for name, host in lab.hosts.items()}
             result = summarize(status)
+            result["relays_alive"] = all(
+                r is not None and r.poll() is None for r in relays.values()
+            )
+            result["coordinator_exit"] = coordinator.stop()
             result["wall_seconds"] = time.monotonic() - t0
             result["run_dir"] = str(run_dir)
             result["nodes"] = cfg.nodes
