@@ -99,7 +99,7 @@ def test_the_profiles_are_the_labs_and_lan() -> None:
 
 def test_the_command_takes_its_documented_flags() -> None:
     args = parse(["bench", "wan", "--profiles", "home,far", "--models", "small", "--nodes", "2"])
-    assert (args.profiles, args.models, args.nodes, args.rounds) == ("home,far", "small", 2, 6)
+    assert (args.profiles, args.models, args.nodes, args.rounds) == ("home,far", "small", 2, 8)
     assert args.schedules == "plain,overlap"
 
 

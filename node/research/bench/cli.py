@@ -126,7 +126,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     wan.add_argument("--models", default="small,base", help="small (0.44 M), base (10.8 M)")
     wan.add_argument("--schedules", default="plain,overlap", help="plain, overlap (eager)")
     wan.add_argument("--nodes", type=int, default=3)
-    wan.add_argument("--rounds", type=int, default=6, help="steady rounds are 2 .. R-2")
+    wan.add_argument("--rounds", type=int, default=8, help="steady rounds are 2 .. R-2")
     wan.add_argument("--dir", dest="run_dir", help="run folders (default: runs/bench-wan)")
     wan.add_argument("--json", dest="json_out", metavar="OUT")
     wan.add_argument(
