@@ -36,11 +36,11 @@ zero on the old link (rate only, RTT 0, no resets), so the old numbers are uncha
   exponentially often (``restarted_s``). And a round waits for its slowest node: with N nodes
   each hit with probability p in a round, it is delayed whenever any one is, by about one
   node's cost: ``cost · (1 − (1 − p)^N) / p`` (N times one node's cost while hits are rare,
-  one node's when every node is hit; README benchmark 17 measured the round at 1.2x one
-  node's projection on ``flaky@5`` before this factor).
+  one node's when every node is hit; README benchmark 17 measured the round at 1.27x the
+  first version of this term, one node's with a fifth of the pause, on ``flaky@5``).
 
-Jitter is left out of the mean (it averages to zero per packet); the round waits for the
-slowest node, which the measurement shows and the formula does not.
+Jitter is left out (it averages out per request); that a round also waits for the most
+delayed of its nodes' requests stayed within benchmark 17's noise at ``far``'s ± 30 ms.
 """
 
 from __future__ import annotations
