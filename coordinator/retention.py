@@ -18,6 +18,9 @@ once at start, and every ``RETRY_S`` seconds besides:
   newest verified one never goes, whatever ``keep_checkpoints`` says, since the payloads kept
   are exactly those needed to replay from it.
 
+- multipart uploads under the run's folder started more than twice the presign expiry ago are
+  aborted (``coordinator.multipart``): their grants are dead, and their parts would stay forever.
+
 What was deleted is recorded (``meta.pruned_through``: every payload round up to it is gone;
 ``checkpoints.pruned``), so no round is listed twice, and counted in the same transaction
 (``meta.deleted.payload``, ``meta.deleted.checkpoint``) for the metrics after a restart. Store
@@ -34,8 +37,9 @@ from collections.abc import Callable, Sequence
 from coordinator.db import CheckpointRow, Database
 from coordinator.errors import TRANSIENT
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.multipart import PartStore
 from coordinator.storage import ObjectStore, retry_logged
-from protocol.keys import round_prefix, sidecar_key
+from protocol.keys import round_prefix, run_prefix, sidecar_key
 from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.coordinator.retention")
@@ -91,8 +95,12 @@ class Retention:
         prefix: str,
         current_round: Callable[[], int],
         metrics: CoordinatorMetrics | None = None,
+        parts: PartStore | None = None,
+        stale_upload_s: float = 1800.0,
     ) -> None:
         self.db = db
+        self.parts = parts
+        self.stale_upload_s = stale_upload_s
         self.store = store
         self.run = run
         self.prefix = prefix
@@ -129,6 +137,10 @@ class Retention:
             self._count("payload", n)
             deleted += n
             log.info("event=pruned round=%d objects=%d", round_, n)
+        if self.parts is not None:
+            # Parts of uploads nobody will complete (a crashed node, a fresh grant taken).
+            run_folder = run_prefix(self.prefix, self.run.run_id)
+            await self.parts.abort_stale(run_folder, self.stale_upload_s)
         rows = self.db.checkpoints()
         for round_ in stale_checkpoints(rows, self.run.keep_checkpoints):
             key = next(r.info.key for r in rows if r.info.round == round_)

@@ -230,6 +230,15 @@ class S3Store:
         call = functools.partial(getattr(self._client, method), Bucket=self.bucket, **kwargs)
         return await self._run(what, call)
 
+    @property
+    def client(self) -> Any:
+        """The boto3 client (``coordinator.multipart.S3Parts`` shares it, through ``run``)."""
+        return self._client
+
+    async def run(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()`` in a thread, as every call of this store is made (``_run``)."""
+        return await self._run(what, call)
+
     async def _run(self, what: str, call: Callable[[], Any]) -> Any:
         """``call()`` in a thread, its botocore errors as ``StorageError``; the outcome told to
         ``link`` (one log line when the store stops answering, one when it is back)."""

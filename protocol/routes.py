@@ -48,6 +48,7 @@ from protocol.messages import (
     UploadGrant,
     UploadRequest,
 )
+from protocol.parts import UploadComplete, UploadDone
 
 #: The placeholder for a round number in a path.
 ROUND = "{round}"
@@ -114,6 +115,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("upload", "POST", "/v1/rounds/{round}/upload",
              "A presigned PUT for the caller's payload of this round", UploadRequest,
              {200: UploadGrant}, errors=(400, 401, 404, 408, 409, 413, 422, 429)),
+    Endpoint("upload_complete", "POST", "/v1/rounds/{round}/upload/complete",
+             "Complete the caller's multipart payload upload (write-once: created is false if"
+             " the key already held an object)", UploadComplete, {200: UploadDone},
+             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
     Endpoint("submit", "POST", "/v1/rounds/{round}/submit",
              "Announce an uploaded payload; idempotent for an identical body", SubmitRequest,
              {200: SubmitResponse}, errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),

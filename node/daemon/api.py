@@ -5,8 +5,8 @@
 
 - ``CoordinatorApi``: one coroutine per endpoint the node calls (``node.daemon.client``
   implements it over HTTP, with retries);
-- ``Transfers``: a PUT to and a verified GET from presigned URLs, from bytes in memory or a
-  local file (``node.daemon.transfer`` implements it with aiohttp);
+- ``Transfers``: a PUT (or an upload in parts) to and a verified GET from presigned URLs, from
+  bytes in memory or a local file (``node.daemon.transfer`` implements it with aiohttp);
 - ``Clock``: the daemon's own pauses (polling a waiting round, heartbeats, an injected slow
   fault) and timestamps, so a test can drive time by hand.
 
@@ -39,6 +39,7 @@ from protocol.messages import (
     SubmitResponse,
     UploadGrant,
 )
+from protocol.parts import CompletedPart, MultipartGrant, PartPlan, UploadComplete, UploadDone
 
 
 class CoordinatorApi(Protocol):
@@ -54,7 +55,15 @@ class CoordinatorApi(Protocol):
 
     async def round(self) -> RoundView: ...
 
-    async def upload_grant(self, round_: int, size: int, sha256: str) -> UploadGrant: ...
+    async def upload_grant(
+        self, round_: int, size: int, sha256: str, parts: PartPlan | None = None
+    ) -> UploadGrant:
+        """A presigned PUT of the payload, or with ``parts`` a multipart upload (if granted)."""
+        ...
+
+    async def upload_complete(self, round_: int, request: UploadComplete) -> UploadDone:
+        """Complete the payload's multipart upload, write-once (``protocol.parts``)."""
+        ...
 
     async def submit(self, round_: int, request: SubmitRequest) -> SubmitResponse: ...
 
@@ -86,6 +95,11 @@ class Transfers(Protocol):
 
     async def put(self, url: str, headers: Mapping[str, str], data: bytes) -> bool:
         """Upload ``data`` with exactly ``headers``; False if the write-once key already held it."""
+        ...
+
+    async def put_parts(self, grant: MultipartGrant, data: bytes) -> list[CompletedPart]:
+        """Upload ``data`` through a multipart grant's part URLs, each part retried alone; the
+        parts the store took, for the completion."""
         ...
 
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:

@@ -6,19 +6,27 @@ While the store does not take the payload, it tries again with a new grant each 
 long as the round stays open; once the round closed without it, step 9 keeps the contribution
 (``node.daemon.rounds``). A refusal that means "this round went on without you" is not an
 error either.
+
+A payload of ``multipart.MULTIPART_THRESHOLD`` bytes or more asks for an upload in parts
+(``node.daemon.multipart``): every part is retried alone, and the coordinator completes the
+upload once they are all in. A store that would not complete it (a part lost, the upload
+aborted as stale) is one more failed upload: a new grant, and the parts again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
 
+from node.daemon.multipart import part_plan
 from node.daemon.pending import PendingRound
 from node.daemon.retry import Backoff
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
 from protocol.causes import cause
-from protocol.messages import RoundState, SubmitRequest
+from protocol.messages import RoundState, SubmitRequest, UploadGrant
+from protocol.parts import UploadComplete
 
 if TYPE_CHECKING:
     from node.daemon.loop import NodeDaemon
@@ -27,6 +35,22 @@ log = logging.getLogger("sparseloco.node")
 
 #: Refusals that mean "this round went on without us"; the contribution stays in e.
 MISSED = frozenset({"round_closed", "not_expected", "already_submitted", "run_finished"})
+
+
+async def _upload(d: NodeDaemon, round_: int, grant: UploadGrant, payload: bytes) -> None:
+    """The payload through ``grant``: one PUT, or every part and then the completion."""
+    if grant.multipart is None:
+        await d.transfers.put(grant.url, grant.headers, payload)
+        return
+    parts = await d.transfers.put_parts(grant.multipart, payload)
+    done = UploadComplete(upload_id=grant.multipart.upload_id, parts=parts)
+    try:
+        await d.api.upload_complete(round_, done)
+    except CoordinatorError as exc:
+        if exc.error != "upload_incomplete":
+            raise
+        # The store would not complete it (a part lost, aborted as stale): upload it again.
+        raise TransferError(f"upload: {exc}", exc.status) from exc
 
 
 async def submit(d: NodeDaemon, pending: PendingRound) -> None:
@@ -41,11 +65,12 @@ async def submit(d: NodeDaemon, pending: PendingRound) -> None:
     pending.bytes_up = 0
     backoff = Backoff()
     try:
+        plan = await asyncio.to_thread(part_plan, payload)  # None: one PUT
         while True:
-            grant = await d.api.upload_grant(r, len(payload), pending.sha256)
+            grant = await d.api.upload_grant(r, len(payload), pending.sha256, plan)
             d.faults.crash_point(r, "mid_upload")
             try:
-                await d.transfers.put(grant.url, grant.headers, payload)
+                await _upload(d, r, grant, payload)
                 break
             except (TransferError, RetriesExhausted) as exc:
                 view = await d.api.round()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.errors import DigestError, RetriesExhausted, TransferError
+from protocol.parts import CompletedPart, MultipartGrant
 
 
 class FakeClock:
@@ -150,6 +151,9 @@ class NodeTransfers:
             return False  # write-once: 412, the same bytes landed before
         self.store.objects[grant.key] = data
         return True
+
+    async def put_parts(self, grant: MultipartGrant, data: bytes) -> list[CompletedPart]:
+        raise TransferError("upload: this fake store has no multipart uploads", 501)
 
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:
         plan = self.plan
