@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import io
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -130,7 +131,7 @@ async def _send_parts(
 async def _put_part(
     session: aiohttp.ClientSession,
     part: PartUrl,
-    data: bytes | AsyncIterator[bytes],
+    data: io.BytesIO | AsyncIterator[bytes],
     length: int,
     timeout: aiohttp.ClientTimeout,
 ) -> str:
@@ -161,7 +162,9 @@ async def put_parts(
     view = memoryview(data)
 
     async def send(part: PartUrl, start: int, end: int) -> str:
-        body: bytes | AsyncIterator[bytes] = bytes(view[start:end])
+        # A file-like body: aiohttp sends it in pieces (raw bytes of a part would be one
+        # large write on the loop), and rewinds it should it resend the part itself.
+        body: io.BytesIO | AsyncIterator[bytes] = io.BytesIO(view[start:end])
         if bandwidth is not None:
             body = bandwidth.chunks(view[start:end].tobytes())
         return await _put_part(session, part, body, end - start, timeout_for(end - start))

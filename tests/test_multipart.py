@@ -1,0 +1,224 @@
+"""Multipart payload uploads through the real coordinator and the real SeaweedFS (no mock).
+
+The node's own client and transfers (``CoordinatorClient``, ``HttpTransfers``) talk to the
+coordinator app in-process (``make_api``) and to the session's ``weed mini``. The threshold and
+part size are lowered to S3's smallest part (5 MiB), so a 12 MiB payload goes in three parts.
+What is pinned here is what the design relies on:
+
+- a multipart payload makes the whole round trip: grant, parts, completion, submit (the
+  coordinator's HEAD check reads the store's digest of digests, ``…-3``), manifest, download;
+- a part whose upload is cut half way is sent again alone (PUTs counted per part number);
+- the key stays write-once: completing again, or completing another upload of other bytes at
+  the same key, creates nothing and leaves the first object as it was;
+- every part URL binds the part's length and sha256: other bytes of the same length are
+  refused (400 ``BadDigest``), and nothing is retried;
+- retention aborts uploads older than their grants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import aiohttp
+import pytest
+
+from node.daemon import multipart
+from node.daemon.client import CoordinatorClient
+from node.daemon.retry import RetryPolicy
+from node.daemon.transfer import HttpTransfers
+from node.errors import TransferError
+from protocol.messages import ManifestView, SubmitRequest
+from protocol.parts import PartPlan, UploadComplete, part_digests
+from protocol.runconfig import RunConfig
+from support.api import FP_A, Api, ApiFactory, token
+
+pytestmark = pytest.mark.asyncio
+
+FAST = RetryPolicy(attempts=3, base_s=0.01, budget_s=20.0)
+PART = 5 << 20
+
+
+@pytest.fixture(autouse=True)
+def _small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(multipart, "MULTIPART_THRESHOLD", 2 * PART)
+    monkeypatch.setattr(multipart, "UPLOAD_PART_SIZE", PART)
+
+
+async def _open(make_api: ApiFactory) -> Api:
+    api = await make_api(RunConfig(name="multipart", min_nodes=1, gather_size=4, rounds=3))
+    status, _ = await api.call("POST", "/v1/join", "n0", {})
+    assert status == 200
+    return api
+
+
+def _client(api: Api, http: aiohttp.ClientSession) -> CoordinatorClient:
+    return CoordinatorClient(http, str(api.client.make_url("")), token("n0"), policy=FAST)
+
+
+class CountingSession:
+    """A session that counts PUTs by part number and cuts the first attempt of ``victim``
+    half way through its body (the connection drops while the store reads it)."""
+
+    def __init__(self, http: aiohttp.ClientSession, victim: int | None = None) -> None:
+        self.http = http
+        self.victim = victim
+        self.puts: Counter[int] = Counter()
+
+    def put(self, url: Any, *, data: Any, headers: dict[str, str], **kw: Any) -> Any:
+        number = int(str(url).split("partNumber=")[1].split("&")[0])
+        self.puts[number] += 1
+        if number == self.victim and self.puts[number] == 1:
+            data = _cut(data.getvalue())
+        return self.http.put(url, data=data, headers=headers, **kw)
+
+
+async def _cut(body: bytes) -> AsyncIterator[bytes]:
+    yield body[: len(body) // 2]
+    await asyncio.sleep(0.05)
+    raise ConnectionResetError("the link dropped mid-part")
+
+
+async def test_a_multipart_payload_makes_the_whole_round_trip(make_api: ApiFactory) -> None:
+    api = await _open(make_api)
+    payload = os.urandom(12 << 20)
+    sha = hashlib.sha256(payload).hexdigest()
+    async with aiohttp.ClientSession() as http:
+        client = _client(api, http)
+        transfers = HttpTransfers(http, policy=FAST)
+        plan = multipart.part_plan(payload)
+        assert plan is not None and len(plan.sha256) == 3
+        grant = await client.upload_grant(0, len(payload), sha, plan)
+        assert grant.multipart is not None and grant.url == ""
+        assert [p.headers["Content-Length"] for p in grant.multipart.parts] == [
+            str(PART), str(PART), str(2 << 20)
+        ]  # fmt: skip
+        parts = await transfers.put_parts(grant.multipart, payload)
+        done = await client.upload_complete(
+            0, UploadComplete(upload_id=grant.multipart.upload_id, parts=parts)
+        )
+        assert done.created
+        resp = await client.submit(
+            0, SubmitRequest(size=len(payload), sha256=sha, base_fingerprint=FP_A)
+        )
+        assert resp.accepted, resp
+        view = await client.manifest(0)
+        assert isinstance(view, ManifestView)
+        [entry] = view.signed.manifest.gather
+        got = await transfers.get(view.urls["n0"], size=entry.size, sha256=entry.sha256)
+    assert got == payload
+
+
+async def test_a_cut_part_is_sent_again_alone(make_api: ApiFactory, s3: Any) -> None:
+    api = await _open(make_api)
+    payload = os.urandom(12 << 20)
+    async with aiohttp.ClientSession() as http:
+        client = _client(api, http)
+        counting = CountingSession(http, victim=2)
+        transfers = HttpTransfers(cast(aiohttp.ClientSession, counting), policy=FAST)
+        plan = multipart.part_plan(payload)
+        grant = await client.upload_grant(
+            0, len(payload), hashlib.sha256(payload).hexdigest(), plan
+        )
+        assert grant.multipart is not None
+        parts = await transfers.put_parts(grant.multipart, payload)
+        assert counting.puts == {1: 1, 2: 2, 3: 1}
+        assert transfers.counts.retried_parts == 1
+        done = await client.upload_complete(
+            0, UploadComplete(upload_id=grant.multipart.upload_id, parts=parts)
+        )
+    assert done.created
+    stored = s3.get_object(Bucket=api.config.storage.bucket, Key=grant.key)["Body"].read()
+    assert stored == payload
+
+
+async def test_the_key_stays_write_once(make_api: ApiFactory, s3: Any) -> None:
+    api = await _open(make_api)
+    first = os.urandom(12 << 20)
+    other = os.urandom(12 << 20)  # same size, other bytes
+    async with aiohttp.ClientSession() as http:
+        client = _client(api, http)
+        transfers = HttpTransfers(http, policy=FAST)
+
+        async def upload(data: bytes) -> tuple[str, UploadComplete]:
+            plan = multipart.part_plan(data)
+            grant = await client.upload_grant(0, len(data), hashlib.sha256(data).hexdigest(), plan)
+            assert grant.multipart is not None
+            parts = await transfers.put_parts(grant.multipart, data)
+            return grant.key, UploadComplete(upload_id=grant.multipart.upload_id, parts=parts)
+
+        key, done = await upload(first)
+        assert (await client.upload_complete(0, done)).created
+        # The same completion again (its answer was lost): nothing new.
+        assert not (await client.upload_complete(0, done)).created
+        # Another upload of other bytes to the same key: refused by the store (412).
+        _, again = await upload(other)
+        assert not (await client.upload_complete(0, again)).created
+    stored = s3.get_object(Bucket=api.config.storage.bucket, Key=key)["Body"].read()
+    assert hashlib.sha256(stored).digest() == hashlib.sha256(first).digest()
+
+
+async def test_a_part_of_other_bytes_is_refused(make_api: ApiFactory) -> None:
+    api = await _open(make_api)
+    payload = os.urandom(12 << 20)
+    forged = bytearray(payload)
+    forged[PART + 7] ^= 0xFF  # one byte of part 2, same length
+    async with aiohttp.ClientSession() as http:
+        client = _client(api, http)
+        counting = CountingSession(http)
+        transfers = HttpTransfers(cast(aiohttp.ClientSession, counting), policy=FAST)
+        plan = PartPlan(part_size=PART, sha256=part_digests(payload, PART))
+        grant = await client.upload_grant(
+            0, len(payload), hashlib.sha256(payload).hexdigest(), plan
+        )
+        assert grant.multipart is not None
+        with pytest.raises(TransferError) as err:
+            await transfers.put_parts(grant.multipart, bytes(forged))
+    assert err.value.status == 400 and "BadDigest" in str(err.value)
+    assert counting.puts[2] == 1  # a refusal is not retried
+
+
+async def test_parts_that_do_not_cut_the_size_are_refused(make_api: ApiFactory) -> None:
+    api = await _open(make_api)
+    body = {
+        "size": 12 << 20,
+        "sha256": "0" * 64,
+        "parts": {"part_size": PART, "sha256": ["0" * 64] * 2},
+    }
+    status, answer = await api.call("POST", "/v1/rounds/0/upload", "n0", body)
+    assert status == 422 and answer["error"] == "bad_parts"
+    body["parts"] = {"part_size": 1 << 20, "sha256": ["0" * 64] * 12}  # below S3's minimum
+    status, answer = await api.call("POST", "/v1/rounds/0/upload", "n0", body)
+    assert status == 422
+
+
+async def test_retention_aborts_uploads_older_than_their_grants(
+    make_api: ApiFactory, s3: Any
+) -> None:
+    api = await _open(make_api)
+    payload = os.urandom(12 << 20)
+    async with aiohttp.ClientSession() as http:
+        client = _client(api, http)
+        plan = multipart.part_plan(payload)
+        grant = await client.upload_grant(
+            0, len(payload), hashlib.sha256(payload).hexdigest(), plan
+        )
+    bucket = api.config.storage.bucket
+    prefix = grant.key.split("/rounds/")[0]
+
+    def uploads() -> list[str]:
+        return [
+            u["UploadId"]
+            for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+        ]
+
+    assert grant.multipart is not None and uploads() == [grant.multipart.upload_id]
+    parts = api.coord.parts
+    assert parts is not None
+    assert await parts.abort_stale(prefix, older_than_s=3600) == 0  # young: kept
+    assert await parts.abort_stale(prefix, older_than_s=0) == 1
+    assert uploads() == []
