@@ -27,8 +27,11 @@ from typing import Any, cast
 import aiohttp
 import pytest
 
-from node.daemon import multipart
+from node.daemon import multipart, upload
+from node.daemon.api import RealClock
 from node.daemon.client import CoordinatorClient
+from node.daemon.faults import Faults
+from node.daemon.pending import PendingRound
 from node.daemon.retry import RetryPolicy
 from node.daemon.transfer import HttpTransfers
 from node.errors import TransferError
@@ -222,3 +225,46 @@ async def test_retention_aborts_uploads_older_than_their_grants(
     assert await parts.abort_stale(prefix, older_than_s=3600) == 0  # young: kept
     assert await parts.abort_stale(prefix, older_than_s=0) == 1
     assert uploads() == []
+
+
+class _Daemon:
+    """The few things ``node.daemon.upload.submit`` uses of a daemon."""
+
+    def __init__(self, api: CoordinatorClient, transfers: HttpTransfers) -> None:
+        self.api = api
+        self.transfers = transfers
+        self.faults = Faults()
+        self.clock = RealClock()
+        self.stopping = asyncio.Event()
+        self.node_id = "n0"
+        self.events: list[str] = []
+
+    def log(self, event: str, **fields: object) -> None:
+        self.events.append(event)
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+async def test_the_daemons_submit_step_uploads_a_large_payload_in_parts(
+    make_api: ApiFactory, s3: Any
+) -> None:
+    """``upload.submit``: plan, grant, parts, completion, submit; the round takes it."""
+    api = await _open(make_api)
+    payload = os.urandom(11 << 20)
+    sha = hashlib.sha256(payload).hexdigest()
+    pending = PendingRound(round=0, payload=payload, sha256=sha, base=FP_A)
+    async with aiohttp.ClientSession() as http:
+        counting = CountingSession(http, victim=1)
+        d = _Daemon(
+            _client(api, http), HttpTransfers(cast(aiohttp.ClientSession, counting), policy=FAST)
+        )
+        await upload.submit(cast(Any, d), pending)
+        view = await d.api.manifest(0)
+    assert d.events == [] and pending.bytes_up == len(payload)
+    assert counting.puts == {1: 2, 2: 1, 3: 1}
+    assert isinstance(view, ManifestView) and [e.sha256 for e in view.signed.manifest.gather] == [
+        sha
+    ]
+    key = view.signed.manifest.gather[0].key
+    assert s3.get_object(Bucket=api.config.storage.bucket, Key=key)["Body"].read() == payload

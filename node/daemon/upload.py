@@ -20,7 +20,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from node.daemon.multipart import part_plan
+from node.daemon import multipart
 from node.daemon.pending import PendingRound
 from node.daemon.retry import Backoff
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
@@ -65,7 +65,9 @@ async def submit(d: NodeDaemon, pending: PendingRound) -> None:
     pending.bytes_up = 0
     backoff = Backoff()
     try:
-        plan = await asyncio.to_thread(part_plan, payload)  # None: one PUT
+        plan = None  # one PUT
+        if len(payload) >= multipart.MULTIPART_THRESHOLD:
+            plan = await asyncio.to_thread(multipart.part_plan, payload)
         while True:
             grant = await d.api.upload_grant(r, len(payload), pending.sha256, plan)
             d.faults.crash_point(r, "mid_upload")
