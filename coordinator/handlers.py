@@ -35,7 +35,14 @@ from coordinator.openapi import openapi_document
 from coordinator.service import COORDINATOR
 from coordinator.status import build_status
 from coordinator.storage import ObjectInfo, sha256_b64
-from coordinator.uploads import check_size, grant, own_payload_key, upload, upload_complete
+from coordinator.uploads import (
+    check_size,
+    checkpoint_complete,
+    grant,
+    own_payload_key,
+    upload,
+    upload_complete,
+)
 from protocol.dataset import MANIFEST_FILE
 from protocol.keys import probe_key
 from protocol.messages import (
@@ -55,6 +62,7 @@ from protocol.messages import (
     RoundState,
     SubmitRequest,
 )
+from protocol.parts import composite_sha256_b64
 from protocol.routes import MAX_STATUS_ROUNDS, ROUTES
 
 log = logging.getLogger("sparseloco.coordinator.app")
@@ -187,11 +195,15 @@ async def checkpoint_upload(request: web.Request) -> web.Response:
     # An expired grant (another node's, or this node's for other bytes) may have left an object
     # behind; the key is write-once, so it must go unless it surely holds exactly these bytes
     # (a store that keeps no checksum cannot say: same-shaped checkpoints have equal sizes).
+    # An object uploaded in parts keeps the digest of its parts' digests (``protocol.parts``).
+    same = sha256_b64(offer.sha256)
+    if offer.parts is not None:
+        same = composite_sha256_b64(offer.parts.sha256)
     stored = await coord.store.head(key)
-    if stored is not None and stored.sha256_b64 != sha256_b64(offer.sha256):
+    if stored is not None and stored.sha256_b64 != same:
         await coord.store.delete_keys([key])
         log.info("event=checkpoint_stale_deleted round=%d node=%s", round_, node_id)
-    return ok(await grant(coord, key, offer.size, offer.sha256))
+    return ok(await grant(coord, key, offer.size, offer.sha256, offer.parts))
 
 
 async def checkpoint_commit(request: web.Request) -> web.Response:
@@ -360,6 +372,7 @@ HANDLERS: dict[str, Handler] = {
     "manifest": manifest,
     "report": report,
     "checkpoint_upload": checkpoint_upload,
+    "checkpoint_complete": checkpoint_complete,
     "checkpoint_commit": checkpoint_commit,
     "checkpoint_latest": checkpoint_latest,
     "checkpoints": checkpoints,

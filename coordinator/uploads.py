@@ -11,7 +11,8 @@ checkpoint, a probe) the coordinator hands it a grant for that key only:
   completed by ``upload_complete`` once the node has uploaded every part.
 
 Both handlers check the round state first: a node may write its own payload key of an open
-round it is expected in, nothing else.
+round it is expected in, nothing else; only the holder of a checkpoint's grant completes its
+upload (``checkpoint_complete``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,30 @@ async def upload(request: web.Request) -> web.Response:
     return ok(granted)
 
 
+async def checkpoint_complete(request: web.Request) -> web.Response:
+    """Complete the grant holder's multipart upload of a checkpoint, write-once; the commit
+    then verifies the file as it does any checkpoint."""
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    round_ = round_of(request)
+    req = await read_body(request, UploadComplete)
+    coord.checkpoints.check_holder(node_id, round_)
+    created = await _complete(coord, coord.checkpoints.key(round_), req)
+    log.info(
+        "event=checkpoint_upload_completed round=%d node=%s parts=%d created=%s",
+        round_, node_id, len(req.parts), created,
+    )  # fmt: skip
+    return ok(UploadDone(created=created))
+
+
+async def _complete(coord: Coordinator, key: str, req: UploadComplete) -> bool:
+    if coord.parts is None:
+        raise Conflict("no_multipart", "this coordinator grants single PUTs only")
+    if not parts_in_order(req.parts, len(req.parts)):
+        raise ApiError(422, "bad_parts", "parts must be numbered 1..n in order", "parts")
+    return await coord.parts.complete(key, req.upload_id, req.parts)
+
+
 async def upload_complete(request: web.Request) -> web.Response:
     """Complete the caller's multipart upload of its payload, write-once."""
     coord = request.app[COORDINATOR]
@@ -84,11 +109,7 @@ async def upload_complete(request: web.Request) -> web.Response:
     round_ = round_of(request)
     req = await read_body(request, UploadComplete)
     key = own_payload_key(coord, node_id, round_)
-    if coord.parts is None:
-        raise Conflict("no_multipart", "this coordinator grants single PUTs only")
-    if not parts_in_order(req.parts, len(req.parts)):
-        raise ApiError(422, "bad_parts", "parts must be numbered 1..n in order", "parts")
-    created = await coord.parts.complete(key, req.upload_id, req.parts)
+    created = await _complete(coord, key, req)
     log.info(
         "event=upload_completed round=%d node=%s parts=%d created=%s",
         round_, node_id, len(req.parts), created,

@@ -14,6 +14,7 @@ generated from the same source. Endpoints (all under ``/v1``, bearer-token auth)
     GET  /v1/rounds/{r}/manifest?wait=s                    -> ManifestView (202 RoundView if open)
     POST /v1/rounds/{r}/report          RoundReport        -> Ack
     POST /v1/checkpoints/{R}/upload     CheckpointUpload   -> UploadGrant (409 not_needed)
+    POST /v1/checkpoints/{R}/upload/complete UploadComplete -> UploadDone (multipart only)
     POST /v1/checkpoints/{R}/commit     CheckpointUpload   -> CheckpointInfo
     GET  /v1/checkpoints/latest                            -> CheckpointView (404 no_checkpoint)
     GET  /v1/checkpoints                                   -> CheckpointList (newest first)
@@ -347,6 +348,9 @@ class CheckpointUpload(Message):
     size: ObjectSize = Field(description="bytes of the safetensors file")
     sha256: Sha256Hex
     fingerprint: FingerprintHex = Field(description="fingerprint of the parameters in the file")
+    parts: PartPlan | None = Field(
+        None, description="ask for a multipart upload cut this way (``protocol.parts``)"
+    )
 
 
 class CheckpointInfo(Message):

@@ -27,6 +27,7 @@ models in the upload request and grant.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from typing import Annotated
 
@@ -113,6 +114,13 @@ def part_digests(data: bytes | memoryview, part_size: int) -> list[str]:
     """The sha256 (hex) of every part of ``data``."""
     view = memoryview(data)
     return [hashlib.sha256(view[s:e]).hexdigest() for s, e in part_ranges(len(view), part_size)]
+
+
+def composite_sha256_b64(digests: list[str]) -> str:
+    """The checksum an S3 store keeps for an object uploaded in these parts (hex sha256 each):
+    base64 of the sha256 of the parts' raw digests, then ``-`` and the number of parts."""
+    joined = b"".join(bytes.fromhex(d) for d in digests)
+    return f"{base64.b64encode(hashlib.sha256(joined).digest()).decode()}-{len(digests)}"
 
 
 def parts_in_order(parts: list[CompletedPart], count: int) -> bool:

@@ -135,6 +135,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "A presigned PUT for θ at the start of this round, for the first eligible member",
              CheckpointUpload, {200: UploadGrant},
              errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
+    Endpoint("checkpoint_complete", "POST", "/v1/checkpoints/{round}/upload/complete",
+             "Complete the grant holder's multipart checkpoint upload (write-once)",
+             UploadComplete, {200: UploadDone},
+             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
     Endpoint("checkpoint_commit", "POST", "/v1/checkpoints/{round}/commit",
              "Announce the uploaded checkpoint (grant holder only); the coordinator verifies the"
              " file before it commits it; idempotent", CheckpointUpload, {200: CheckpointInfo},

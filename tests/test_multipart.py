@@ -12,7 +12,9 @@ What is pinned here is what the design relies on:
   the same key, creates nothing and leaves the first object as it was;
 - every part URL binds the part's length and sha256: other bytes of the same length are
   refused (400 ``BadDigest``), and nothing is retried;
-- retention aborts uploads older than their grants.
+- retention aborts uploads older than their grants;
+- the daemon's submit step and a checkpoint file (parts streamed from disk, completed by the
+  grant holder only, verified whole by the coordinator's commit) take the same path.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import hashlib
 import os
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
 import pytest
+import torch
 
 from node.daemon import multipart, upload
 from node.daemon.api import RealClock
@@ -34,11 +38,13 @@ from node.daemon.faults import Faults
 from node.daemon.pending import PendingRound
 from node.daemon.retry import RetryPolicy
 from node.daemon.transfer import HttpTransfers
-from node.errors import TransferError
-from protocol.messages import ManifestView, SubmitRequest
+from node.errors import CoordinatorError, TransferError
+from protocol.fingerprint import fingerprint
+from protocol.messages import CheckpointUpload, ManifestView, SubmitRequest
 from protocol.parts import PartPlan, UploadComplete, part_digests
 from protocol.runconfig import RunConfig
 from support.api import FP_A, Api, ApiFactory, token
+from support.theta_files import theta_file
 
 pytestmark = pytest.mark.asyncio
 
@@ -268,3 +274,46 @@ async def test_the_daemons_submit_step_uploads_a_large_payload_in_parts(
     ]
     key = view.signed.manifest.gather[0].key
     assert s3.get_object(Bucket=api.config.storage.bucket, Key=key)["Body"].read() == payload
+
+
+async def test_a_large_checkpoint_goes_in_parts_and_is_verified_whole(
+    make_api: ApiFactory, s3: Any, tmp_path: Path
+) -> None:
+    """A checkpoint file above the threshold: grant in parts, parts streamed from disk, the
+    holder completes (nobody else may), the commit verifies the whole file as always."""
+    theta = {"w": torch.arange(3_000_000, dtype=torch.float32)}  # 12 MB of tensor
+    fp = fingerprint(theta)
+    path = tmp_path / "theta.safetensors"
+    path.write_bytes(theta_file("big", theta))
+    size = path.stat().st_size
+    api = await make_api(RunConfig(name="bigckpt", min_nodes=2, rounds=5, checkpoint_every=2))
+    for node in ("n0", "n1"):
+        assert (await api.call("POST", "/v1/join", node, {}))[0] == 200
+    for r in (0, 1):
+        for node in ("n0", "n1"):
+            assert (await api.contribute(node, r, fp))["accepted"]
+        assert (await api.manifest("n0", r))[0] == 200
+        for node in ("n0", "n1"):
+            assert (await api.call("POST", f"/v1/rounds/{r}/report", node, {"fingerprint": fp}))[
+                0
+            ] == 200
+    plan = multipart.file_part_plan(path, size)
+    assert plan is not None and len(plan.sha256) == 3
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    offer = CheckpointUpload(size=size, sha256=sha, fingerprint=fp, parts=plan)
+    async with aiohttp.ClientSession() as http:
+        client = _client(api, http)
+        transfers = HttpTransfers(http, policy=FAST)
+        grant = await client.checkpoint_grant(2, offer)
+        assert grant.multipart is not None
+        parts = await transfers.put_file_parts(grant.multipart, path, size=size)
+        done = UploadComplete(upload_id=grant.multipart.upload_id, parts=parts)
+        other = CoordinatorClient(http, str(api.client.make_url("")), token("n1"), policy=FAST)
+        with pytest.raises(CoordinatorError) as err:
+            await other.checkpoint_complete(2, done)
+        assert err.value.error == "not_granted"
+        assert (await client.checkpoint_complete(2, done)).created
+        info = await client.checkpoint_commit(2, offer)
+    assert (info.size, info.sha256, info.fingerprint) == (size, sha, fp)
+    stored = s3.get_object(Bucket=api.config.storage.bucket, Key=grant.key)["Body"].read()
+    assert stored == path.read_bytes()

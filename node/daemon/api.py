@@ -75,6 +75,10 @@ class CoordinatorApi(Protocol):
 
     async def checkpoint_grant(self, round_: int, offer: CheckpointUpload) -> UploadGrant: ...
 
+    async def checkpoint_complete(self, round_: int, request: UploadComplete) -> UploadDone:
+        """Complete the checkpoint's multipart upload, write-once (grant holder only)."""
+        ...
+
     async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo: ...
 
     async def checkpoints(self) -> list[CheckpointView]:
@@ -111,6 +115,12 @@ class Transfers(Protocol):
     ) -> bool:
         """Upload the ``size`` bytes of the file at ``path``, streamed from disk, with exactly
         ``headers``; False if the write-once key already held it."""
+        ...
+
+    async def put_file_parts(
+        self, grant: MultipartGrant, path: Path, *, size: int
+    ) -> list[CompletedPart]:
+        """``put_parts`` of the ``size`` bytes of the file at ``path``, streamed from disk."""
         ...
 
     async def get_to_file(self, url: str, path: Path, *, size: int, sha256: str) -> None:

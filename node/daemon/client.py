@@ -243,6 +243,10 @@ class CoordinatorClient:
         """A presigned PUT for θ_round as a checkpoint; ``CoordinatorError`` ``not_needed``."""
         return _as(UploadGrant, await self._call("checkpoint_upload", offer, round_=round_))
 
+    async def checkpoint_complete(self, round_: int, request: UploadComplete) -> UploadDone:
+        """Complete the multipart upload of θ_round; ``CoordinatorError`` ``not_granted``."""
+        return _as(UploadDone, await self._call("checkpoint_complete", request, round_=round_))
+
     async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo:
         return _as(CheckpointInfo, await self._call("checkpoint_commit", offer, round_=round_))
 

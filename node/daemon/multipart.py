@@ -33,12 +33,13 @@ from pathlib import Path
 
 import aiohttp
 
-from node.daemon.filestream import file_chunks
+from node.daemon.filestream import WRITE_CHUNK, file_chunks
 from node.daemon.ranged import TransferCounts, check_status, signed
 from node.daemon.ratelimit import Bandwidth
 from node.daemon.retry import Link, RetryPolicy, retry
 from node.errors import TransferError, TransientError
 from protocol.parts import (
+    MAX_PARTS,
     CompletedPart,
     MultipartGrant,
     PartPlan,
@@ -57,23 +58,36 @@ UPLOAD_PART_SIZE = 8 << 20
 PARALLEL_UPLOADS = 4
 
 
+def part_size_for(size: int) -> int:
+    """``UPLOAD_PART_SIZE``, or for an object that would need more than S3's ``MAX_PARTS``
+    parts of it (past 78 GiB: a checkpoint of a model of tens of billions of parameters), the
+    smallest whole number of MiB that cuts it into ``MAX_PARTS``."""
+    fewest = -(-size // MAX_PARTS)
+    return max(UPLOAD_PART_SIZE, -(-fewest // (1 << 20)) << 20)
+
+
 def part_plan(data: bytes | memoryview) -> PartPlan | None:
     """How ``data`` is cut for a multipart upload; ``None`` below ``MULTIPART_THRESHOLD``
     (one PUT). Hashes every part: call it off the event loop for a large object."""
     if len(data) < MULTIPART_THRESHOLD:
         return None
-    return PartPlan(part_size=UPLOAD_PART_SIZE, sha256=part_digests(data, UPLOAD_PART_SIZE))
+    part_size = part_size_for(len(data))
+    return PartPlan(part_size=part_size, sha256=part_digests(data, part_size))
 
 
 def file_part_plan(path: Path, size: int) -> PartPlan | None:
-    """``part_plan`` of the ``size`` bytes of a local file, read a part at a time."""
+    """``part_plan`` of the ``size`` bytes of a local file, read a piece at a time."""
     if size < MULTIPART_THRESHOLD:
         return None
+    part_size = part_size_for(size)
     digests = []
     with open(path, "rb", buffering=0) as f:
-        for start, end in part_ranges(size, UPLOAD_PART_SIZE):
-            digests.append(hashlib.sha256(os.pread(f.fileno(), end - start, start)).hexdigest())
-    return PartPlan(part_size=UPLOAD_PART_SIZE, sha256=digests)
+        for start, end in part_ranges(size, part_size):
+            sha = hashlib.sha256()
+            for pos in range(start, end, WRITE_CHUNK):
+                sha.update(os.pread(f.fileno(), min(WRITE_CHUNK, end - pos), pos))
+            digests.append(sha.hexdigest())
+    return PartPlan(part_size=part_size, sha256=digests)
 
 
 def _sha_hex(part: PartUrl) -> str:

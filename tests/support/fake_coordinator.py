@@ -267,6 +267,10 @@ class FakeApi:
         url = self.c.store.presign_put(key, offer.size, offer.sha256)
         return UploadGrant(key=key, url=url, headers={}, expires_in_s=900.0)
 
+    async def checkpoint_complete(self, round_: int, request: UploadComplete) -> UploadDone:
+        await self._reach()
+        raise CoordinatorError(409, "no_multipart", "this fake grants single PUTs only")
+
     async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo:
         await self._reach()
         book = self.c.book

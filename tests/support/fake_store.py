@@ -186,6 +186,11 @@ class NodeTransfers:
             raise TransferError(f"upload: {path} holds {len(data)} bytes, not {size}")
         return await self.put(url, headers, data)
 
+    async def put_file_parts(
+        self, grant: MultipartGrant, path: Path, *, size: int
+    ) -> list[CompletedPart]:
+        raise TransferError("upload: this fake store has no multipart uploads", 501)
+
     async def get_to_file(self, url: str, path: Path, *, size: int, sha256: str) -> None:
         data = await self.get(url, size=size, sha256=sha256)
         tmp = Path(path).with_name(f".{Path(path).name}.part")
