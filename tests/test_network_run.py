@@ -66,14 +66,6 @@ def _assert_fingerprints_agree(status: StatusView, nodes: set[str], from_round: 
         assert len(values) == 1, f"round {summary.round}: {summary.fingerprints}"
 
 
-def _applied_fingerprints(cluster: Cluster, node: str) -> dict[int, str]:
-    """round -> fingerprint of θ after it, as ``node`` logged applying it (replays included:
-    a node reports only the rounds it took part in, but logs every round it applies)."""
-    text = (cluster.root / "logs" / f"{node}.log").read_text()
-    found = re.findall(r"event=applied node=\S+ .*?applied_round=(\d+) .*?fingerprint=(\w+)", text)
-    return {int(r): fp for r, fp in found}
-
-
 def test_three_nodes_train_one_model(cluster_factory, store, s3) -> None:
     run = _run(rounds=4, min_nodes=3)
     cluster = cluster_factory(run, 3)
@@ -143,10 +135,10 @@ def test_late_joiner_and_a_restarted_node_end_bit_identical(cluster_factory, ove
     _assert_fingerprints_agree(status, {"node-0"})
     reported = {r.round: r.fingerprints["node-0"] for r in closed}
     for node in ("node-1", "node-2"):
-        applied = _applied_fingerprints(cluster, node)
+        applied = cluster.applied_fingerprints(node)
         assert set(applied) >= set(range(paused.round, run.rounds)), (node, sorted(applied))
         assert {r: reported[r] for r in applied} == applied, node
-    assert set(_applied_fingerprints(cluster, "node-2")) == set(range(run.rounds))  # from θ_0
+    assert set(cluster.applied_fingerprints("node-2")) == set(range(run.rounds))  # from θ_0
     contributed = [r.round for r in closed if "node-2" in r.gather]
     assert min(contributed) >= paused.round
     assert [r.round for r in closed] == list(range(run.rounds))

@@ -85,7 +85,8 @@ class EmbeddedStore:
     """A ``weed mini`` process serving S3 on ``host`` (loopback by default), with one bucket.
 
     ``s3_port`` fixes the S3 port (``sparseloco store --port``); every other port is a free one
-    on the same address, chosen at the first start and kept across restarts.
+    on the same address, chosen at the first start and kept across restarts. ``bind`` is the
+    address the servers listen on when it differs from ``host``, the one they are reached by.
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class EmbeddedStore:
         secret_key: str | None = None,
         host: str = "127.0.0.1",
         s3_port: int | None = None,
+        bind: str | None = None,
     ) -> None:
         if not 3 <= len(bucket) <= 63:
             raise ValueError(f"bucket name {bucket!r} must have 3-63 characters")
@@ -106,6 +108,9 @@ class EmbeddedStore:
         self.secret_key = secret_key or secrets.token_hex(20)
         self.process: Process | None = None
         self.host = host
+        #: The address the servers listen on; ``host`` by default. The WAN lab binds every
+        #: address (``0.0.0.0``) so relays reach the store by another one than ``host``.
+        self.bind = bind or host
         self.s3_port: int | None = None
         self._fixed_s3_port = s3_port
         self._ports: dict[str, int] | None = None
@@ -132,7 +137,7 @@ class EmbeddedStore:
             f"-filer.localSocket={self.data_dir / 'filer.sock'}",
             f"-dir={self.data_dir}",
             f"-ip={self.host}",
-            f"-ip.bind={self.host}",
+            f"-ip.bind={self.bind}",
             f"-bucket={self.bucket}",
             "-webdav=false",
             "-admin.ui=false",

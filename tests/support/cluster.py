@@ -9,6 +9,7 @@ fixture calls it even when the test fails.
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import urllib.error
@@ -28,6 +29,8 @@ from protocol.signing import public_key_hex
 
 #: Safety net for any single wait; a healthy tiny run needs a small fraction of it.
 WAIT_S = 240.0
+#: A node's log line for a round it applied: the round and the fingerprint of θ after it.
+APPLIED = r"event=applied node=\S+ .*?applied_round=(\d+) .*?fingerprint=(\w+)"
 
 
 class Cluster:
@@ -39,8 +42,12 @@ class Cluster:
         nodes: int,
         *,
         prefix: str | None = None,
+        public_host: str | None = None,
     ) -> None:
+        """``public_host``: the coordinator listens on every address and nodes are told to reach
+        it by this one (the WAN lab's service address), instead of loopback."""
         self.root = root
+        self.public_host = public_host
         self.run = run
         self.tokens = {f"node-{i}": secrets.token_urlsafe(12) for i in range(nodes)}
         self.state_dir = root / "coordinator"
@@ -49,7 +56,14 @@ class Cluster:
         self.prefix = prefix or f"it-{root.name}"
         self.config = root / "coordinator.toml"
         self.config.write_text(
-            coordinator_toml(run, store.endpoint, self.tokens, self.state_dir, prefix=self.prefix)
+            coordinator_toml(
+                run,
+                store.endpoint,
+                self.tokens,
+                self.state_dir,
+                prefix=self.prefix,
+                server=None if public_host is None else {"host": "0.0.0.0"},
+            )
         )
         self.coordinator: Process | None = None
         self.url = ""
@@ -57,7 +71,7 @@ class Cluster:
         self.starts = 0
 
     def start_coordinator(self) -> None:
-        port = urlparse(self.url).port or 0 if self.url else 0
+        port = self.port
         self.starts += 1
         self.coordinator, self.url = start_coordinator(
             self.config,
@@ -65,6 +79,15 @@ class Cluster:
             self.root / "logs" / f"coordinator-{self.starts}.log",
             port=port,
         )
+        if self.public_host is not None:  # announced as http://0.0.0.0:PORT
+            self.url = (
+                urlparse(self.url)._replace(netloc=f"{self.public_host}:{self.port}").geturl()
+            )
+
+    @property
+    def port(self) -> int:
+        """The coordinator's port (0 before it first started)."""
+        return urlparse(self.url).port or 0 if self.url else 0
 
     def kill_coordinator(self) -> None:
         if self.coordinator is not None:
@@ -100,6 +123,16 @@ class Cluster:
         key = load_pem_private_key(pem, None)
         assert isinstance(key, Ed25519PrivateKey)
         return public_key_hex(key)
+
+    def applied_fingerprints(self, node: str) -> dict[int, str]:
+        """round -> fingerprint of θ after it, as ``node`` logged applying it (replays
+        included: a node reports only the rounds it took part in, but logs every round it
+        applies)."""
+        text = (self.root / "logs" / f"{node}.log").read_text()
+        found = re.findall(
+            r"event=applied node=\S+ .*?applied_round=(\d+) .*?fingerprint=(\w+)", text
+        )
+        return {int(r): fp for r, fp in found}
 
     def status(self) -> StatusView:
         return fetch_status(self.url)

@@ -32,6 +32,7 @@ from chaos.runner import chaos_test, run_scenario
 from node.cluster.process import Process
 from node.cluster.up import start_coordinator, start_node
 from node.research.bench.spawn import spawn as spawn_node
+from node.research.wan.lab import WanLab
 from support.cluster import Cluster
 from support.harness import CoordinatorProcess
 from support.ranks import spawn
@@ -50,6 +51,7 @@ STARTERS: tuple[object, ...] = (
     CoordinatorProcess,
     chaos_test,
     run_scenario,
+    WanLab,
 )
 #: Fixtures that start a process for the test.
 PROCESS_FIXTURES = frozenset({"browser"})
