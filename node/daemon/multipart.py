@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import io
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -142,14 +141,28 @@ async def _send_parts(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _pieces(view: memoryview, bandwidth: Bandwidth | None) -> AsyncIterator[bytes]:
+    """A part in memory as a stream of ``WRITE_CHUNK`` pieces (at ``bandwidth``'s pace when
+    there is one). A stream, not bytes: aiohttp would resend bytes by itself, once, when a
+    kept-alive connection drops; a stream it cannot, so every resend of a part is an attempt
+    of ``retry``, paced, logged and counted like the others."""
+    if bandwidth is not None:
+        async for piece in bandwidth.chunks(view.tobytes()):
+            yield piece
+        return
+    for pos in range(0, len(view), WRITE_CHUNK):
+        yield view[pos : pos + WRITE_CHUNK].tobytes()
+
+
 async def _put_part(
     session: aiohttp.ClientSession,
     part: PartUrl,
-    data: io.BytesIO | AsyncIterator[bytes],
+    data: AsyncIterator[bytes],
     length: int,
     timeout: aiohttp.ClientTimeout,
 ) -> str:
-    """One ``UploadPart`` with exactly the signed headers; the ETag the store answers."""
+    """One ``UploadPart`` with exactly the signed headers (``data`` a stream: see
+    ``_pieces``); the ETag the store answers."""
     sent: Mapping[str, str] = {**part.headers, "Content-Length": str(length)}
     async with session.put(signed(part.url), data=data, headers=sent, timeout=timeout) as resp:
         text = await resp.read()
@@ -176,11 +189,7 @@ async def put_parts(
     view = memoryview(data)
 
     async def send(part: PartUrl, start: int, end: int) -> str:
-        # A file-like body: aiohttp sends it in pieces (raw bytes of a part would be one
-        # large write on the loop), and rewinds it should it resend the part itself.
-        body: io.BytesIO | AsyncIterator[bytes] = io.BytesIO(view[start:end])
-        if bandwidth is not None:
-            body = bandwidth.chunks(view[start:end].tobytes())
+        body = _pieces(view[start:end], bandwidth)
         return await _put_part(session, part, body, end - start, timeout_for(end - start))
 
     return await _send_parts(grant, len(data), send, policy=policy, link=link, counts=counts)
