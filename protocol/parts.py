@@ -40,6 +40,12 @@ MAX_PART_SIZE = 5 << 30
 #: S3's most parts of one upload.
 MAX_PARTS = 10_000
 
+#: Bytes of a request body that lists every part of the largest upload: a grant request names
+#: a sha256 per part (about 67 bytes of JSON), a completion its number, ETag and sha256 (about
+#: 140). The endpoints that take such a body accept this much, whatever the coordinator's
+#: ``max_body_bytes`` for the others (``protocol.routes``, ``Endpoint.body_limit``).
+MAX_PARTS_BODY_BYTES = MAX_PARTS * 160
+
 PartDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 PartNumber = Annotated[int, Field(strict=True, ge=1, le=MAX_PARTS)]
 #: An ETag as S3 answers it (a quoted hex MD5, or another store's opaque token).
