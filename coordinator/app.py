@@ -130,11 +130,11 @@ def s3_store(config: CoordinatorConfig) -> S3Store:
     )
 
 
-def multipart_of(store: ObjectStore, config: CoordinatorConfig) -> PartStore | None:
+def multipart_of(store: ObjectStore) -> PartStore | None:
     """Multipart uploads on ``store``, if it is the S3 store (a test's fake store has none)."""
     if not isinstance(store, S3Store):
         return None
-    return S3Parts(store.client, store.bucket, config.server.presign_expiry_s, store.run)
+    return S3Parts(store.client, store.bucket, store.run, store.presign_part)
 
 
 def _tokens(
@@ -181,7 +181,7 @@ def create_app(
         db.close()
         raise
     storewatch = StoreWatch(machine)
-    parts = multipart_of(store, config)
+    parts = multipart_of(store)
     store = WatchedStore(store, storewatch)
     metrics = CoordinatorMetrics(totals(db), inner_steps=config.run.inner_steps)
     metrics.nodes.from_reports(db)

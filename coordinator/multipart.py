@@ -21,7 +21,8 @@ The whole object's sha256 cannot be checked by the store here (it keeps a digest
 digests, ``…-N``): every node that downloads the object checks size and sha256 against the
 signed manifest, as for every payload, and the coordinator reads a checkpoint back before it
 commits it (``coordinator.verify``). boto3 is blocking: every call runs on a thread, presigning
-too (one ``UploadPart`` URL costs boto3 about a millisecond, and a 1 GB object has 128 parts).
+too (``coordinator.presign`` signs a part in microseconds where it agrees with boto3, which
+takes about a millisecond; a 1 GB object has 128 parts, a large checkpoint thousands).
 Errors leave as ``coordinator.errors.StorageError``, or ``Conflict`` for an upload the store
 will not complete (a part missing, an unknown upload id): the node then uploads again.
 """
@@ -72,17 +73,20 @@ class PartStore(Protocol):
 
 
 Runner = Callable[[str, Callable[[], Any]], Awaitable[Any]]
+#: (key, upload id, part number, size, sha256 hex) -> the part's URL and its exact headers.
+PartSigner = Callable[[str, str, int, int, str], tuple[str, dict[str, str]]]
 
 
 class S3Parts:
     """``PartStore`` on boto3: ``client`` for ``bucket``, each call through ``run`` (which
-    puts it on a thread and translates botocore's errors, ``S3Store._run``)."""
+    puts it on a thread and translates botocore's errors, ``S3Store.run``); part URLs from
+    ``sign`` (``S3Store.presign_part``: the fast SigV4 signer where it agrees with boto3)."""
 
-    def __init__(self, client: Any, bucket: str, expiry_s: int, run: Runner) -> None:
+    def __init__(self, client: Any, bucket: str, run: Runner, sign: PartSigner) -> None:
         self.client = client
         self.bucket = bucket
-        self.expiry_s = expiry_s
         self.run = run
+        self.sign = sign
 
     async def create(self, key: str) -> str:
         resp = await self.run(
@@ -98,25 +102,12 @@ class S3Parts:
         self, key: str, upload_id: str, size: int, plan: PartPlan
     ) -> list[PartUrl]:
         def sign() -> list[PartUrl]:
-            urls = []
-            for number, ((start, end), sha) in enumerate(
-                zip(part_ranges(size, plan.part_size), plan.sha256, strict=True), 1
-            ):
-                checksum = sha256_b64(sha)
-                params = {
-                    "Bucket": self.bucket,
-                    "Key": key,
-                    "UploadId": upload_id,
-                    "PartNumber": number,
-                    "ContentLength": end - start,
-                    "ChecksumSHA256": checksum,
-                }
-                url = self.client.generate_presigned_url(
-                    "upload_part", Params=params, ExpiresIn=self.expiry_s
-                )
-                headers = {"Content-Length": str(end - start), "x-amz-checksum-sha256": checksum}
-                urls.append(PartUrl(number=number, url=url, headers=headers))
-            return urls
+            ranges = part_ranges(size, plan.part_size)
+            return [
+                PartUrl(number=n, url=url, headers=headers)
+                for n, ((start, end), sha) in enumerate(zip(ranges, plan.sha256, strict=True), 1)
+                for url, headers in [self.sign(key, upload_id, n, end - start, sha)]
+            ]
 
         result: list[PartUrl] = await self.run(f"presign parts {key}", sign)
         return result

@@ -67,6 +67,8 @@ HEAD_EXPIRY_S = 60
 READ_CHUNK = 1 << 20
 #: The key the presigner is checked against boto3 with (characters a key may hold).
 PROBE_KEY = "presign-check/run 1/00000/node_a-~+%.bin"
+#: The upload id it is checked with (characters an upload id may hold).
+PROBE_UPLOAD_ID = "3f2a_9b+c/d=e~f.g-h"
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,26 @@ class S3Store:
             "If-None-Match": "*",
         }
 
+    @staticmethod
+    def _headers_part(size: int, checksum: str) -> dict[str, str]:
+        """The headers a presigned part upload binds: the part's size and checksum."""
+        return {"Content-Length": str(size), "x-amz-checksum-sha256": checksum}
+
+    def presign_part(
+        self, key: str, upload_id: str, number: int, size: int, sha256_hex: str
+    ) -> tuple[str, dict[str, str]]:
+        """A URL and the exact headers for part ``number`` of multipart upload ``upload_id``:
+        ``size`` bytes hashing to ``sha256_hex`` (``coordinator.multipart``)."""
+        checksum = sha256_b64(sha256_hex)
+        headers = self._headers_part(size, checksum)
+        if self._presigner is not None:
+            query = [("uploadId", upload_id), ("partNumber", str(number))]
+            url = self._presigner.presign("PUT", key, self.expiry_s, headers, query=query)
+            return url, headers
+        params = {"Key": key, "UploadId": upload_id, "PartNumber": number, "ContentLength": size}
+        params["ChecksumSHA256"] = checksum
+        return self._boto_url("upload_part", params, self.expiry_s), headers
+
     def _boto_url(self, operation: str, params: dict[str, Any], expires_s: int) -> str:
         """boto3's presigned URL of ``operation`` on this bucket."""
         url: str = self._client.generate_presigned_url(
@@ -194,14 +216,26 @@ class S3Store:
         put: dict[str, Any] = {"Key": key, "ContentLength": 1, "ChecksumSHA256": checksum}
         put["IfNoneMatch"] = "*"
         head = {"Key": key, "ChecksumMode": "ENABLED"}
-        cases: list[tuple[str, dict[str, Any], str, dict[str, str] | None, int]] = [
-            ("put_object", put, "PUT", self._headers_put(1, checksum), self.expiry_s),
-            ("get_object", {"Key": key}, "GET", None, self.expiry_s),
-            ("head_object", head, "HEAD", {"x-amz-checksum-mode": "ENABLED"}, HEAD_EXPIRY_S),
+        part = {"Key": key, "UploadId": PROBE_UPLOAD_ID, "PartNumber": 7, "ContentLength": 1}
+        part["ChecksumSHA256"] = checksum
+        part_query = [("uploadId", PROBE_UPLOAD_ID), ("partNumber", "7")]
+        Case = tuple[str, dict[str, Any], str, dict[str, str] | None, int, list[tuple[str, str]]]
+        cases: list[Case] = [
+            ("put_object", put, "PUT", self._headers_put(1, checksum), self.expiry_s, []),
+            ("get_object", {"Key": key}, "GET", None, self.expiry_s, []),
+            ("head_object", head, "HEAD", {"x-amz-checksum-mode": "ENABLED"}, HEAD_EXPIRY_S, []),
+            (
+                "upload_part",
+                part,
+                "PUT",
+                self._headers_part(1, checksum),
+                self.expiry_s,
+                part_query,
+            ),
         ]
-        for operation, params, method, headers, expires_s in cases:
+        for operation, params, method, headers, expires_s, query in cases:
             url = self._boto_url(operation, params, expires_s)
-            if not matches_botocore(presigner, url, method, key, expires_s, headers):
+            if not matches_botocore(presigner, url, method, key, expires_s, headers, query):
                 log.warning(
                     "event=presign_fallback reason=%s",
                     f"the SigV4 signer disagrees with boto3 on {operation}; boto3 signs",
