@@ -13,7 +13,10 @@ holds the store's credentials, so it does what needs them:
 - ``complete`` sends ``CompleteMultipartUpload`` with ``If-None-Match: *``: SeaweedFS answers
   412 when the key already holds an object (measured: the first object stays), so the key stays
   write-once. Without that header SeaweedFS would replace the object, even by completing the
-  same upload id a second time: the header is never left out;
+  same upload id a second time: the header is never left out. For a store that ignores it, a
+  HEAD before the completion refuses a key that already holds an object (what is left is the
+  race of two completions at once, and only the key's own node, or its checkpoint's grant
+  holder, may complete anything there);
 - ``abort_stale`` aborts uploads started longer ago than a grant lives (a node that crashed or
   took a fresh grant leaves its parts behind); retention calls it on every pass.
 
@@ -36,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 from coordinator.errors import Conflict, StorageError
-from coordinator.storage import sha256_b64
+from coordinator.storage import NOT_FOUND, sha256_b64
 from protocol.parts import CompletedPart, PartPlan, PartUrl, part_ranges
 
 log = logging.getLogger("sparseloco.coordinator.multipart")
@@ -113,6 +116,10 @@ class S3Parts:
         return result
 
     async def complete(self, key: str, upload_id: str, parts: list[CompletedPart]) -> bool:
+        # Write-once twice over: an object already there is never replaced, whether or not a
+        # store honours If-None-Match on the completion (SeaweedFS 4.48 does, measured).
+        if await self._exists(key):
+            return False
         listed = [
             {"PartNumber": p.number, "ETag": p.etag, "ChecksumSHA256": sha256_b64(p.sha256)}
             for p in parts
@@ -136,6 +143,18 @@ class S3Parts:
                     "upload_incomplete",
                     f"the store would not complete this upload ({exc.code}); upload again",
                 ) from exc
+            raise
+        return True
+
+    async def _exists(self, key: str) -> bool:
+        try:
+            await self.run(
+                f"head {key}",
+                functools.partial(self.client.head_object, Bucket=self.bucket, Key=key),
+            )
+        except StorageError as exc:
+            if exc.code in NOT_FOUND:
+                return False
             raise
         return True
 

@@ -11,7 +11,8 @@ What is pinned here is what the design relies on:
 - the key stays write-once: completing again, or completing another upload of other bytes at
   the same key, creates nothing and leaves the first object as it was;
 - every part URL binds the part's length and sha256: other bytes of the same length are
-  refused (400 ``BadDigest``), and nothing is retried;
+  refused (400 ``BadDigest``), and nothing is retried; what SeaweedFS enforces on a presigned
+  part and on a completion with ``If-None-Match`` is pinned on its own;
 - retention aborts uploads older than their grants;
 - the daemon's submit step and a checkpoint file (parts streamed from disk, completed by the
   grant holder only, verified whole by the coordinator's commit) take the same path.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import os
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -30,7 +32,10 @@ from typing import Any, cast
 import aiohttp
 import pytest
 import torch
+from botocore.exceptions import ClientError
+from yarl import URL
 
+from coordinator.storage import S3Store, sha256_b64
 from node.daemon import multipart, upload
 from node.daemon.api import RealClock
 from node.daemon.client import CoordinatorClient
@@ -347,3 +352,50 @@ async def test_a_grant_of_thousands_of_parts_is_not_refused_for_its_body(
     assert (status, answer["error"]) == (409, "upload_incomplete")  # no part was uploaded
     status, answer = await api.call("POST", "/v1/join", "n0", {"client": "x" * 70_000})
     assert status == 413  # any other body: the server's max_body_bytes
+
+
+async def test_what_the_store_enforces_on_parts_and_completions(store: Any, s3: Any) -> None:
+    """The measurements the design rests on, pinned against SeaweedFS: a presigned part with
+    another length (403), without its checksum header (403), of other bytes (400 BadDigest) or
+    under another part number (403) is refused; a completion with ``If-None-Match: *`` at a key
+    that holds an object is refused (412) and the object stays."""
+    e = store.endpoint
+    s3store = S3Store(
+        endpoint_url=e.endpoint_url, bucket=e.bucket, access_key=e.access_key,
+        secret_key=e.secret_key, expiry_s=60,
+    )  # fmt: skip
+    key = "multipart/enforced.bin"
+    s3.put_object(Bucket=e.bucket, Key=key, Body=b"first")
+    upload_id = s3.create_multipart_upload(Bucket=e.bucket, Key=key, ChecksumAlgorithm="SHA256")[
+        "UploadId"
+    ]
+    part = os.urandom(PART)
+    sha = hashlib.sha256(part).hexdigest()
+    url, headers = s3store.presign_part(key, upload_id, 1, len(part), sha)
+
+    async def put(target: str, body: bytes, sent: dict[str, str]) -> tuple[int, str]:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.put(URL(target, encoded=True), data=io.BytesIO(body), headers=sent) as r,
+        ):
+            return r.status, await r.text()
+
+    longer = {**headers, "Content-Length": str(len(part) + 1)}
+    assert (await put(url, part + b"x", longer))[0] == 403
+    assert (await put(url, part, {"Content-Length": str(len(part))}))[0] == 403
+    forged = bytes([part[0] ^ 1]) + part[1:]
+    status, text = await put(url, forged, headers)
+    assert status == 400 and "BadDigest" in text
+    assert (await put(url.replace("partNumber=1", "partNumber=2"), part, headers))[0] == 403
+    status, _ = await put(url, part, headers)
+    assert status == 200
+    etag = s3.list_parts(Bucket=e.bucket, Key=key, UploadId=upload_id)["Parts"][0]["ETag"]
+    listed = [{"PartNumber": 1, "ETag": etag, "ChecksumSHA256": sha256_b64(sha)}]
+    with pytest.raises(ClientError) as err:
+        s3.complete_multipart_upload(
+            Bucket=e.bucket, Key=key, UploadId=upload_id,
+            MultipartUpload={"Parts": listed}, IfNoneMatch="*",
+        )  # fmt: skip
+    assert err.value.response["Error"]["Code"] == "PreconditionFailed"
+    assert s3.get_object(Bucket=e.bucket, Key=key)["Body"].read() == b"first"
+    s3.abort_multipart_upload(Bucket=e.bucket, Key=key, UploadId=upload_id)
