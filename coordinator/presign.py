@@ -11,6 +11,9 @@ its own URL). The canonical request is AWS's "Signature Version 4, query string
 authentication": method, path, sorted query, sorted lower-case headers with ``host``,
 ``UNSIGNED-PAYLOAD``; addressing is path-style (``{endpoint}/{bucket}/{key}``).
 
+``Request`` describes each kind once (``put_request``, ``get_request``, ``head_request``,
+``part_request``), for both signers: what boto3 is asked, what this signer signs.
+
 Whether this endpoint and botocore agree is not assumed: ``matches_botocore`` (called when the
 ``S3Store`` is built) asks boto3 for each kind of URL the coordinator hands out, signs the same
 request at the same second here, and compares the two URLs character for character. The store
@@ -25,6 +28,8 @@ import hashlib
 import hmac
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
 #: What every presigned URL signs as its body: the payload is not part of the signature.
@@ -130,6 +135,47 @@ class SigV4Presigner:
         # boto3's order in the URL: the operation's parameters, then the signature's.
         url_query = "&".join(f"{name}={value}" for name, value in [*own, *auth])
         return f"{self.base}/{_encode(key, safe='/~')}?{url_query}&X-Amz-Signature={signature}"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One kind of request the coordinator presigns, as both signers see it: boto3's
+    ``operation`` and ``params`` (beside the bucket), and the method, the headers the URL binds
+    and the operation's own query parameters for ``SigV4Presigner``."""
+
+    operation: str
+    params: dict[str, Any]
+    method: str
+    key: str
+    headers: dict[str, str] | None = None
+    query: tuple[tuple[str, str], ...] = ()
+
+
+def put_request(key: str, size: int, checksum: str) -> Request:
+    """A write-once PUT of ``size`` bytes with sha256 ``checksum`` (base64)."""
+    headers = {"Content-Length": str(size), "x-amz-checksum-sha256": checksum, "If-None-Match": "*"}
+    params = {"Key": key, "ContentLength": size, "ChecksumSHA256": checksum, "IfNoneMatch": "*"}
+    return Request("put_object", params, "PUT", key, headers)
+
+
+def part_request(key: str, upload_id: str, number: int, size: int, checksum: str) -> Request:
+    """Part ``number`` of multipart upload ``upload_id``: ``size`` bytes with sha256
+    ``checksum`` (base64)."""
+    headers = {"Content-Length": str(size), "x-amz-checksum-sha256": checksum}
+    params = {"Key": key, "UploadId": upload_id, "PartNumber": number, "ContentLength": size}
+    params["ChecksumSHA256"] = checksum
+    query = (("uploadId", upload_id), ("partNumber", str(number)))
+    return Request("upload_part", params, "PUT", key, headers, query)
+
+
+def get_request(key: str) -> Request:
+    return Request("get_object", {"Key": key}, "GET", key)
+
+
+def head_request(key: str) -> Request:
+    """A HEAD that asks for the stored checksum."""
+    headers = {"x-amz-checksum-mode": "ENABLED"}
+    return Request("head_object", {"Key": key, "ChecksumMode": "ENABLED"}, "HEAD", key, headers)
 
 
 def signed_at(url: str) -> float:

@@ -8,8 +8,9 @@ set; this module moves the bytes with aiohttp:
   object already exists (an earlier attempt of the same upload landed before a crash or a lost
   response), which is success for a write-once key of the same content.
 - ``get_object`` downloads and checks size and sha256. Objects larger than ``part_size`` are
-  fetched as parallel ranged GETs; a digest mismatch is a ``DigestError`` and is not retried
-  (every honest node would see the same bytes).
+  fetched as parallel ranged GETs; a body cut by a reset goes on from the byte it reached
+  (``node.daemon.ranged``), one GET or one part alike; a digest mismatch is a ``DigestError``
+  and is not retried (every honest node would see the same bytes).
 - ``get_to_file`` and ``put_file`` do the same with a local file, for objects too large to hold
   (a checkpoint of a model no process holds whole), streamed through in pieces of
   ``filestream.WRITE_CHUNK``. A download goes to a temporary name in the target's folder,
@@ -20,8 +21,10 @@ set; this module moves the bytes with aiohttp:
   ``node.daemon.filestream`` is their disk side.
 - Either direction may be capped (``node.daemon.ratelimit``): the body is then sent or read in
   chunks at the cap's pace, and each attempt's timeout grows by the time the cap needs.
-- ``HttpTransfers`` is the daemon's ``api.Transfers`` seam over both, bound to one session and
-  its timeouts.
+- An upload granted in parts (``node.daemon.multipart``) goes through ``put_parts`` and
+  ``put_file_parts`` of ``HttpTransfers``.
+- ``HttpTransfers`` is the daemon's ``api.Transfers`` seam over all of them, bound to one
+  session and its timeouts; its ``counts`` tally the ranges resumed and the parts resent.
 
 Errors (``node.errors``): ``TransferError`` for a failure a retry will not fix (its ``status``
 says which), ``DigestError`` for bytes that do not match, ``RetriesExhausted`` once 5xx, 429 and
