@@ -21,7 +21,7 @@ import pytest
 from node.daemon import multipart
 from node.daemon.ranged import TransferCounts
 from node.daemon.retry import RetryPolicy
-from node.daemon.transfer import DEFAULT_TIMEOUTS, get_object, get_to_file
+from node.daemon.transfer import DEFAULT_TIMEOUTS, TransferTimeouts, get_object, get_to_file
 from node.errors import DigestError, RetriesExhausted
 from protocol.parts import MultipartGrant, PartPlan, PartUrl, part_digests, part_ranges
 from support.cutting_server import CuttingServer
@@ -96,6 +96,30 @@ async def test_a_cut_part_resumes_alone_and_the_others_are_fetched_once(to_file,
         [f"bytes={s}-{min(len(body), s + part) - 1}" for s in range(0, len(body), part)] + [resumed]
     )
     assert counts.resumed_ranges == 1 and counts.bytes_kept == cut
+
+
+async def test_a_body_that_stalls_until_the_timeout_resumes_with_its_digest_intact(
+    tmp_path: Path,
+) -> None:
+    """A link that stops carrying bytes mid-body: the attempt's timeout cancels the read (a
+    write to the file may be under way), and the next attempt goes on from the bytes on disk;
+    the digest hashed as they were written still matches: none counted twice, none missed."""
+    body = os.urandom(3 << 20)
+    counts = TransferCounts()
+    quick = TransferTimeouts(connect_s=5.0, transfer_s=1.0)
+    async with (
+        CuttingServer(body, cut_gets=1, cut_after=(1 << 20) + 12345, stall=True) as server,
+        aiohttp.ClientSession() as http,
+    ):
+        target = tmp_path / "object.bin"
+        await get_to_file(
+            http, server.url(), target, size=len(body), sha256=_sha(body), policy=FAST,
+            timeouts=quick, counts=counts,
+        )  # fmt: skip
+    assert target.read_bytes() == body
+    assert counts.resumed_ranges == 1
+    assert server.seen.ranges == ["", f"bytes={counts.bytes_kept}-{len(body) - 1}"]
+    assert counts.bytes_kept >= 1 << 20  # a whole WRITE_CHUNK had landed
 
 
 async def test_a_store_that_ignores_the_range_on_resume_is_never_spliced() -> None:

@@ -48,8 +48,12 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
-def _write_at(fd: int, data: bytearray, pos: int, sha: Any) -> None:
-    """``data`` into ``fd`` at ``pos`` (and into ``sha`` when there is one)."""
+def _write_at(
+    fd: int, data: bytearray, pos: int, sha: Any, landed: Callable[[int], None] | None = None
+) -> None:
+    """``data`` into ``fd`` at ``pos`` (and into ``sha`` when there is one); then ``landed``
+    hears how many bytes, on this same thread: the write and its count go together, even when
+    the caller was cancelled meanwhile (``in_thread`` lets the call end first)."""
     view = memoryview(data)
     if sha is not None:
         sha.update(view)
@@ -59,6 +63,8 @@ def _write_at(fd: int, data: bytearray, pos: int, sha: Any) -> None:
             view, pos = view[n:], pos + n
     except OSError as exc:
         raise TransferError(f"download: cannot write the file: {exc.strerror or exc}") from exc
+    if landed is not None:
+        landed(len(data))
 
 
 async def body_to_file(
@@ -79,13 +85,16 @@ async def body_to_file(
     got = written = 0
     pending = bytearray()
 
-    async def flush() -> None:
-        nonlocal written, pending
-        await in_thread(_write_at, fd, pending, offset + written, sha)
-        written += len(pending)
+    def landed(n: int) -> None:
+        nonlocal written
+        written += n
         if on_write is not None:
-            on_write(len(pending))
-        pending = bytearray()
+            on_write(n)
+
+    async def flush() -> None:
+        nonlocal pending
+        data, pending = pending, bytearray()
+        await in_thread(_write_at, fd, data, offset + written, sha, landed)
 
     while got <= n:
         # Small reads: the stream's own pieces, not a join of them into one more large copy.

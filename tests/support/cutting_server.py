@@ -6,18 +6,24 @@ connection of chosen requests part way through their body, so unit tests can che
 download resumes from the last byte it received (``node.daemon.ranged``) and that an upload
 part is sent again alone (``node.daemon.multipart``), by counting the requests it saw.
 
-``cut_gets``: how many GETs (in arrival order) are cut after ``cut_after`` bytes of body;
+``cut_gets``: how many GETs (in arrival order) are cut after ``cut_after`` bytes of body (with
+``stall``, not cut but left hanging there, as a link that stops carrying anything: the client's
+timeout ends the attempt);
 ``cut_puts``: which PUT paths have their first attempt cut after half the body arrived.
 ``ignore_range``: answer 200 with the whole object whatever the ``Range`` says (a broken store).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass, field
 
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+
+#: Seconds a stalled body hangs (far longer than the tests' transfer timeouts).
+STALL_S = 30.0
 
 
 @dataclass
@@ -38,12 +44,14 @@ class CuttingServer:
         cut_after: int = 0,
         cut_puts: frozenset[str] = frozenset(),
         ignore_range: bool = False,
+        stall: bool = False,
     ) -> None:
         self.body = body
         self.cut_gets = cut_gets
         self.cut_after = cut_after
         self.cut_puts = set(cut_puts)
         self.ignore_range = ignore_range
+        self.stall = stall
         self.seen = Seen()
         #: Bodies of the PUTs that arrived whole, by path.
         self.stored: dict[str, bytes] = {}
@@ -81,6 +89,8 @@ class CuttingServer:
             self.seen.cut += 1
             await resp.write(data[: self.cut_after])
             await resp.drain()
+            if self.stall:
+                await asyncio.sleep(STALL_S)  # the client gives up first
             assert request.transport is not None
             request.transport.abort()  # a reset: the client sees the body end early
             return resp
