@@ -75,18 +75,21 @@ def _client(api: Api, http: aiohttp.ClientSession) -> CoordinatorClient:
 
 
 class CountingSession:
-    """A session that counts PUTs by part number and cuts the first attempt of ``victim``
-    half way through its body (the connection drops while the store reads it)."""
+    """A session that counts PUTs by part number and cuts the first ``cuts`` attempts of
+    ``victim`` half way through their body (the connection drops while the store reads it)."""
 
-    def __init__(self, http: aiohttp.ClientSession, victim: int | None = None) -> None:
+    def __init__(
+        self, http: aiohttp.ClientSession, victim: int | None = None, cuts: int = 1
+    ) -> None:
         self.http = http
         self.victim = victim
+        self.cuts = cuts
         self.puts: Counter[int] = Counter()
 
     def put(self, url: Any, *, data: Any, headers: dict[str, str], **kw: Any) -> Any:
         number = int(str(url).split("partNumber=")[1].split("&")[0])
         self.puts[number] += 1
-        if number == self.victim and self.puts[number] == 1:
+        if number == self.victim and self.puts[number] <= self.cuts:
             data = _cut(data, int(headers["Content-Length"]) // 2)
         return self.http.put(url, data=data, headers=headers, **kw)
 
@@ -399,3 +402,39 @@ async def test_what_the_store_enforces_on_parts_and_completions(store: Any, s3: 
     assert err.value.response["Error"]["Code"] == "PreconditionFailed"
     assert s3.get_object(Bucket=e.bucket, Key=key)["Body"].read() == b"first"
     s3.abort_multipart_upload(Bucket=e.bucket, Key=key, UploadId=upload_id)
+
+
+class _CountingApi:
+    """The client, counting upload grants."""
+
+    def __init__(self, client: CoordinatorClient) -> None:
+        self.client = client
+        self.grants = 0
+
+    async def upload_grant(self, *args: Any) -> Any:
+        self.grants += 1
+        return await self.client.upload_grant(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+async def test_a_part_that_gives_up_costs_that_part_not_the_upload(make_api: ApiFactory) -> None:
+    """Part 2's retries are spent (the store away longer than a part's budget): the submit
+    step tries again with the same grant and sends part 2 only, then completes."""
+    api = await _open(make_api)
+    payload = os.urandom(11 << 20)
+    sha = hashlib.sha256(payload).hexdigest()
+    pending = PendingRound(round=0, payload=payload, sha256=sha, base=FP_A)
+    async with aiohttp.ClientSession() as http:
+        counting = CountingSession(http, victim=2, cuts=int(FAST.attempts))
+        counted = _CountingApi(_client(api, http))
+        transfers = HttpTransfers(cast(aiohttp.ClientSession, counting), policy=FAST)
+        d = _Daemon(cast(CoordinatorClient, counted), transfers)
+        await upload.submit(cast(Any, d), pending)
+        view = await d.api.manifest(0)
+    assert d.events == [] and counted.grants == 1
+    assert counting.puts == {1: 1, 2: int(FAST.attempts) + 1, 3: 1}
+    assert isinstance(view, ManifestView) and [e.sha256 for e in view.signed.manifest.gather] == [
+        sha
+    ]

@@ -101,9 +101,12 @@ class Transfers(Protocol):
         """Upload ``data`` with exactly ``headers``; False if the write-once key already held it."""
         ...
 
-    async def put_parts(self, grant: MultipartGrant, data: bytes) -> list[CompletedPart]:
+    async def put_parts(
+        self, grant: MultipartGrant, data: bytes, done: dict[int, CompletedPart] | None = None
+    ) -> list[CompletedPart]:
         """Upload ``data`` through a multipart grant's part URLs, each part retried alone; the
-        parts the store took, for the completion."""
+        parts the store took, for the completion. Parts in ``done`` (by number) are not sent
+        again, and every part the store takes is added to it."""
         ...
 
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:

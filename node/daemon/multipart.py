@@ -105,15 +105,21 @@ async def _send_parts(
     policy: RetryPolicy,
     link: Link | None,
     counts: TransferCounts | None,
+    done: dict[int, CompletedPart] | None,
 ) -> list[CompletedPart]:
     """Every part of ``grant`` through ``send(part, start, end) -> etag``, ``PARALLEL_UPLOADS``
-    at a time, each retried alone; the parts in order, as the completion lists them."""
+    at a time, each retried alone; the parts in order, as the completion lists them. Parts in
+    ``done`` (by number) are not sent again, and each part the store takes is added to it: a
+    caller whose upload failed part way sends only the rest with the same grant."""
+    done = {} if done is None else done
     ranges = part_ranges(size, grant.part_size)
     if [p.number for p in grant.parts] != list(range(1, len(ranges) + 1)):
         raise TransferError(f"upload: the grant's parts do not cut {size} bytes")
     gate = asyncio.Semaphore(PARALLEL_UPLOADS)
 
     async def one(part: PartUrl, start: int, end: int) -> CompletedPart:
+        if part.number in done:
+            return done[part.number]
         tries = 0
 
         async def attempt() -> str:
@@ -127,7 +133,8 @@ async def _send_parts(
 
         async with gate:
             etag = await retry(attempt, policy=policy, what="upload part", link=link)
-        return CompletedPart(number=part.number, etag=etag, sha256=_sha_hex(part))
+        done[part.number] = CompletedPart(number=part.number, etag=etag, sha256=_sha_hex(part))
+        return done[part.number]
 
     tasks = [
         asyncio.ensure_future(one(part, s, e))
@@ -183,16 +190,19 @@ async def put_parts(
     link: Link | None = None,
     bandwidth: Bandwidth | None = None,
     counts: TransferCounts | None = None,
+    done: dict[int, CompletedPart] | None = None,
 ) -> list[CompletedPart]:
-    """Upload ``data`` through ``grant``'s part URLs; the parts for the completion.
-    ``timeout_for(n)`` is the limit of one attempt of ``n`` bytes."""
+    """Upload ``data`` through ``grant``'s part URLs (but those in ``done``); the parts for
+    the completion. ``timeout_for(n)`` is the limit of one attempt of ``n`` bytes."""
     view = memoryview(data)
 
     async def send(part: PartUrl, start: int, end: int) -> str:
         body = _pieces(view[start:end], bandwidth)
         return await _put_part(session, part, body, end - start, timeout_for(end - start))
 
-    return await _send_parts(grant, len(data), send, policy=policy, link=link, counts=counts)
+    return await _send_parts(
+        grant, len(data), send, policy=policy, link=link, counts=counts, done=done
+    )
 
 
 async def put_file_parts(
@@ -216,4 +226,4 @@ async def put_file_parts(
             body = file_chunks(f, end - start, bandwidth)
             return await _put_part(session, part, body, end - start, timeout_for(end - start))
 
-    return await _send_parts(grant, size, send, policy=policy, link=link, counts=counts)
+    return await _send_parts(grant, size, send, policy=policy, link=link, counts=counts, done=None)

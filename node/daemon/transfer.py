@@ -308,10 +308,12 @@ class HttpTransfers:
     def _timeout_up(self, size: int) -> aiohttp.ClientTimeout:
         return self.timeouts.client_timeout(size, self.limits.upload)
 
-    async def put_parts(self, grant: MultipartGrant, data: bytes) -> list[CompletedPart]:
+    async def put_parts(
+        self, grant: MultipartGrant, data: bytes, done: dict[int, CompletedPart] | None = None
+    ) -> list[CompletedPart]:
         return await put_parts(
             self.session, grant, data, timeout_for=self._timeout_up, policy=self.policy,
-            link=self.link, bandwidth=self.limits.upload, counts=self.counts,
+            link=self.link, bandwidth=self.limits.upload, counts=self.counts, done=done,
         )  # fmt: skip
 
     async def put_file_parts(

@@ -152,7 +152,9 @@ class NodeTransfers:
         self.store.objects[grant.key] = data
         return True
 
-    async def put_parts(self, grant: MultipartGrant, data: bytes) -> list[CompletedPart]:
+    async def put_parts(
+        self, grant: MultipartGrant, data: bytes, done: dict[int, CompletedPart] | None = None
+    ) -> list[CompletedPart]:
         raise TransferError("upload: this fake store has no multipart uploads", 501)
 
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:
