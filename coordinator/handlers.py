@@ -196,11 +196,11 @@ async def checkpoint_upload(request: web.Request) -> web.Response:
     # behind; the key is write-once, so it must go unless it surely holds exactly these bytes
     # (a store that keeps no checksum cannot say: same-shaped checkpoints have equal sizes).
     # An object uploaded in parts keeps the digest of its parts' digests (``protocol.parts``).
-    same = sha256_b64(offer.sha256)
+    same = {sha256_b64(offer.sha256)}
     if offer.parts is not None:
-        same = composite_sha256_b64(offer.parts.sha256)
+        same.add(composite_sha256_b64(offer.parts.sha256))
     stored = await coord.store.head(key)
-    if stored is not None and stored.sha256_b64 != same:
+    if stored is not None and stored.sha256_b64 not in same:
         await coord.store.delete_keys([key])
         log.info("event=checkpoint_stale_deleted round=%d node=%s", round_, node_id)
     return ok(await grant(coord, key, offer.size, offer.sha256, offer.parts))
