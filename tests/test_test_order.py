@@ -44,7 +44,12 @@ def test_tiers_come_from_the_modules_starters_and_the_fixtures() -> None:
 
 @pytest.mark.parametrize(
     ("name", "starts"),
-    [("test_network_run", True), ("test_ranks", True), ("test_codec", False)],
+    [
+        ("test_network_run", True),
+        ("test_ranks", True),
+        ("test_wan_lab", True),
+        ("test_codec", False),
+    ],
 )
 def test_the_suites_modules_are_told_apart(name: str, starts: bool) -> None:
     assert starts_processes(importlib.import_module(name)) is starts

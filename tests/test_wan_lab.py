@@ -18,6 +18,7 @@ import asyncio
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,8 +27,9 @@ import pytest
 from node.research.wan import measure
 from node.research.wan.lab import WanLab
 from node.research.wan.netns import PREFIX, probe, remove_leftovers, run
+from node.research.wan.pipe import INIT_WINDOW, LinkTiming
 from node.research.wan.profiles import PROFILES, LinkProfile
-from node.research.wan.relay import INIT_WINDOW, LinkTiming, Relay, parse_pair
+from node.research.wan.relay import Relay, parse_pair
 
 needs_lab = pytest.mark.skipif(
     WanLab.available() is not None, reason=f"WAN lab unavailable: {WanLab.available()}"
@@ -142,6 +144,11 @@ def test_the_lab_shapes_each_link_as_its_profile(tmp_path: Path) -> None:
         home = lab.add_node("home", PROFILES["home"])
         far = lab.add_node("far", PROFILES["far"])
         flaky = lab.add_node("flaky", PROFILES["flaky"].with_reset(1.0))
+        # Processes started in the lab: one in the server namespace (stopped when the lab
+        # closes), one in a node's that reaches the server by the service address.
+        sleeper = lab.server_run(["sleep", "600"])
+        dial = f"import socket; socket.create_connection(({lab.service_ip!r}, {probe.port}), 10)"
+        assert home.popen([sys.executable, "-c", dial]).wait(timeout=60) == 0
         up = measure.upload_mbit(lab, home, probe.port, 3_000_000)
         down = measure.download_mbit(lab, home, probe.port, 8_000_000)
         trips = {h.name: measure.round_trips(lab, h, probe.port, 5) for h in (home, far)}
@@ -161,6 +168,7 @@ def test_the_lab_shapes_each_link_as_its_profile(tmp_path: Path) -> None:
         assert trips["far"][0] >= 2 * 0.12  # a new connection: the handshake's round trip too
         assert None not in lived and lab.resets("flaky") >= 2
         assert {lab.server, lab.bridge, home.netns} <= set(os.listdir("/var/run/netns"))
+    assert sleeper.poll() is not None, "the lab's process outlived it"
     left = [ns for ns in os.listdir("/var/run/netns") if ns.startswith(lab.prefix + "-")]
     assert not left, "the lab left namespaces behind"
 

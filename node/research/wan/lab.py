@@ -134,22 +134,8 @@ class WanLab:
     def _link(self, bridge_end: str, ns: str, address: str) -> None:
         """A veth from the bridge to ``ns`` (``eth0`` there, at ``address``/24)."""
         b = self.bridge
-        run(
-            "ip",
-            "-n",
-            b,
-            "link",
-            "add",
-            "dev",
-            bridge_end,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            ns,
-        )
+        veth = ["type", "veth", "peer", "name", "eth0", "netns", ns]
+        run("ip", "-n", b, "link", "add", "dev", bridge_end, *veth)
         run("ip", "-n", b, "link", "set", bridge_end, "master", "br0", "up")
         run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
         run("ip", "-n", ns, "link", "set", "eth0", "up")
@@ -162,7 +148,7 @@ class WanLab:
         """The calling thread in the server namespace for the block (see ``netns``)."""
         return netns(self.server)
 
-    def serverrun(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+    def server_run(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` in the server namespace, in its own process group (lab-owned)."""
         return self._popen(self.server, argv, **kw)
 

@@ -6,6 +6,10 @@ node's namespace through its relay and shaped veth, exactly as that node's HTTP 
 The tests use them to check that a profile's shape is real, ``sparseloco bench wan`` to report
 it beside its runs.
 
+``python -m node.research.wan.measure`` (root) builds a lab with one node per profile and prints
+a line per profile: upload and download rate (measured/shaped), the round trip on a
+kept-alive connection (median, range) and a first request's on a new one.
+
 The protocol, one request per connection unless echoing: ``U`` + 8-byte length, then that
 many bytes, answered by ``K`` once all arrived (an upload); ``D`` + 8-byte length, answered by
 that many bytes (a download); ``E``: every byte sent is echoed at once (round trips).
@@ -13,14 +17,20 @@ that many bytes (a download); ``E``: every byte sent is echoed at once (round tr
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import socket
+import statistics
 import struct
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
 
 from node.research.wan.lab import WanHost, WanLab
+from node.research.wan.profiles import PROFILES
 
 #: Seconds any single probe may take before it counts as hung.
 PROBE_TIMEOUT_S = 60.0
@@ -157,3 +167,41 @@ def held_until_reset(lab: WanLab, host: WanHost, port: int, limit_s: float) -> f
                 return time.monotonic() - t0
             time.sleep(0.05)
     return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m node.research.wan.measure")
+    parser.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated names")
+    parser.add_argument("--up-mb", type=float, default=4.0, help="MB per upload")
+    parser.add_argument("--down-mb", type=float, default=8.0, help="MB per download")
+    args = parser.parse_args(argv)
+    reason = WanLab.available()
+    if reason is not None:
+        print(f"the WAN lab cannot run here: {reason}", file=sys.stderr)
+        return 2
+    up_bytes, down_bytes = int(args.up_mb * 1e6), int(args.down_mb * 1e6)
+    with (
+        tempfile.TemporaryDirectory() as root,
+        WanLab(Path(root)) as lab,
+        ProbeServer(lab) as probe,
+    ):
+        lab.expose(probe.port)
+        for name in args.profiles.split(","):
+            p = PROFILES[name].with_reset(None)  # a reset would end a probe early
+            host = lab.add_node(name, p)
+            up = upload_mbit(lab, host, probe.port, up_bytes)
+            down = download_mbit(lab, host, probe.port, down_bytes)
+            first, kept = round_trips(lab, host, probe.port, 9)
+            print(
+                f"profile={name} up_mbit={up:.1f}/{p.up_mbit:g}"
+                f" down_mbit={down:.1f}/{p.down_mbit:g}"
+                f" rtt_ms={statistics.median(kept) * 1e3:.0f}/{p.rtt_ms:g}±{p.jitter_ms:g}"
+                f" rtt_range_ms={min(kept) * 1e3:.0f}-{max(kept) * 1e3:.0f}"
+                f" first_request_ms={first * 1e3:.0f}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
