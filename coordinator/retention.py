@@ -137,10 +137,6 @@ class Retention:
             self._count("payload", n)
             deleted += n
             log.info("event=pruned round=%d objects=%d", round_, n)
-        if self.parts is not None:
-            # Parts of uploads nobody will complete (a crashed node, a fresh grant taken).
-            run_folder = run_prefix(self.prefix, self.run.run_id)
-            await self.parts.abort_stale(run_folder, self.stale_upload_s)
         rows = self.db.checkpoints()
         for round_ in stale_checkpoints(rows, self.run.keep_checkpoints):
             key = next(r.info.key for r in rows if r.info.round == round_)
@@ -151,7 +147,21 @@ class Retention:
             self._count("checkpoint", n)
             deleted += n
             log.info("event=checkpoint_pruned round=%d objects=%d", round_, n)
+        await self._abort_stale()
         return deleted
+
+    async def _abort_stale(self) -> None:
+        """Abort the uploads in parts nobody will complete (a crashed node, a fresh grant
+        taken). Last, and never in the way of the rules above: a store that cannot list its
+        uploads is told once per pass, at DEBUG while it is unreachable."""
+        if self.parts is None:
+            return
+        try:
+            await self.parts.abort_stale(
+                run_prefix(self.prefix, self.run.run_id), self.stale_upload_s
+            )
+        except TRANSIENT as exc:
+            retry_logged(log, "abort_stale_failed", RETRY_S, exc)
 
     async def run_forever(self) -> None:
         """Prune on start, on every kick and every ``RETRY_S`` seconds, until cancelled."""
