@@ -35,6 +35,7 @@ import torch
 from botocore.exceptions import ClientError
 from yarl import URL
 
+from coordinator.errors import StorageError
 from coordinator.storage import S3Store, sha256_b64
 from node.daemon import multipart, upload
 from node.daemon.api import RealClock
@@ -438,3 +439,19 @@ async def test_a_part_that_gives_up_costs_that_part_not_the_upload(make_api: Api
     assert isinstance(view, ManifestView) and [e.sha256 for e in view.signed.manifest.gather] == [
         sha
     ]
+
+
+async def test_a_store_that_cannot_list_uploads_never_stops_retention(make_api: ApiFactory) -> None:
+    api = await _open(make_api)
+
+    class Unlisting:
+        calls = 0
+
+        async def abort_stale(self, prefix: str, older_than_s: float) -> int:
+            self.calls += 1
+            raise StorageError("list uploads: NotImplemented", code="NotImplemented")
+
+    broken = Unlisting()
+    api.coord.retention.parts = cast(Any, broken)
+    assert await api.coord.retention.prune_once() == 0
+    assert broken.calls == 1
