@@ -2,116 +2,64 @@
 
 The node's own client and transfers (``CoordinatorClient``, ``HttpTransfers``) talk to the
 coordinator app in-process (``make_api``) and to the session's ``weed mini``. The threshold and
-part size are lowered to S3's smallest part (5 MiB), so a 12 MiB payload goes in three parts.
-What is pinned here is what the design relies on:
+part size are lowered to S3's smallest part (5 MiB), so a payload of 11-12 MiB goes in three
+parts (``support.parts``). What is pinned here is what a node relies on:
 
 - a multipart payload makes the whole round trip: grant, parts, completion, submit (the
   coordinator's HEAD check reads the store's digest of digests, ``…-3``), manifest, download;
-- a part whose upload is cut half way is sent again alone (PUTs counted per part number);
+- a part whose upload is cut half way is sent again alone (PUTs counted per part number), and
+  a part whose retries are all spent costs that part: the submit step goes on with the same
+  grant and sends it only;
 - the key stays write-once: completing again, or completing another upload of other bytes at
   the same key, creates nothing and leaves the first object as it was;
-- every part URL binds the part's length and sha256: other bytes of the same length are
-  refused (400 ``BadDigest``), and nothing is retried; what SeaweedFS enforces on a presigned
-  part and on a completion with ``If-None-Match`` is pinned on its own;
-- retention aborts uploads older than their grants;
+- a part of other bytes of the same length is refused (400 ``BadDigest``) and not retried;
 - the daemon's submit step and a checkpoint file (parts streamed from disk, completed by the
   grant holder only, verified whole by the coordinator's commit) take the same path.
+
+The coordinator's and the store's side alone: ``test_multipart_store.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import os
-from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
 import pytest
 import torch
-from botocore.exceptions import ClientError
-from yarl import URL
 
-from coordinator.errors import StorageError
-from coordinator.storage import S3Store, sha256_b64
 from node.daemon import multipart, upload
 from node.daemon.api import RealClock
 from node.daemon.client import CoordinatorClient
 from node.daemon.faults import Faults
 from node.daemon.pending import PendingRound
-from node.daemon.retry import RetryPolicy
 from node.daemon.transfer import HttpTransfers
 from node.errors import CoordinatorError, TransferError
 from protocol.fingerprint import fingerprint
 from protocol.messages import CheckpointUpload, ManifestView, SubmitRequest
 from protocol.parts import PartPlan, UploadComplete, part_digests
 from protocol.runconfig import RunConfig
-from support.api import FP_A, Api, ApiFactory, token
+from support.api import FP_A, ApiFactory, token
+from support.parts import FAST, PART, CountingSession, node_client, open_run, small_parts
 from support.theta_files import theta_file
 
 pytestmark = pytest.mark.asyncio
 
-FAST = RetryPolicy(attempts=3, base_s=0.01, budget_s=20.0)
-PART = 5 << 20
-
 
 @pytest.fixture(autouse=True)
 def _small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(multipart, "MULTIPART_THRESHOLD", 2 * PART)
-    monkeypatch.setattr(multipart, "UPLOAD_PART_SIZE", PART)
-
-
-async def _open(make_api: ApiFactory) -> Api:
-    api = await make_api(RunConfig(name="multipart", min_nodes=1, gather_size=4, rounds=3))
-    status, _ = await api.call("POST", "/v1/join", "n0", {})
-    assert status == 200
-    return api
-
-
-def _client(api: Api, http: aiohttp.ClientSession) -> CoordinatorClient:
-    return CoordinatorClient(http, str(api.client.make_url("")), token("n0"), policy=FAST)
-
-
-class CountingSession:
-    """A session that counts PUTs by part number and cuts the first ``cuts`` attempts of
-    ``victim`` half way through their body (the connection drops while the store reads it)."""
-
-    def __init__(
-        self, http: aiohttp.ClientSession, victim: int | None = None, cuts: int = 1
-    ) -> None:
-        self.http = http
-        self.victim = victim
-        self.cuts = cuts
-        self.puts: Counter[int] = Counter()
-
-    def put(self, url: Any, *, data: Any, headers: dict[str, str], **kw: Any) -> Any:
-        number = int(str(url).split("partNumber=")[1].split("&")[0])
-        self.puts[number] += 1
-        if number == self.victim and self.puts[number] <= self.cuts:
-            data = _cut(data, int(headers["Content-Length"]) // 2)
-        return self.http.put(url, data=data, headers=headers, **kw)
-
-
-async def _cut(body: AsyncIterator[bytes], after: int) -> AsyncIterator[bytes]:
-    """``body`` until ``after`` bytes went out, then the connection drops."""
-    sent = 0
-    async for piece in body:
-        yield piece
-        sent += len(piece)
-        if sent >= after:
-            await asyncio.sleep(0.05)
-            raise ConnectionResetError("the link dropped mid-part")
+    small_parts(monkeypatch)
 
 
 async def test_a_multipart_payload_makes_the_whole_round_trip(make_api: ApiFactory) -> None:
-    api = await _open(make_api)
+    api = await open_run(make_api)
     payload = os.urandom(12 << 20)
     sha = hashlib.sha256(payload).hexdigest()
     async with aiohttp.ClientSession() as http:
-        client = _client(api, http)
+        client = node_client(api, http)
         transfers = HttpTransfers(http, policy=FAST)
         plan = multipart.part_plan(payload)
         assert plan is not None and len(plan.sha256) == 3
@@ -137,10 +85,10 @@ async def test_a_multipart_payload_makes_the_whole_round_trip(make_api: ApiFacto
 
 
 async def test_a_cut_part_is_sent_again_alone(make_api: ApiFactory, s3: Any) -> None:
-    api = await _open(make_api)
+    api = await open_run(make_api)
     payload = os.urandom(12 << 20)
     async with aiohttp.ClientSession() as http:
-        client = _client(api, http)
+        client = node_client(api, http)
         counting = CountingSession(http, victim=2)
         transfers = HttpTransfers(cast(aiohttp.ClientSession, counting), policy=FAST)
         plan = multipart.part_plan(payload)
@@ -160,11 +108,11 @@ async def test_a_cut_part_is_sent_again_alone(make_api: ApiFactory, s3: Any) -> 
 
 
 async def test_the_key_stays_write_once(make_api: ApiFactory, s3: Any) -> None:
-    api = await _open(make_api)
+    api = await open_run(make_api)
     first = os.urandom(12 << 20)
     other = os.urandom(12 << 20)  # same size, other bytes
     async with aiohttp.ClientSession() as http:
-        client = _client(api, http)
+        client = node_client(api, http)
         transfers = HttpTransfers(http, policy=FAST)
 
         async def upload(data: bytes) -> tuple[str, UploadComplete]:
@@ -186,12 +134,12 @@ async def test_the_key_stays_write_once(make_api: ApiFactory, s3: Any) -> None:
 
 
 async def test_a_part_of_other_bytes_is_refused(make_api: ApiFactory) -> None:
-    api = await _open(make_api)
+    api = await open_run(make_api)
     payload = os.urandom(12 << 20)
     forged = bytearray(payload)
     forged[PART + 7] ^= 0xFF  # one byte of part 2, same length
     async with aiohttp.ClientSession() as http:
-        client = _client(api, http)
+        client = node_client(api, http)
         counting = CountingSession(http)
         transfers = HttpTransfers(cast(aiohttp.ClientSession, counting), policy=FAST)
         plan = PartPlan(part_size=PART, sha256=part_digests(payload, PART))
@@ -203,48 +151,6 @@ async def test_a_part_of_other_bytes_is_refused(make_api: ApiFactory) -> None:
             await transfers.put_parts(grant.multipart, bytes(forged))
     assert err.value.status == 400 and "BadDigest" in str(err.value)
     assert counting.puts[2] == 1  # a refusal is not retried
-
-
-async def test_parts_that_do_not_cut_the_size_are_refused(make_api: ApiFactory) -> None:
-    api = await _open(make_api)
-    body = {
-        "size": 12 << 20,
-        "sha256": "0" * 64,
-        "parts": {"part_size": PART, "sha256": ["0" * 64] * 2},
-    }
-    status, answer = await api.call("POST", "/v1/rounds/0/upload", "n0", body)
-    assert status == 422 and answer["error"] == "bad_parts"
-    body["parts"] = {"part_size": 1 << 20, "sha256": ["0" * 64] * 12}  # below S3's minimum
-    status, answer = await api.call("POST", "/v1/rounds/0/upload", "n0", body)
-    assert status == 422
-
-
-async def test_retention_aborts_uploads_older_than_their_grants(
-    make_api: ApiFactory, s3: Any
-) -> None:
-    api = await _open(make_api)
-    payload = os.urandom(12 << 20)
-    async with aiohttp.ClientSession() as http:
-        client = _client(api, http)
-        plan = multipart.part_plan(payload)
-        grant = await client.upload_grant(
-            0, len(payload), hashlib.sha256(payload).hexdigest(), plan
-        )
-    bucket = api.config.storage.bucket
-    prefix = grant.key.split("/rounds/")[0]
-
-    def uploads() -> list[str]:
-        return [
-            u["UploadId"]
-            for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
-        ]
-
-    assert grant.multipart is not None and uploads() == [grant.multipart.upload_id]
-    parts = api.coord.parts
-    assert parts is not None
-    assert await parts.abort_stale(prefix, older_than_s=3600) == 0  # young: kept
-    assert await parts.abort_stale(prefix, older_than_s=0) == 1
-    assert uploads() == []
 
 
 class _Daemon:
@@ -270,14 +176,15 @@ async def test_the_daemons_submit_step_uploads_a_large_payload_in_parts(
     make_api: ApiFactory, s3: Any
 ) -> None:
     """``upload.submit``: plan, grant, parts, completion, submit; the round takes it."""
-    api = await _open(make_api)
+    api = await open_run(make_api)
     payload = os.urandom(11 << 20)
     sha = hashlib.sha256(payload).hexdigest()
     pending = PendingRound(round=0, payload=payload, sha256=sha, base=FP_A)
     async with aiohttp.ClientSession() as http:
         counting = CountingSession(http, victim=1)
         d = _Daemon(
-            _client(api, http), HttpTransfers(cast(aiohttp.ClientSession, counting), policy=FAST)
+            node_client(api, http),
+            HttpTransfers(cast(aiohttp.ClientSession, counting), policy=FAST),
         )
         await upload.submit(cast(Any, d), pending)
         view = await d.api.manifest(0)
@@ -288,6 +195,42 @@ async def test_the_daemons_submit_step_uploads_a_large_payload_in_parts(
     ]
     key = view.signed.manifest.gather[0].key
     assert s3.get_object(Bucket=api.config.storage.bucket, Key=key)["Body"].read() == payload
+
+
+class _CountingApi:
+    """The client, counting upload grants."""
+
+    def __init__(self, client: CoordinatorClient) -> None:
+        self.client = client
+        self.grants = 0
+
+    async def upload_grant(self, *args: Any) -> Any:
+        self.grants += 1
+        return await self.client.upload_grant(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+async def test_a_part_that_gives_up_costs_that_part_not_the_upload(make_api: ApiFactory) -> None:
+    """Part 2's retries are spent (the store away longer than a part's budget): the submit
+    step tries again with the same grant and sends part 2 only, then completes."""
+    api = await open_run(make_api)
+    payload = os.urandom(11 << 20)
+    sha = hashlib.sha256(payload).hexdigest()
+    pending = PendingRound(round=0, payload=payload, sha256=sha, base=FP_A)
+    async with aiohttp.ClientSession() as http:
+        counting = CountingSession(http, victim=2, cuts=int(FAST.attempts))
+        counted = _CountingApi(node_client(api, http))
+        transfers = HttpTransfers(cast(aiohttp.ClientSession, counting), policy=FAST)
+        d = _Daemon(cast(CoordinatorClient, counted), transfers)
+        await upload.submit(cast(Any, d), pending)
+        view = await d.api.manifest(0)
+    assert d.events == [] and counted.grants == 1
+    assert counting.puts == {1: 1, 2: int(FAST.attempts) + 1, 3: 1}
+    assert isinstance(view, ManifestView) and [e.sha256 for e in view.signed.manifest.gather] == [
+        sha
+    ]
 
 
 async def test_a_large_checkpoint_goes_in_parts_and_is_verified_whole(
@@ -316,7 +259,7 @@ async def test_a_large_checkpoint_goes_in_parts_and_is_verified_whole(
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     offer = CheckpointUpload(size=size, sha256=sha, fingerprint=fp, parts=plan)
     async with aiohttp.ClientSession() as http:
-        client = _client(api, http)
+        client = node_client(api, http)
         transfers = HttpTransfers(http, policy=FAST)
         grant = await client.checkpoint_grant(2, offer)
         assert grant.multipart is not None
@@ -331,127 +274,3 @@ async def test_a_large_checkpoint_goes_in_parts_and_is_verified_whole(
     assert (info.size, info.sha256, info.fingerprint) == (size, sha, fp)
     stored = s3.get_object(Bucket=api.config.storage.bucket, Key=grant.key)["Body"].read()
     assert stored == path.read_bytes()
-
-
-async def test_a_grant_of_thousands_of_parts_is_not_refused_for_its_body(
-    make_api: ApiFactory,
-) -> None:
-    """Bodies that list parts may exceed ``max_body_bytes`` (64 KiB here) up to what 10,000
-    parts need; other bodies may not."""
-    api = await make_api(
-        RunConfig(name="manyparts", min_nodes=1, rounds=2), max_payload_bytes=20 << 30
-    )
-    assert (await api.call("POST", "/v1/join", "n0", {}))[0] == 200
-    n = 2000
-    plan = {"part_size": PART, "sha256": [f"{i:064x}" for i in range(n)]}
-    body = {"size": n * PART, "sha256": "0" * 64, "parts": plan}
-    status, grant = await api.call("POST", "/v1/rounds/0/upload", "n0", body)
-    assert status == 200, grant
-    assert len(grant["multipart"]["parts"]) == n
-    done = {
-        "upload_id": grant["multipart"]["upload_id"],
-        "parts": [{"number": i + 1, "etag": '"0"', "sha256": f"{i:064x}"} for i in range(n)],
-    }
-    status, answer = await api.call("POST", "/v1/rounds/0/upload/complete", "n0", done)
-    assert (status, answer["error"]) == (409, "upload_incomplete")  # no part was uploaded
-    status, answer = await api.call("POST", "/v1/join", "n0", {"client": "x" * 70_000})
-    assert status == 413  # any other body: the server's max_body_bytes
-
-
-async def test_what_the_store_enforces_on_parts_and_completions(store: Any, s3: Any) -> None:
-    """The measurements the design rests on, pinned against SeaweedFS: a presigned part with
-    another length (403), without its checksum header (403), of other bytes (400 BadDigest) or
-    under another part number (403) is refused; a completion with ``If-None-Match: *`` at a key
-    that holds an object is refused (412) and the object stays."""
-    e = store.endpoint
-    s3store = S3Store(
-        endpoint_url=e.endpoint_url, bucket=e.bucket, access_key=e.access_key,
-        secret_key=e.secret_key, expiry_s=60,
-    )  # fmt: skip
-    key = "multipart/enforced.bin"
-    s3.put_object(Bucket=e.bucket, Key=key, Body=b"first")
-    upload_id = s3.create_multipart_upload(Bucket=e.bucket, Key=key, ChecksumAlgorithm="SHA256")[
-        "UploadId"
-    ]
-    part = os.urandom(PART)
-    sha = hashlib.sha256(part).hexdigest()
-    url, headers = s3store.presign_part(key, upload_id, 1, len(part), sha)
-
-    async def put(target: str, body: bytes, sent: dict[str, str]) -> tuple[int, str]:
-        async with (
-            aiohttp.ClientSession() as http,
-            http.put(URL(target, encoded=True), data=io.BytesIO(body), headers=sent) as r,
-        ):
-            return r.status, await r.text()
-
-    longer = {**headers, "Content-Length": str(len(part) + 1)}
-    assert (await put(url, part + b"x", longer))[0] == 403
-    assert (await put(url, part, {"Content-Length": str(len(part))}))[0] == 403
-    forged = bytes([part[0] ^ 1]) + part[1:]
-    status, text = await put(url, forged, headers)
-    assert status == 400 and "BadDigest" in text
-    assert (await put(url.replace("partNumber=1", "partNumber=2"), part, headers))[0] == 403
-    status, _ = await put(url, part, headers)
-    assert status == 200
-    etag = s3.list_parts(Bucket=e.bucket, Key=key, UploadId=upload_id)["Parts"][0]["ETag"]
-    listed = [{"PartNumber": 1, "ETag": etag, "ChecksumSHA256": sha256_b64(sha)}]
-    with pytest.raises(ClientError) as err:
-        s3.complete_multipart_upload(
-            Bucket=e.bucket, Key=key, UploadId=upload_id,
-            MultipartUpload={"Parts": listed}, IfNoneMatch="*",
-        )  # fmt: skip
-    assert err.value.response["Error"]["Code"] == "PreconditionFailed"
-    assert s3.get_object(Bucket=e.bucket, Key=key)["Body"].read() == b"first"
-    s3.abort_multipart_upload(Bucket=e.bucket, Key=key, UploadId=upload_id)
-
-
-class _CountingApi:
-    """The client, counting upload grants."""
-
-    def __init__(self, client: CoordinatorClient) -> None:
-        self.client = client
-        self.grants = 0
-
-    async def upload_grant(self, *args: Any) -> Any:
-        self.grants += 1
-        return await self.client.upload_grant(*args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-
-async def test_a_part_that_gives_up_costs_that_part_not_the_upload(make_api: ApiFactory) -> None:
-    """Part 2's retries are spent (the store away longer than a part's budget): the submit
-    step tries again with the same grant and sends part 2 only, then completes."""
-    api = await _open(make_api)
-    payload = os.urandom(11 << 20)
-    sha = hashlib.sha256(payload).hexdigest()
-    pending = PendingRound(round=0, payload=payload, sha256=sha, base=FP_A)
-    async with aiohttp.ClientSession() as http:
-        counting = CountingSession(http, victim=2, cuts=int(FAST.attempts))
-        counted = _CountingApi(_client(api, http))
-        transfers = HttpTransfers(cast(aiohttp.ClientSession, counting), policy=FAST)
-        d = _Daemon(cast(CoordinatorClient, counted), transfers)
-        await upload.submit(cast(Any, d), pending)
-        view = await d.api.manifest(0)
-    assert d.events == [] and counted.grants == 1
-    assert counting.puts == {1: 1, 2: int(FAST.attempts) + 1, 3: 1}
-    assert isinstance(view, ManifestView) and [e.sha256 for e in view.signed.manifest.gather] == [
-        sha
-    ]
-
-
-async def test_a_store_that_cannot_list_uploads_never_stops_retention(make_api: ApiFactory) -> None:
-    api = await _open(make_api)
-
-    class Unlisting:
-        calls = 0
-
-        async def abort_stale(self, prefix: str, older_than_s: float) -> int:
-            self.calls += 1
-            raise StorageError("list uploads: NotImplemented", code="NotImplemented")
-
-    broken = Unlisting()
-    api.coord.retention.parts = cast(Any, broken)
-    assert await api.coord.retention.prune_once() == 0
-    assert broken.calls == 1
