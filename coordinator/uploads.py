@@ -8,7 +8,9 @@ checkpoint, a probe) the coordinator hands it a grant for that key only:
   names no parts;
 - for a request with a ``PartPlan`` (``protocol.parts``), when the store can do it, a multipart
   upload created at the key and one presigned part URL per part (``coordinator.multipart``),
-  completed by ``upload_complete`` once the node has uploaded every part.
+  completed by ``upload_complete`` once the node has uploaded every part. A store that refuses
+  to create one (a credential without the permission) gets a single PUT instead, and a
+  warning; one that does not answer, a 503 the node waits out.
 
 Both handlers check the round state first: a node may write its own payload key of an open
 round it is expected in, nothing else; only the holder of a checkpoint's grant completes its
@@ -21,7 +23,7 @@ import logging
 
 from aiohttp import web
 
-from coordinator.errors import ApiError, Conflict
+from coordinator.errors import ApiError, Conflict, StorageError
 from coordinator.handling import node_of, ok, read_body, round_of
 from coordinator.service import COORDINATOR, Coordinator
 from protocol.keys import payload_key
@@ -43,10 +45,20 @@ async def grant(
                 422, "bad_parts", f"{len(plan.sha256)} parts of {plan.part_size} bytes do not"
                 f" cut {size} bytes", "parts",
             )  # fmt: skip
-        upload_id = await coord.parts.create(key)
-        urls = await coord.parts.presign_parts(key, upload_id, size, plan)
-        multipart = MultipartGrant(upload_id=upload_id, part_size=plan.part_size, parts=urls)
-        return UploadGrant(key=key, url="", headers={}, expires_in_s=expires, multipart=multipart)
+        try:
+            upload_id = await coord.parts.create(key)
+        except StorageError as exc:
+            if exc.unreachable:
+                raise  # an outage: 503, and the node asks again
+            # A refusal (no permission, no multipart on this store) would refuse every try:
+            # the object goes as one PUT, as it would without parts.
+            log.warning(
+                "event=multipart_refused key=%s cause=%r fallback=single_put", key, exc.code
+            )
+        else:
+            urls = await coord.parts.presign_parts(key, upload_id, size, plan)
+            grant = MultipartGrant(upload_id=upload_id, part_size=plan.part_size, parts=urls)
+            return UploadGrant(key=key, url="", headers={}, expires_in_s=expires, multipart=grant)
     url, headers = coord.store.presign_put(key, size, sha256)
     return UploadGrant(key=key, url=url, headers=headers, expires_in_s=expires)
 

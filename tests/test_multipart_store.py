@@ -6,6 +6,8 @@
 - the coordinator refuses part plans that do not cut the announced size, or parts below S3's
   minimum; bodies that list thousands of parts are taken, whatever ``max_body_bytes`` says for
   other bodies;
+- a store that refuses to create a multipart upload gets a single PUT, one that does not
+  answer a 503;
 - retention aborts uploads older than their grants, and a store that cannot list its uploads
   never stops the other rules.
 """
@@ -165,3 +167,29 @@ async def test_a_store_that_cannot_list_uploads_never_stops_retention(make_api: 
     api.coord.retention.parts = cast(Any, broken)
     assert await api.coord.retention.prune_once() == 0
     assert broken.calls == 1
+
+
+async def test_a_store_that_refuses_uploads_in_parts_gets_one_put(
+    make_api: ApiFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No permission to create a multipart upload: the grant is a single PUT (every try would
+    be refused the same); a store that does not answer: 503, which the node waits out."""
+    api = await open_run(make_api)
+    parts = api.coord.parts
+    assert parts is not None
+    code: str | None = "AccessDenied"
+
+    async def refuse(key: str) -> str:
+        raise StorageError(f"create upload {key}: refused", code=code)
+
+    monkeypatch.setattr(parts, "create", refuse)
+    body = {
+        "size": 2 * PART,
+        "sha256": "0" * 64,
+        "parts": {"part_size": PART, "sha256": ["0" * 64] * 2},
+    }
+    status, grant = await api.call("POST", "/v1/rounds/0/upload", "n0", body)
+    assert status == 200 and grant["multipart"] is None and grant["headers"]["If-None-Match"] == "*"
+    code = None
+    status, answer = await api.call("POST", "/v1/rounds/0/upload", "n0", body)
+    assert (status, answer["error"]) == (503, "storage_unavailable")
