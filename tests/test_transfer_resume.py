@@ -137,6 +137,31 @@ async def test_a_store_that_ignores_the_range_on_resume_is_never_spliced() -> No
     }
 
 
+@pytest.mark.parametrize("to_file", [False, True], ids=["memory", "file"])
+@pytest.mark.parametrize("part_size", [8 << 20, 1 << 20, 3 << 20], ids=["one-get", "416", "short"])
+async def test_an_object_shorter_than_promised_is_a_digest_error(
+    to_file: bool, part_size: int, tmp_path: Path
+) -> None:
+    """A body that ends cleanly before the promised size (or a range past the object's end,
+    416) is the object's fault, not the link's: ``DigestError`` (the peer is dropped by every
+    node alike), never a retry."""
+    body = os.urandom((4 << 20) + 1000)
+    promised = len(body) + (1 << 20)
+    async with CuttingServer(body) as server, aiohttp.ClientSession() as http:
+        with pytest.raises(DigestError, match=r"bytes|shorter"):
+            if to_file:
+                await get_to_file(
+                    http, server.url(), tmp_path / "x.bin", size=promised, sha256=_sha(body),
+                    policy=FAST, part_size=part_size,
+                )  # fmt: skip
+            else:
+                await get_object(
+                    http, server.url(), size=promised, sha256=_sha(body), policy=FAST,
+                    part_size=part_size,
+                )  # fmt: skip
+    assert len(set(server.seen.ranges)) == len(server.seen.ranges)  # nothing asked twice
+
+
 async def test_resumed_bytes_are_still_digest_checked() -> None:
     body = os.urandom(3 << 20)
     async with (

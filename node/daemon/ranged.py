@@ -14,7 +14,10 @@ received, and the next attempt asks for the rest only (``Range: bytes={reached}-
 
 Every ranged answer must be ``206`` with a ``Content-Range`` that starts where it was asked to
 (else the attempt fails and is retried): a store that ignored the ``Range`` would otherwise
-splice the object's first bytes in the middle.
+splice the object's first bytes in the middle. A cut body is an error of the connection (the
+store promised more in its ``Content-Length``); a body that ends cleanly short, or a 416, means
+the object is shorter than promised: a ``DigestError``, like any other object that does not
+match (every node sees the same bytes, and drops the same payload).
 Each attempt is one attempt of ``node.daemon.retry`` (the same timeouts, statuses and budget as
 any transfer); ``TransferCounts`` tallies the resumes (and the upload parts retried,
 ``node.daemon.multipart``), so that benchmarks and tests can show resets happened mid-transfer.
@@ -34,7 +37,7 @@ from yarl import URL
 from node.daemon.filestream import body_to_file
 from node.daemon.ratelimit import CHUNK, Bandwidth
 from node.daemon.retry import TRANSIENT_STATUS, Link, RetryPolicy, retry
-from node.errors import TransferError, TransientError
+from node.errors import DigestError, TransferError, TransientError
 
 log = logging.getLogger("sparseloco.transfer")
 
@@ -97,6 +100,17 @@ async def failed(resp: aiohttp.ClientResponse, what: str) -> None:
         check_status(resp.status, await read_at_most(resp, 300), what)
 
 
+async def answered(resp: aiohttp.ClientResponse, pos: int, what: str) -> None:
+    """Raise unless ``resp`` brings the bytes from ``pos`` on: for an error status (a 416: the
+    object ends before ``pos``, shorter than promised, a ``DigestError``), or a ranged answer
+    that does not start there."""
+    if resp.status == 416:
+        raise DigestError(f"{what}: the object ends before byte {pos}: shorter than promised")
+    await failed(resp, what)
+    if "Range" in resp.request_info.headers:
+        check_range(resp, pos, what)
+
+
 def check_range(resp: aiohttp.ClientResponse, pos: int, what: str) -> None:
     """A ranged answer must be 206 and start at ``pos``; anything else is not our bytes (a
     transient failure: a proxy's mistake, a store that ignored the range once)."""
@@ -146,13 +160,11 @@ async def fetch_range(
         if buf:
             _resuming(counts, what, start, pos)
         async with session.get(signed(url), headers=headers, timeout=timeout) as resp:
-            await failed(resp, what)
-            if "Range" in headers:
-                check_range(resp, pos, what)
+            await answered(resp, pos, what)
             # One byte more than asked for at most (see above); a cut body keeps what came.
             await _read_into(resp, buf, end + 1 - pos, bandwidth)
-        if len(buf) < end - start:
-            raise TransientError(f"{what}: got {len(buf)} bytes of {end - start}")
+        if len(buf) < end - start:  # the body ended cleanly: the object is shorter
+            raise DigestError(f"{what}: expected {end - start} bytes, got {len(buf)}")
         return bytes(buf)
 
     return await retry(attempt, policy=policy, what=what, link=link)
@@ -192,14 +204,12 @@ async def range_to_file(
         if written:
             _resuming(counts, what, start, pos)
         async with session.get(signed(url), headers=headers, timeout=timeout) as resp:
-            await failed(resp, what)
-            if "Range" in headers:
-                check_range(resp, pos, what)
+            await answered(resp, pos, what)
             got = await body_to_file(resp, fd, pos, end - pos, bandwidth, sha, landed)
         if pos + got > end:
             return written + 1  # one byte over: the caller's size check says so
-        if written < end - start:
-            raise TransientError(f"{what}: got {written} bytes of {end - start}")
+        if written < end - start:  # the body ended cleanly: the object is shorter
+            raise DigestError(f"{what}: expected {end - start} bytes, got {written}")
         return written
 
     return await retry(attempt, policy=policy, what=what, link=link)

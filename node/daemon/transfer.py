@@ -147,8 +147,13 @@ async def get_object(
                     link=link, bandwidth=bandwidth, counts=counts,
                 )  # fmt: skip
 
-        parts = await asyncio.gather(*(part(s) for s in range(0, size, part_size)))
-        data = b"".join(parts)
+        tasks = [asyncio.ensure_future(part(s)) for s in range(0, size, part_size)]
+        try:
+            data = b"".join(await asyncio.gather(*tasks))
+        finally:  # one part failed for good: the others stop, not left running
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     if len(data) != size:
         raise DigestError(f"download: expected {size} bytes, got {len(data)}")
     actual = hashlib.sha256(data).hexdigest()

@@ -78,7 +78,9 @@ class CuttingServer:
         headers = {}
         if wanted and not self.ignore_range:
             first, last = wanted.removeprefix("bytes=").split("-")
-            start, end = int(first), int(last) + 1
+            start, end = int(first), min(len(self.body), int(last) + 1)  # as S3: to the end
+            if start >= len(self.body):
+                return web.Response(status=416)
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(self.body)}"
         data = self.body[start:end]
