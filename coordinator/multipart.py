@@ -47,8 +47,17 @@ log = logging.getLogger("sparseloco.coordinator.multipart")
 #: Store error codes of a completion that already happened, or of a key that exists.
 EXISTS = frozenset({"PreconditionFailed", "412"})
 #: Store error codes of an upload the store will not complete as asked: the node starts over.
+#: ``BadDigest``: a part's sha256 in the completion is not the one it was uploaded with
+#: (SeaweedFS checks them, measured).
 INCOMPLETE = frozenset(
-    {"NoSuchUpload", "InvalidPart", "InvalidPartOrder", "EntityTooSmall", "InvalidRequest"}
+    {
+        "NoSuchUpload",
+        "InvalidPart",
+        "InvalidPartOrder",
+        "EntityTooSmall",
+        "InvalidRequest",
+        "BadDigest",
+    }
 )
 
 

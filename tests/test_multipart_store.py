@@ -6,8 +6,9 @@
 - the coordinator refuses part plans that do not cut the announced size, or parts below S3's
   minimum; bodies that list thousands of parts are taken, whatever ``max_body_bytes`` says for
   other bodies;
-- a store that refuses to create a multipart upload gets a single PUT, one that does not
-  answer a 503;
+- a completion that names another sha256 for a part than it was uploaded with is refused by
+  the store (``BadDigest``) and the node told to start over; a store that refuses to create a
+  multipart upload gets a single PUT, one that does not answer a 503;
 - retention aborts uploads older than their grants, and a store that cannot list its uploads
   never stops the other rules.
 """
@@ -27,6 +28,7 @@ from yarl import URL
 from coordinator.errors import StorageError
 from coordinator.storage import S3Store, sha256_b64
 from node.daemon import multipart
+from node.daemon.transfer import HttpTransfers
 from protocol.runconfig import RunConfig
 from support.api import ApiFactory
 from support.parts import PART, node_client, open_run, small_parts
@@ -193,3 +195,23 @@ async def test_a_store_that_refuses_uploads_in_parts_gets_one_put(
     code = None
     status, answer = await api.call("POST", "/v1/rounds/0/upload", "n0", body)
     assert (status, answer["error"]) == (503, "storage_unavailable")
+
+
+async def test_a_completion_that_lies_about_a_part_is_refused(make_api: ApiFactory) -> None:
+    """The store checks each part's sha256 named in the completion against the one the part
+    was uploaded with (``BadDigest``): the node hears ``upload_incomplete`` and starts over."""
+    api = await open_run(make_api)
+    payload = os.urandom(2 * PART)
+    async with aiohttp.ClientSession() as http:
+        client = node_client(api, http)
+        plan = multipart.part_plan(payload)
+        grant = await client.upload_grant(
+            0, len(payload), hashlib.sha256(payload).hexdigest(), plan
+        )
+        assert grant.multipart is not None
+        parts = await HttpTransfers(http).put_parts(grant.multipart, payload)
+    lying = [p.model_dump() for p in parts]
+    lying[1]["sha256"] = "0" * 64
+    done = {"upload_id": grant.multipart.upload_id, "parts": lying}
+    status, answer = await api.call("POST", "/v1/rounds/0/upload/complete", "n0", done)
+    assert (status, answer["error"]) == (409, "upload_incomplete")
