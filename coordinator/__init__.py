@@ -26,6 +26,9 @@ Modules, one concept each (it never imports ``node``: the project's layering rul
     storage.py      the object-store Protocol and its boto3 implementation (the only botocore
                     import: its errors leave as StorageError)
     presign.py      presigned URLs (SigV4) in microseconds, used once shown equal to boto3's
+    multipart.py    multipart uploads on the store: create, presign parts, complete write-once,
+                    abort the stale
+    uploads.py      upload grants (one PUT, or a URL per part) and completing an upload
     publisher.py    uploads signed manifests, checkpoint sidecars and latest.json, retrying
     retention.py    deletes old payloads and checkpoints from the store
     metrics.py      Prometheus metrics; the run's counters start from the database's totals

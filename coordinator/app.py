@@ -33,6 +33,7 @@ from coordinator.handling import TOKENS, durable_answers, error_middleware, know
 from coordinator.limits import LIMITS, Limits
 from coordinator.machine import RoundMachine
 from coordinator.metrics import CoordinatorMetrics, totals
+from coordinator.multipart import PartStore, S3Parts
 from coordinator.publisher import ManifestPublisher
 from coordinator.retention import Retention
 from coordinator.schema import DB_FILE
@@ -129,6 +130,13 @@ def s3_store(config: CoordinatorConfig) -> S3Store:
     )
 
 
+def multipart_of(store: ObjectStore) -> PartStore | None:
+    """Multipart uploads on ``store``, if it is the S3 store (a test's fake store has none)."""
+    if not isinstance(store, S3Store):
+        return None
+    return S3Parts(store.client, store.bucket, store.run, store.presign_part)
+
+
 def _tokens(
     db: Database, config: CoordinatorConfig, machine: RoundMachine, clock: Callable[[], float]
 ) -> TokenBook:
@@ -173,6 +181,7 @@ def create_app(
         db.close()
         raise
     storewatch = StoreWatch(machine)
+    parts = multipart_of(store)
     store = WatchedStore(store, storewatch)
     metrics = CoordinatorMetrics(totals(db), inner_steps=config.run.inner_steps)
     metrics.nodes.from_reports(db)
@@ -203,12 +212,16 @@ def create_app(
             prefix=storage.prefix,
             current_round=machine.round_number,
             metrics=metrics,
+            parts=parts,
+            # A grant's URLs die after presign_expiry_s; an upload twice that old is abandoned.
+            stale_upload_s=2.0 * config.server.presign_expiry_s,
         ),
         tokens=tokens,
         verifier=CheckpointVerifier(store),
         datasets=DatasetBook(store, config.run.dataset, prefix=storage.prefix),
         sync=GroupSync(db) if group_commit else None,
         storewatch=storewatch,
+        parts=parts,
     )
     app = web.Application(
         middlewares=[durable_answers, error_middleware],

@@ -172,6 +172,20 @@ class CheckpointBook:
             )
         return None
 
+    def check_holder(self, node_id: str, round_: int) -> None:
+        """``not_granted`` unless ``node_id`` holds the live upload grant of ``round_`` and no
+        checkpoint of it is committed yet (completing a multipart upload needs that)."""
+        grant = self.db.grant(round_)
+        if (
+            self.db.checkpoint(round_) is not None
+            or grant is None
+            or grant.node_id != node_id
+            or grant.expires_at <= self.clock()
+        ):
+            raise Conflict(
+                "not_granted", f"{node_id} holds no upload grant for the checkpoint of {round_}"
+            )
+
     def check_offer(self, round_: int, offer: CheckpointUpload) -> None:
         """``wrong_fingerprint`` unless ``offer`` is still the participants' majority."""
         self._check_fingerprint(round_, offer)

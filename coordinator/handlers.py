@@ -32,11 +32,19 @@ from coordinator.handling import (
 )
 from coordinator.metrics import CONTENT_TYPE
 from coordinator.openapi import openapi_document
-from coordinator.service import COORDINATOR, Coordinator
+from coordinator.service import COORDINATOR
 from coordinator.status import build_status
 from coordinator.storage import ObjectInfo, sha256_b64
+from coordinator.uploads import (
+    check_size,
+    checkpoint_complete,
+    grant,
+    own_payload_key,
+    upload,
+    upload_complete,
+)
 from protocol.dataset import MANIFEST_FILE
-from protocol.keys import payload_key, probe_key
+from protocol.keys import probe_key
 from protocol.messages import (
     Ack,
     CheckpointList,
@@ -53,40 +61,23 @@ from protocol.messages import (
     RoundReport,
     RoundState,
     SubmitRequest,
-    UploadGrant,
-    UploadRequest,
 )
+from protocol.parts import composite_sha256_b64
 from protocol.routes import MAX_STATUS_ROUNDS, ROUTES
 
 log = logging.getLogger("sparseloco.coordinator.app")
 
 
 def _matches(info: ObjectInfo | None, size: int, sha256: str) -> bool:
-    """Whether a stored object has this size and (if the store keeps one) this checksum."""
-    return (
-        info is not None
-        and info.size == size
-        and (info.sha256_b64 is None or info.sha256_b64 == sha256_b64(sha256))
-    )
+    """Whether a stored object has this size and (if the store keeps one) this checksum.
 
-
-def _grant(coord: Coordinator, key: str, size: int, sha256: str) -> UploadGrant:
-    """A presigned write-once PUT of ``size`` bytes hashing to ``sha256`` at ``key``."""
-    url, headers = coord.store.presign_put(key, size, sha256)
-    expires = float(coord.config.server.presign_expiry_s)
-    return UploadGrant(key=key, url=url, headers=headers, expires_in_s=expires)
-
-
-def _check_size(coord: Coordinator, size: int) -> None:
-    limit = coord.config.storage.max_payload_bytes
-    if size > limit:
-        raise ApiError(413, "too_large", f"size {size} exceeds the run's limit {limit}", "size")
-
-
-def _payload_key(coord: Coordinator, node_id: str, round_: int) -> str:
-    """The key of ``node_id``'s payload for ``round_``, once the round state allows it."""
-    coord.machine.check_submittable(node_id, round_)
-    return payload_key(coord.config.storage.prefix, coord.machine.run_id, round_, node_id)
+    An object uploaded in parts carries the digest of its parts' digests (``…-N``), not the
+    whole's: only its size is checked here, its sha256 by every node that downloads it
+    (``coordinator.multipart``)."""
+    if info is None or info.size != size:
+        return False
+    stored = info.sha256_b64
+    return stored is None or "-" in stored or stored == sha256_b64(sha256)
 
 
 async def join(request: web.Request) -> web.Response:
@@ -135,27 +126,16 @@ async def current_round(request: web.Request) -> web.Response:
     return ok(view)
 
 
-async def upload(request: web.Request) -> web.Response:
-    coord = request.app[COORDINATOR]
-    node_id = node_of(request)
-    round_ = round_of(request)
-    req = await read_body(request, UploadRequest)
-    _check_size(coord, req.size)
-    key = _payload_key(coord, node_id, round_)
-    log.info("event=upload_granted round=%d node=%s size=%d", round_, node_id, req.size)
-    return ok(_grant(coord, key, req.size, req.sha256))
-
-
 async def submit(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     node_id = node_of(request)
     round_ = round_of(request)
     req = await read_body(request, SubmitRequest)
-    _check_size(coord, req.size)
+    check_size(coord, req.size)
     prior = coord.machine.previous_submission(node_id, round_, req)
     if prior is not None:
         return ok(prior)
-    key = _payload_key(coord, node_id, round_)
+    key = own_payload_key(coord, node_id, round_)
     digest_ok = _matches(await coord.store.head(key), req.size, req.sha256)
     resp, closed = coord.machine.submit(node_id, round_, req, digest_ok)
     coord.metrics.submissions.labels(result=resp.reason or "accepted").inc()
@@ -215,11 +195,15 @@ async def checkpoint_upload(request: web.Request) -> web.Response:
     # An expired grant (another node's, or this node's for other bytes) may have left an object
     # behind; the key is write-once, so it must go unless it surely holds exactly these bytes
     # (a store that keeps no checksum cannot say: same-shaped checkpoints have equal sizes).
+    # An object uploaded in parts keeps the digest of its parts' digests (``protocol.parts``).
+    same = {sha256_b64(offer.sha256)}
+    if offer.parts is not None:
+        same.add(composite_sha256_b64(offer.parts.sha256))
     stored = await coord.store.head(key)
-    if stored is not None and stored.sha256_b64 != sha256_b64(offer.sha256):
+    if stored is not None and stored.sha256_b64 not in same:
         await coord.store.delete_keys([key])
         log.info("event=checkpoint_stale_deleted round=%d node=%s", round_, node_id)
-    return ok(_grant(coord, key, offer.size, offer.sha256))
+    return ok(await grant(coord, key, offer.size, offer.sha256, offer.parts))
 
 
 async def checkpoint_commit(request: web.Request) -> web.Response:
@@ -361,15 +345,15 @@ async def probe(request: web.Request) -> web.Response:
     req = await read_body(request, ProbeRequest)
     key = probe_key(coord.config.storage.prefix, coord.machine.run_id, node_id)
     await coord.store.delete_keys([key])  # write-once: the previous probe must go first
-    grant = _grant(coord, key, req.size, req.sha256)
+    granted = await grant(coord, key, req.size, req.sha256)
     log.info("event=probe_granted node=%s size=%d", node_id, req.size)
     return ok(
         ProbeGrant(
             key=key,
-            put_url=grant.url,
-            put_headers=grant.headers,
+            put_url=granted.url,
+            put_headers=granted.headers,
             get_url=coord.store.presign_get(key),
-            expires_in_s=grant.expires_in_s,
+            expires_in_s=granted.expires_in_s,
         )
     )
 
@@ -383,10 +367,12 @@ HANDLERS: dict[str, Handler] = {
     "leave": leave,
     "round": current_round,
     "upload": upload,
+    "upload_complete": upload_complete,
     "submit": submit,
     "manifest": manifest,
     "report": report,
     "checkpoint_upload": checkpoint_upload,
+    "checkpoint_complete": checkpoint_complete,
     "checkpoint_commit": checkpoint_commit,
     "checkpoint_latest": checkpoint_latest,
     "checkpoints": checkpoints,

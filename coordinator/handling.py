@@ -49,7 +49,7 @@ from coordinator.service import COORDINATOR
 from coordinator.tokens import TokenBook
 from protocol.errors import problems
 from protocol.messages import INSTANCE_HEADER, INSTANCE_PATTERN, ErrorBody
-from protocol.routes import Endpoint, Query
+from protocol.routes import ROUTES, Endpoint, Query
 
 log = logging.getLogger("sparseloco.coordinator.app")
 
@@ -177,6 +177,10 @@ async def read_body(request: web.Request, model: type[M], *, optional: bool = Fa
     within ``limits.body_timeout_s``, 422 naming the first bad field. ``optional``: an empty
     body is ``model``'s defaults (an endpoint older clients called without one)."""
     timeout = request.app[LIMITS].config.body_timeout_s
+    route = request.match_info.route.name
+    limit = ROUTES[route].body_limit if route in ROUTES else None
+    if limit is not None and limit > request.client_max_size:
+        request = request.clone(client_max_size=limit)  # a body that lists parts
     try:
         async with asyncio.timeout(timeout):
             raw = await request.read()

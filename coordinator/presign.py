@@ -5,10 +5,14 @@ round at a thousand nodes; through boto3 each costs the event loop a request mod
 ruleset, an event chain and a signer, most of a millisecond. The signature itself is two SHA-256
 digests and five HMACs, and four of those HMACs (the signing key) only change with the UTC day,
 so ``SigV4Presigner`` keeps the key per day and builds the rest directly. It signs exactly what
-boto3 signs for the coordinator's three requests (the canonical request of AWS's "Signature
-Version 4, query string authentication": method, path, sorted query, sorted lower-case headers
-with ``host``, ``UNSIGNED-PAYLOAD``), and path-style addressing
-(``{endpoint}/{bucket}/{key}``).
+boto3 signs for the coordinator's requests: a PUT, a GET, a HEAD, and a multipart upload's part,
+whose URL also carries ``uploadId`` and ``partNumber`` (a payload of 1 GB has 128 parts, each
+its own URL). The canonical request is AWS's "Signature Version 4, query string
+authentication": method, path, sorted query, sorted lower-case headers with ``host``,
+``UNSIGNED-PAYLOAD``; addressing is path-style (``{endpoint}/{bucket}/{key}``).
+
+``Request`` describes each kind once (``put_request``, ``get_request``, ``head_request``,
+``part_request``), for both signers: what boto3 is asked, what this signer signs.
 
 Whether this endpoint and botocore agree is not assumed: ``matches_botocore`` (called when the
 ``S3Store`` is built) asks boto3 for each kind of URL the coordinator hands out, signs the same
@@ -23,7 +27,9 @@ import calendar
 import hashlib
 import hmac
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
 #: What every presigned URL signs as its body: the payload is not part of the signature.
@@ -87,9 +93,12 @@ class SigV4Presigner:
         headers: Mapping[str, str] | None = None,
         *,
         now: float | None = None,
+        query: Sequence[tuple[str, str]] = (),
     ) -> str:
         """A URL for ``method`` on ``key``, valid for ``expires_s`` seconds from ``now`` (the
-        clock's time), that the store accepts only with exactly ``headers`` (lower-cased)."""
+        clock's time), that the store accepts only with exactly ``headers`` (lower-cased).
+        ``query``: the operation's own parameters (an upload part's ``uploadId`` and
+        ``partNumber``), in the order boto3 puts them in the URL, before the signature's."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self.clock() if now is None else now))
         day = stamp[:8]
         scope = f"{day}/{self.region}/s3/aws4_request"
@@ -99,19 +108,22 @@ class SigV4Presigner:
         )
         names = sorted(signed)
         signed_headers = ";".join(names)
-        # The parameters are already in sorted order, as the canonical query string needs them.
-        query = (
-            f"X-Amz-Algorithm={ALGORITHM}"
-            f"&X-Amz-Credential={_encode(f'{self.access_key}/{scope}')}"
-            f"&X-Amz-Date={stamp}&X-Amz-Expires={expires_s}"
-            f"&X-Amz-SignedHeaders={_encode(signed_headers)}"
-        )
+        # The signature's own parameters, in sorted order as the canonical query needs them.
+        auth = [
+            ("X-Amz-Algorithm", ALGORITHM),
+            ("X-Amz-Credential", _encode(f"{self.access_key}/{scope}")),
+            ("X-Amz-Date", stamp),
+            ("X-Amz-Expires", str(expires_s)),
+            ("X-Amz-SignedHeaders", _encode(signed_headers)),
+        ]
+        own = [(_encode(name), _encode(value)) for name, value in query]
+        signed_query = "&".join(f"{name}={value}" for name, value in sorted(auth + own))
         path = f"{self._path}/{_encode(key, safe='/~')}"
         canonical = "\n".join(
             (
                 method,
                 path,
-                query,
+                signed_query,
                 "".join(f"{name}:{signed[name]}\n" for name in names),
                 signed_headers,
                 UNSIGNED_PAYLOAD,
@@ -120,7 +132,50 @@ class SigV4Presigner:
         digest = hashlib.sha256(canonical.encode()).hexdigest()
         to_sign = f"{ALGORITHM}\n{stamp}\n{scope}\n{digest}"
         signature = hmac.new(self._signing_key(day), to_sign.encode(), hashlib.sha256).hexdigest()
-        return f"{self.base}/{_encode(key, safe='/~')}?{query}&X-Amz-Signature={signature}"
+        # boto3's order in the URL: the operation's parameters, then the signature's.
+        url_query = "&".join(f"{name}={value}" for name, value in [*own, *auth])
+        return f"{self.base}/{_encode(key, safe='/~')}?{url_query}&X-Amz-Signature={signature}"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One kind of request the coordinator presigns, as both signers see it: boto3's
+    ``operation`` and ``params`` (beside the bucket), and the method, the headers the URL binds
+    and the operation's own query parameters for ``SigV4Presigner``."""
+
+    operation: str
+    params: dict[str, Any]
+    method: str
+    key: str
+    headers: dict[str, str] | None = None
+    query: tuple[tuple[str, str], ...] = ()
+
+
+def put_request(key: str, size: int, checksum: str) -> Request:
+    """A write-once PUT of ``size`` bytes with sha256 ``checksum`` (base64)."""
+    headers = {"Content-Length": str(size), "x-amz-checksum-sha256": checksum, "If-None-Match": "*"}
+    params = {"Key": key, "ContentLength": size, "ChecksumSHA256": checksum, "IfNoneMatch": "*"}
+    return Request("put_object", params, "PUT", key, headers)
+
+
+def part_request(key: str, upload_id: str, number: int, size: int, checksum: str) -> Request:
+    """Part ``number`` of multipart upload ``upload_id``: ``size`` bytes with sha256
+    ``checksum`` (base64)."""
+    headers = {"Content-Length": str(size), "x-amz-checksum-sha256": checksum}
+    params = {"Key": key, "UploadId": upload_id, "PartNumber": number, "ContentLength": size}
+    params["ChecksumSHA256"] = checksum
+    query = (("uploadId", upload_id), ("partNumber", str(number)))
+    return Request("upload_part", params, "PUT", key, headers, query)
+
+
+def get_request(key: str) -> Request:
+    return Request("get_object", {"Key": key}, "GET", key)
+
+
+def head_request(key: str) -> Request:
+    """A HEAD that asks for the stored checksum."""
+    headers = {"x-amz-checksum-mode": "ENABLED"}
+    return Request("head_object", {"Key": key, "ChecksumMode": "ENABLED"}, "HEAD", key, headers)
 
 
 def signed_at(url: str) -> float:
@@ -136,10 +191,12 @@ def matches_botocore(
     key: str,
     expires_s: int,
     headers: Mapping[str, str] | None = None,
+    query: Sequence[tuple[str, str]] = (),
 ) -> bool:
     """Whether ``presigner`` gives exactly ``botocore_url`` for the same request and second."""
     try:
         now = signed_at(botocore_url)
     except (KeyError, ValueError):
         return False
-    return presigner.presign(method, key, expires_s, headers, now=now) == botocore_url
+    signed = presigner.presign(method, key, expires_s, headers, now=now, query=query)
+    return signed == botocore_url

@@ -18,6 +18,9 @@ once at start, and every ``RETRY_S`` seconds besides:
   newest verified one never goes, whatever ``keep_checkpoints`` says, since the payloads kept
   are exactly those needed to replay from it.
 
+- multipart uploads under the run's folder started more than twice the presign expiry ago are
+  aborted (``coordinator.multipart``): their grants are dead, and their parts would stay forever.
+
 What was deleted is recorded (``meta.pruned_through``: every payload round up to it is gone;
 ``checkpoints.pruned``), so no round is listed twice, and counted in the same transaction
 (``meta.deleted.payload``, ``meta.deleted.checkpoint``) for the metrics after a restart. Store
@@ -34,8 +37,9 @@ from collections.abc import Callable, Sequence
 from coordinator.db import CheckpointRow, Database
 from coordinator.errors import TRANSIENT
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.multipart import PartStore
 from coordinator.storage import ObjectStore, retry_logged
-from protocol.keys import round_prefix, sidecar_key
+from protocol.keys import round_prefix, run_prefix, sidecar_key
 from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.coordinator.retention")
@@ -91,8 +95,12 @@ class Retention:
         prefix: str,
         current_round: Callable[[], int],
         metrics: CoordinatorMetrics | None = None,
+        parts: PartStore | None = None,
+        stale_upload_s: float = 1800.0,
     ) -> None:
         self.db = db
+        self.parts = parts
+        self.stale_upload_s = stale_upload_s
         self.store = store
         self.run = run
         self.prefix = prefix
@@ -139,7 +147,21 @@ class Retention:
             self._count("checkpoint", n)
             deleted += n
             log.info("event=checkpoint_pruned round=%d objects=%d", round_, n)
+        await self._abort_stale()
         return deleted
+
+    async def _abort_stale(self) -> None:
+        """Abort the uploads in parts nobody will complete (a crashed node, a fresh grant
+        taken). Last, and never in the way of the rules above: a store that cannot list its
+        uploads is told once per pass, at DEBUG while it is unreachable."""
+        if self.parts is None:
+            return
+        try:
+            await self.parts.abort_stale(
+                run_prefix(self.prefix, self.run.run_id), self.stale_upload_s
+            )
+        except TRANSIENT as exc:
+            retry_logged(log, "abort_stale_failed", RETRY_S, exc)
 
     async def run_forever(self) -> None:
         """Prune on start, on every kick and every ``RETRY_S`` seconds, until cancelled."""

@@ -24,6 +24,7 @@ from coordinator.datasets import DatasetBook
 from coordinator.durability import GroupSync
 from coordinator.machine import RoundMachine
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.multipart import PartStore
 from coordinator.publisher import ManifestPublisher
 from coordinator.retention import Retention
 from coordinator.signing import ManifestSigner
@@ -61,6 +62,8 @@ class Coordinator:
     sync: GroupSync | None = None
     #: Whether the store answers (``store`` reports to it); ``None``: not watched.
     storewatch: StoreWatch | None = None
+    #: Multipart uploads (``coordinator.multipart``); ``None``: every grant is a single PUT.
+    parts: PartStore | None = None
     #: Long-polls of a round's manifest, by round, released when it closes.
     waiters: Wakeups = field(default_factory=Wakeups)
     #: Long-polls of a waiting round, by round, released when it opens (or is no longer newest).

@@ -44,7 +44,15 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from coordinator.errors import StorageError, TooLarge
-from coordinator.presign import SigV4Presigner, matches_botocore
+from coordinator.presign import (
+    Request,
+    SigV4Presigner,
+    get_request,
+    head_request,
+    matches_botocore,
+    part_request,
+    put_request,
+)
 from protocol.causes import cause
 from protocol.links import Link
 
@@ -67,6 +75,8 @@ HEAD_EXPIRY_S = 60
 READ_CHUNK = 1 << 20
 #: The key the presigner is checked against boto3 with (characters a key may hold).
 PROBE_KEY = "presign-check/run 1/00000/node_a-~+%.bin"
+#: The upload id it is checked with (characters an upload id may hold).
+PROBE_UPLOAD_ID = "3f2a_9b+c/d=e~f.g-h"
 
 
 @dataclass(frozen=True)
@@ -172,55 +182,54 @@ class S3Store:
         #: The fast signer, or ``None`` when it does not sign as boto3 does for this endpoint.
         self._presigner = presigner if self._agrees(presigner) else None
 
-    @staticmethod
-    def _headers_put(size: int, checksum: str) -> dict[str, str]:
-        """The headers a presigned PUT binds: size, checksum, and write-once."""
-        return {
-            "Content-Length": str(size),
-            "x-amz-checksum-sha256": checksum,
-            "If-None-Match": "*",
-        }
+    def _sign(self, request: Request, expires_s: int) -> str:
+        """``request``'s URL, valid ``expires_s`` seconds: the fast signer's where it agrees
+        with boto3 (checked at start), boto3's otherwise."""
+        if self._presigner is not None:
+            r = request
+            return self._presigner.presign(r.method, r.key, expires_s, r.headers, query=r.query)
+        return self._boto_url(request, expires_s)
 
-    def _boto_url(self, operation: str, params: dict[str, Any], expires_s: int) -> str:
-        """boto3's presigned URL of ``operation`` on this bucket."""
+    def _boto_url(self, request: Request, expires_s: int) -> str:
+        """boto3's presigned URL of ``request`` on this bucket."""
         url: str = self._client.generate_presigned_url(
-            operation, Params={"Bucket": self.bucket, **params}, ExpiresIn=expires_s
+            request.operation, Params={"Bucket": self.bucket, **request.params}, ExpiresIn=expires_s
         )
         return url
 
     def _agrees(self, presigner: SigV4Presigner) -> bool:
         """Whether ``presigner`` gives boto3's URL for each kind of request made here."""
         key, checksum = PROBE_KEY, sha256_b64("00" * 32)
-        put: dict[str, Any] = {"Key": key, "ContentLength": 1, "ChecksumSHA256": checksum}
-        put["IfNoneMatch"] = "*"
-        head = {"Key": key, "ChecksumMode": "ENABLED"}
-        cases: list[tuple[str, dict[str, Any], str, dict[str, str] | None, int]] = [
-            ("put_object", put, "PUT", self._headers_put(1, checksum), self.expiry_s),
-            ("get_object", {"Key": key}, "GET", None, self.expiry_s),
-            ("head_object", head, "HEAD", {"x-amz-checksum-mode": "ENABLED"}, HEAD_EXPIRY_S),
+        cases = [
+            (put_request(key, 1, checksum), self.expiry_s),
+            (get_request(key), self.expiry_s),
+            (head_request(key), HEAD_EXPIRY_S),
+            (part_request(key, PROBE_UPLOAD_ID, 7, 1, checksum), self.expiry_s),
         ]
-        for operation, params, method, headers, expires_s in cases:
-            url = self._boto_url(operation, params, expires_s)
-            if not matches_botocore(presigner, url, method, key, expires_s, headers):
+        for r, expires_s in cases:
+            url = self._boto_url(r, expires_s)
+            if not matches_botocore(presigner, url, r.method, key, expires_s, r.headers, r.query):
                 log.warning(
                     "event=presign_fallback reason=%s",
-                    f"the SigV4 signer disagrees with boto3 on {operation}; boto3 signs",
+                    f"the SigV4 signer disagrees with boto3 on {r.operation}; boto3 signs",
                 )
                 return False
         return True
 
     def presign_put(self, key: str, size: int, sha256_hex: str) -> tuple[str, dict[str, str]]:
-        checksum = sha256_b64(sha256_hex)
-        headers = self._headers_put(size, checksum)
-        if self._presigner is not None:
-            return self._presigner.presign("PUT", key, self.expiry_s, headers), headers
-        params = {"Key": key, "ContentLength": size, "ChecksumSHA256": checksum}
-        return self._boto_url("put_object", {**params, "IfNoneMatch": "*"}, self.expiry_s), headers
+        request = put_request(key, size, sha256_b64(sha256_hex))
+        return self._sign(request, self.expiry_s), dict(request.headers or {})
+
+    def presign_part(
+        self, key: str, upload_id: str, number: int, size: int, sha256_hex: str
+    ) -> tuple[str, dict[str, str]]:
+        """A URL and the exact headers for part ``number`` of multipart upload ``upload_id``:
+        ``size`` bytes hashing to ``sha256_hex`` (``coordinator.multipart``)."""
+        request = part_request(key, upload_id, number, size, sha256_b64(sha256_hex))
+        return self._sign(request, self.expiry_s), dict(request.headers or {})
 
     def presign_get(self, key: str) -> str:
-        if self._presigner is not None:
-            return self._presigner.presign("GET", key, self.expiry_s)
-        return self._boto_url("get_object", {"Key": key}, self.expiry_s)
+        return self._sign(get_request(key), self.expiry_s)
 
     async def _call(self, what: str, method: str, **kwargs: Any) -> Any:
         """Run client ``method`` in a thread; any botocore error becomes ``StorageError``.
@@ -228,6 +237,15 @@ class S3Store:
         ``what`` says what failed in the error's message (``"head {key}"``).
         """
         call = functools.partial(getattr(self._client, method), Bucket=self.bucket, **kwargs)
+        return await self._run(what, call)
+
+    @property
+    def client(self) -> Any:
+        """The boto3 client (``coordinator.multipart.S3Parts`` shares it, through ``run``)."""
+        return self._client
+
+    async def run(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()`` in a thread, as every call of this store is made (``_run``)."""
         return await self._run(what, call)
 
     async def _run(self, what: str, call: Callable[[], Any]) -> Any:
@@ -266,12 +284,9 @@ class S3Store:
             # One session per event loop (a test may run the store under several loops).
             timeout = aiohttp.ClientTimeout(total=STORE_TIMEOUT_S)
             self._http, self._http_loop = aiohttp.ClientSession(timeout=timeout), loop
-        headers = {"x-amz-checksum-mode": "ENABLED"}
-        if self._presigner is not None:
-            url = self._presigner.presign("HEAD", key, HEAD_EXPIRY_S, headers)
-        else:
-            params = {"Key": key, "ChecksumMode": "ENABLED"}
-            url = self._boto_url("head_object", params, HEAD_EXPIRY_S)
+        request = head_request(key)
+        headers = dict(request.headers or {})
+        url = self._sign(request, HEAD_EXPIRY_S)
         for attempt in range(HEAD_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(HEAD_RETRY_S * (1 + random.random()) * attempt)

@@ -9,10 +9,12 @@ generated from the same source. Endpoints (all under ``/v1``, bearer-token auth)
     POST /v1/leave                                         -> Ack
     GET  /v1/round                                         -> RoundView
     POST /v1/rounds/{r}/upload          UploadRequest      -> UploadGrant
+    POST /v1/rounds/{r}/upload/complete UploadComplete -> UploadDone (multipart only)
     POST /v1/rounds/{r}/submit          SubmitRequest      -> SubmitResponse
     GET  /v1/rounds/{r}/manifest?wait=s                    -> ManifestView (202 RoundView if open)
     POST /v1/rounds/{r}/report          RoundReport        -> Ack
     POST /v1/checkpoints/{R}/upload     CheckpointUpload   -> UploadGrant (409 not_needed)
+    POST /v1/checkpoints/{R}/upload/complete UploadComplete -> UploadDone (multipart only)
     POST /v1/checkpoints/{R}/commit     CheckpointUpload   -> CheckpointInfo
     GET  /v1/checkpoints/latest                            -> CheckpointView (404 no_checkpoint)
     GET  /v1/checkpoints                                   -> CheckpointList (newest first)
@@ -38,6 +40,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from protocol.keys import ID_PATTERN
+from protocol.parts import MultipartGrant, PartPlan
 from protocol.runconfig import RunConfig
 
 MANIFEST_VERSION = 1
@@ -170,15 +173,22 @@ class JoinResponse(Message):
 class UploadRequest(Message):
     size: ObjectSize = Field(description="payload bytes")
     sha256: Sha256Hex
+    parts: PartPlan | None = Field(
+        None,
+        description="ask for a multipart upload cut this way (``protocol.parts``); a coordinator"
+        " whose store cannot do one answers a single PUT",
+    )
 
 
 class UploadGrant(Message):
-    """A presigned PUT for this node's own payload key only, bound to the size and checksum."""
+    """A presigned PUT for this node's own payload key only, bound to the size and checksum;
+    or, with ``multipart``, one presigned part upload per part (``url`` is then empty)."""
 
     key: str
     url: str
     headers: dict[str, str] = Field(description="headers the PUT must send exactly")
     expires_in_s: float
+    multipart: MultipartGrant | None = None
 
 
 #: Largest probe object ``sparseloco doctor`` may move through the store.
@@ -338,6 +348,9 @@ class CheckpointUpload(Message):
     size: ObjectSize = Field(description="bytes of the safetensors file")
     sha256: Sha256Hex
     fingerprint: FingerprintHex = Field(description="fingerprint of the parameters in the file")
+    parts: PartPlan | None = Field(
+        None, description="ask for a multipart upload cut this way (``protocol.parts``)"
+    )
 
 
 class CheckpointInfo(Message):

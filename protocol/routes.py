@@ -48,6 +48,7 @@ from protocol.messages import (
     UploadGrant,
     UploadRequest,
 )
+from protocol.parts import MAX_PARTS_BODY_BYTES, UploadComplete, UploadDone
 
 #: The placeholder for a round number in a path.
 ROUND = "{round}"
@@ -89,6 +90,9 @@ class Endpoint:
     #: The body may be left out (an empty body is the request's defaults): a field added to a
     #: request older clients sent without a body (the heartbeat's ``condition``).
     body_optional: bool = False
+    #: Bytes the body may hold when more than the server's ``max_body_bytes``: a body that
+    #: lists the parts of an upload (``protocol.parts.MAX_PARTS_BODY_BYTES``); None: that limit.
+    body_limit: int | None = None
 
     def url(self, round_: int | None = None) -> str:
         """The path with ``round_`` in place of ``{round}`` (required exactly when it has one)."""
@@ -112,8 +116,13 @@ ENDPOINTS: tuple[Endpoint, ...] = (
                                   "number", 0, 3600)},
              errors=(401, 409, 422, 429)),
     Endpoint("upload", "POST", "/v1/rounds/{round}/upload",
-             "A presigned PUT for the caller's payload of this round", UploadRequest,
-             {200: UploadGrant}, errors=(400, 401, 404, 408, 409, 413, 422, 429)),
+             "A presigned PUT for the caller's payload of this round, or one per part",
+             UploadRequest, {200: UploadGrant},
+             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503), body_limit=MAX_PARTS_BODY_BYTES),
+    Endpoint("upload_complete", "POST", "/v1/rounds/{round}/upload/complete",
+             "Complete the caller's multipart payload upload (write-once: created is false if"
+             " the key already held an object)", UploadComplete, {200: UploadDone},
+             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503), body_limit=MAX_PARTS_BODY_BYTES),
     Endpoint("submit", "POST", "/v1/rounds/{round}/submit",
              "Announce an uploaded payload; idempotent for an identical body", SubmitRequest,
              {200: SubmitResponse}, errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
@@ -129,11 +138,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("checkpoint_upload", "POST", "/v1/checkpoints/{round}/upload",
              "A presigned PUT for θ at the start of this round, for the first eligible member",
              CheckpointUpload, {200: UploadGrant},
-             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
+             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503), body_limit=MAX_PARTS_BODY_BYTES),
+    Endpoint("checkpoint_complete", "POST", "/v1/checkpoints/{round}/upload/complete",
+             "Complete the grant holder's multipart checkpoint upload (write-once)",
+             UploadComplete, {200: UploadDone},
+             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503), body_limit=MAX_PARTS_BODY_BYTES),
     Endpoint("checkpoint_commit", "POST", "/v1/checkpoints/{round}/commit",
              "Announce the uploaded checkpoint (grant holder only); the coordinator verifies the"
              " file before it commits it; idempotent", CheckpointUpload, {200: CheckpointInfo},
-             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
+             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503), body_limit=MAX_PARTS_BODY_BYTES),
     Endpoint("checkpoint_latest", "GET", "/v1/checkpoints/latest",
              "The newest committed checkpoint with a presigned GET", None,
              {200: CheckpointView}, errors=(401, 404, 409, 422, 429)),

@@ -4,7 +4,8 @@ store that really accepts them.
 - for endpoints of several shapes (SeaweedFS on a port, AWS, R2, a default port, a base path)
   and keys with characters that must be encoded, the presigner gives exactly boto3's URL for
   the same request at the same second, for each kind the coordinator hands out (PUT bound to
-  size, checksum and write-once; GET; HEAD asking for the checksum);
+  size, checksum and write-once; GET; HEAD asking for the checksum; a multipart upload's part,
+  bound to size and checksum, with its upload id and number in the query);
 - ``S3Store`` uses it only when that holds when it is built, and boto3 otherwise;
 - against the session's SeaweedFS store: a presigned PUT stores the payload once (a second is
   refused), its GET reads it back, and ``head`` sees its size and checksum.
@@ -83,6 +84,23 @@ def test_presigner_gives_boto3s_urls(endpoint: str, region: str, key: str) -> No
         ExpiresIn=60,
     )
     assert matches_botocore(signer, head, "HEAD", key, 60, {"x-amz-checksum-mode": "ENABLED"})
+    for upload_id in ("3f2a_9b", "up+load/id=~"):  # a multipart upload's part, its own query
+        part = client.generate_presigned_url(
+            "upload_part",
+            Params={
+                "Bucket": "sparseloco",
+                "Key": key,
+                "UploadId": upload_id,
+                "PartNumber": 12,
+                "ContentLength": 7,
+                "ChecksumSHA256": checksum,
+            },
+            ExpiresIn=900,
+        )
+        part_headers = {"Content-Length": "7", "x-amz-checksum-sha256": checksum}
+        query = [("uploadId", upload_id), ("partNumber", "12")]
+        assert matches_botocore(signer, part, "PUT", key, 900, part_headers, query)
+        assert not matches_botocore(signer, part, "PUT", key, 900, part_headers, query[:1])
     # The signing key is kept per day; a URL of another day is signed with that day's key.
     later = signer.presign("GET", key, 600, now=signed_at(get) + 86400)
     assert "X-Amz-Date=" in later and later != get

@@ -31,6 +31,9 @@ from protocol.runconfig import RunConfig, Timing
 from support.cluster import Cluster, closed_count
 
 TIMING = Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=20)
+#: Enough rounds that the phases below (each waits on processes, which a loaded machine slows
+#: while tiny rounds go on) find the run still going; each phase checks that it does.
+ROUNDS = 16
 #: Safety net for processes that should be gone.
 GONE_S = 60.0
 
@@ -74,7 +77,7 @@ def _gathered(status: StatusView, node: str) -> list[int]:
 def test_torchrun_nodes_of_2_and_4_processes_train_beside_single_ones(tmp_path, store) -> None:
     shape = get_run_preset("tiny")
     run = RunConfig(
-        name="ranks", model=shape.model, rounds=9, inner_steps=shape.inner_steps,
+        name="ranks", model=shape.model, rounds=ROUNDS, inner_steps=shape.inner_steps,
         batch_size=shape.batch_size, min_nodes=2, checkpoint_every=3, retention_rounds=4,
         timing=TIMING,
     )  # fmt: skip
@@ -96,6 +99,7 @@ def test_torchrun_nodes_of_2_and_4_processes_train_beside_single_ones(tmp_path, 
         assert four.popen.wait(timeout=GONE_S) != 0
         _wait_gone(list(first_four.values()))
         done = closed_count(cluster.status())
+        assert done < run.rounds - 3, f"the run closed {done} rounds while node-1 went down"
         cluster.wait_closed(done + 1)
 
         # SIGTERM to the 2-process node: every rank ends cleanly (the node leaves, rank 0
@@ -108,6 +112,8 @@ def test_torchrun_nodes_of_2_and_4_processes_train_beside_single_ones(tmp_path, 
         _wait_gone(list(first_two.values()))
 
         # Back with another rank count, a late joiner, and the stopped node again.
+        done = closed_count(cluster.status())
+        assert done < run.rounds - 2, f"the run closed {done} rounds before the nodes came back"
         four_again = cluster.start_node("node-1", ranks=2)
         late = cluster.start_node("node-3", ranks=2)
         cluster.start_node("node-0", ranks=2)

@@ -3,7 +3,9 @@
 ``loop`` is the daemon (``NodeDaemon``; ``serve.run_node`` runs it over HTTP): it drives a
 ``compute.worker.Worker`` through the rounds, talking to the coordinator through the
 ``api.CoordinatorApi`` seam (``client`` is the HTTP implementation) and to the object store
-through the ``api.Transfers`` seam (``transfer``: presigned PUT/GET with aiohttp). ``rounds``
+through the ``api.Transfers`` seam (``transfer``: presigned PUT/GET with aiohttp; ``ranged``:
+a byte range resumed after a reset; ``multipart``: uploads in parts; ``filestream``: their disk
+side). ``rounds``
 holds the round's steps after training: wait, verify, download, decode, apply, account, save,
 report; ``overlap`` trains the next round while a round's payloads travel (the run's
 ``overlap``). ``gather`` fetches and validates a closed round's gather set, ``checkpoints``

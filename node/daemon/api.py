@@ -5,8 +5,8 @@
 
 - ``CoordinatorApi``: one coroutine per endpoint the node calls (``node.daemon.client``
   implements it over HTTP, with retries);
-- ``Transfers``: a PUT to and a verified GET from presigned URLs, from bytes in memory or a
-  local file (``node.daemon.transfer`` implements it with aiohttp);
+- ``Transfers``: a PUT (or an upload in parts) to and a verified GET from presigned URLs, from
+  bytes in memory or a local file (``node.daemon.transfer`` implements it with aiohttp);
 - ``Clock``: the daemon's own pauses (polling a waiting round, heartbeats, an injected slow
   fault) and timestamps, so a test can drive time by hand.
 
@@ -39,6 +39,7 @@ from protocol.messages import (
     SubmitResponse,
     UploadGrant,
 )
+from protocol.parts import CompletedPart, MultipartGrant, PartPlan, UploadComplete, UploadDone
 
 
 class CoordinatorApi(Protocol):
@@ -54,7 +55,15 @@ class CoordinatorApi(Protocol):
 
     async def round(self) -> RoundView: ...
 
-    async def upload_grant(self, round_: int, size: int, sha256: str) -> UploadGrant: ...
+    async def upload_grant(
+        self, round_: int, size: int, sha256: str, parts: PartPlan | None = None
+    ) -> UploadGrant:
+        """A presigned PUT of the payload, or with ``parts`` a multipart upload (if granted)."""
+        ...
+
+    async def upload_complete(self, round_: int, request: UploadComplete) -> UploadDone:
+        """Complete the payload's multipart upload, write-once (``protocol.parts``)."""
+        ...
 
     async def submit(self, round_: int, request: SubmitRequest) -> SubmitResponse: ...
 
@@ -65,6 +74,10 @@ class CoordinatorApi(Protocol):
     async def report(self, round_: int, report: RoundReport) -> None: ...
 
     async def checkpoint_grant(self, round_: int, offer: CheckpointUpload) -> UploadGrant: ...
+
+    async def checkpoint_complete(self, round_: int, request: UploadComplete) -> UploadDone:
+        """Complete the checkpoint's multipart upload, write-once (grant holder only)."""
+        ...
 
     async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo: ...
 
@@ -88,6 +101,14 @@ class Transfers(Protocol):
         """Upload ``data`` with exactly ``headers``; False if the write-once key already held it."""
         ...
 
+    async def put_parts(
+        self, grant: MultipartGrant, data: bytes, done: dict[int, CompletedPart] | None = None
+    ) -> list[CompletedPart]:
+        """Upload ``data`` through a multipart grant's part URLs, each part retried alone; the
+        parts the store took, for the completion. Parts in ``done`` (by number) are not sent
+        again, and every part the store takes is added to it."""
+        ...
+
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:
         """Download and verify an object of known size and sha256 (``DigestError`` if not)."""
         ...
@@ -97,6 +118,12 @@ class Transfers(Protocol):
     ) -> bool:
         """Upload the ``size`` bytes of the file at ``path``, streamed from disk, with exactly
         ``headers``; False if the write-once key already held it."""
+        ...
+
+    async def put_file_parts(
+        self, grant: MultipartGrant, path: Path, *, size: int
+    ) -> list[CompletedPart]:
+        """``put_parts`` of the ``size`` bytes of the file at ``path``, streamed from disk."""
         ...
 
     async def get_to_file(self, url: str, path: Path, *, size: int, sha256: str) -> None:

@@ -3,9 +3,11 @@
 - ``offer``: after applying round R-1 (so the model holds θ_R) with R a multiple of the run's
   ``checkpoint_every``, the node's ranks write θ into one safetensors file in the state dir
   (``node.compute.checkpoint``: each rank its own tensors) and rank 0 asks the coordinator for
-  a presigned PUT and uploads the file from disk. The first node whose reported fingerprint
-  matches the majority gets it; every other node hears ``not_needed`` and carries on. Failures
-  cost the checkpoint, never the round.
+  a presigned PUT and uploads the file from disk (a file of ``multipart.MULTIPART_THRESHOLD``
+  bytes or more in parts, each read from disk and retried alone, then completed by the
+  coordinator, which verifies the file before it commits it). The first node whose reported
+  fingerprint matches the majority gets it; every other node hears ``not_needed`` and carries
+  on. Failures cost the checkpoint, never the round.
 - ``restore_latest``: a node with no usable local state (a new joiner, a wiped disk, a torn
   state file) or a node that diverged downloads the newest checkpoint to a file (size and
   sha256 checked as it lands), every rank checks the header and reads its own tensors, the
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from node.compute.worker import Worker
+from node.daemon import multipart
 from node.daemon.api import CoordinatorApi, Transfers
 from node.daemon.retry import Backoff
 from node.errors import (
@@ -39,7 +42,8 @@ from node.errors import (
     TransferError,
 )
 from protocol.causes import cause
-from protocol.messages import CheckpointInfo, CheckpointUpload
+from protocol.messages import CheckpointInfo, CheckpointUpload, UploadGrant
+from protocol.parts import UploadComplete
 
 log = logging.getLogger("sparseloco.checkpoints")
 
@@ -86,7 +90,10 @@ class CheckpointSync:
         path = self.state_dir / "checkpoint-upload.safetensors"
         try:
             size, sha256, fp = await self.node("write_checkpoint", str(path))
-            offer = CheckpointUpload(size=size, sha256=sha256, fingerprint=fp)
+            plan = None  # one PUT
+            if size >= multipart.MULTIPART_THRESHOLD:
+                plan = await asyncio.to_thread(multipart.file_part_plan, path, size)
+            offer = CheckpointUpload(size=size, sha256=sha256, fingerprint=fp, parts=plan)
             try:
                 grant = await self.api.checkpoint_grant(r, offer)
             except CoordinatorError as exc:
@@ -96,7 +103,7 @@ class CheckpointSync:
                 )  # fmt: skip
                 return None
             try:
-                await self.transfers.put_file(grant.url, grant.headers, path, size=size)
+                await self._upload(r, grant, path, size)
                 info = await self.api.checkpoint_commit(r, offer)
             except RetriesExhausted as exc:  # the checkpoint is fine: the store did not answer
                 log.info(
@@ -123,6 +130,15 @@ class CheckpointSync:
             fp,
         )
         return info
+
+    async def _upload(self, round_: int, grant: UploadGrant, path: Path, size: int) -> None:
+        """The file through ``grant``: one PUT, or every part and then the completion."""
+        if grant.multipart is None:
+            await self.transfers.put_file(grant.url, grant.headers, path, size=size)
+            return
+        parts = await self.transfers.put_file_parts(grant.multipart, path, size=size)
+        done = UploadComplete(upload_id=grant.multipart.upload_id, parts=parts)
+        await self.api.checkpoint_complete(round_, done)
 
     async def restore_latest(self, worker: Worker) -> CheckpointInfo | None:
         """Load the newest usable checkpoint into ``worker``; None (θ untouched) if there is

@@ -59,6 +59,7 @@ from protocol.messages import (
     UploadGrant,
     UploadRequest,
 )
+from protocol.parts import PartPlan, UploadComplete, UploadDone
 from protocol.routes import ROUTES, Endpoint
 
 log = logging.getLogger("sparseloco.client")
@@ -213,9 +214,14 @@ class CoordinatorClient:
         self._waiting = view.state == RoundState.WAITING
         return view
 
-    async def upload_grant(self, round_: int, size: int, sha256: str) -> UploadGrant:
-        out = await self._call("upload", UploadRequest(size=size, sha256=sha256), round_=round_)
-        return _as(UploadGrant, out)
+    async def upload_grant(
+        self, round_: int, size: int, sha256: str, parts: PartPlan | None = None
+    ) -> UploadGrant:
+        request = UploadRequest(size=size, sha256=sha256, parts=parts)
+        return _as(UploadGrant, await self._call("upload", request, round_=round_))
+
+    async def upload_complete(self, round_: int, request: UploadComplete) -> UploadDone:
+        return _as(UploadDone, await self._call("upload_complete", request, round_=round_))
 
     async def submit(self, round_: int, request: SubmitRequest) -> SubmitResponse:
         return _as(SubmitResponse, await self._call("submit", request, round_=round_))
@@ -236,6 +242,10 @@ class CoordinatorClient:
     async def checkpoint_grant(self, round_: int, offer: CheckpointUpload) -> UploadGrant:
         """A presigned PUT for θ_round as a checkpoint; ``CoordinatorError`` ``not_needed``."""
         return _as(UploadGrant, await self._call("checkpoint_upload", offer, round_=round_))
+
+    async def checkpoint_complete(self, round_: int, request: UploadComplete) -> UploadDone:
+        """Complete the multipart upload of θ_round; ``CoordinatorError`` ``not_granted``."""
+        return _as(UploadDone, await self._call("checkpoint_complete", request, round_=round_))
 
     async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo:
         return _as(CheckpointInfo, await self._call("checkpoint_commit", offer, round_=round_))

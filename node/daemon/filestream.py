@@ -6,7 +6,8 @@ file in ``WRITE_CHUNK`` pieces on the default executor's threads, so the event l
 on the disk and a transfer holds one piece per part in flight.
 
 - ``body_to_file``: a response body into a file at an offset, never past the bytes it owns (a
-  ranged part that runs long cannot overwrite its neighbour);
+  ranged part that runs long cannot overwrite its neighbour), what came written even when the
+  connection drops, so the read can resume there;
 - ``PartsSha``: the sha256 of a file whose parts land out of order, each read back (from the page
   cache) once every part before it has been, while later parts still download;
 - ``file_chunks``: a file as an upload body, at a bandwidth cap's pace when there is one;
@@ -47,8 +48,12 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
-def _write_at(fd: int, data: bytearray, pos: int, sha: Any) -> None:
-    """``data`` into ``fd`` at ``pos`` (and into ``sha`` when there is one)."""
+def _write_at(
+    fd: int, data: bytearray, pos: int, sha: Any, landed: Callable[[int], None] | None = None
+) -> None:
+    """``data`` into ``fd`` at ``pos`` (and into ``sha`` when there is one); then ``landed``
+    hears how many bytes, on this same thread: the write and its count go together, even when
+    the caller was cancelled meanwhile (``in_thread`` lets the call end first)."""
     view = memoryview(data)
     if sha is not None:
         sha.update(view)
@@ -58,6 +63,8 @@ def _write_at(fd: int, data: bytearray, pos: int, sha: Any) -> None:
             view, pos = view[n:], pos + n
     except OSError as exc:
         raise TransferError(f"download: cannot write the file: {exc.strerror or exc}") from exc
+    if landed is not None:
+        landed(len(data))
 
 
 async def body_to_file(
@@ -67,14 +74,36 @@ async def body_to_file(
     n: int,
     bandwidth: Bandwidth | None,
     sha: Any = None,
+    on_write: Callable[[int], None] | None = None,
 ) -> int:
     """The body into ``fd`` from ``offset``, at most ``n`` bytes of it (at ``bandwidth``'s pace
-    when there is one); how many bytes came: ``n + 1`` at most, the one over never written."""
+    when there is one); how many bytes came: ``n + 1`` at most, the one over never written.
+
+    ``on_write`` hears of every piece written. If the connection drops mid-body, what came is
+    written before the error goes on, so a resumed read can start at the first byte missing
+    (``node.daemon.ranged``)."""
     got = written = 0
     pending = bytearray()
+
+    def landed(n: int) -> None:
+        nonlocal written
+        written += n
+        if on_write is not None:
+            on_write(n)
+
+    async def flush() -> None:
+        nonlocal pending
+        data, pending = pending, bytearray()
+        await in_thread(_write_at, fd, data, offset + written, sha, landed)
+
     while got <= n:
         # Small reads: the stream's own pieces, not a join of them into one more large copy.
-        chunk = await resp.content.read(min(n + 1 - got, CHUNK))
+        try:
+            chunk = await resp.content.read(min(n + 1 - got, CHUNK))
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError):
+            if pending:
+                await flush()
+            raise
         if not chunk:
             break
         if bandwidth is not None:  # what came, not what was asked for: a read may return less
@@ -84,11 +113,9 @@ async def body_to_file(
         if len(pending) >= WRITE_CHUNK or got > n:
             if got > n:  # the byte over belongs to no one here
                 del pending[n - written :]
-            await in_thread(_write_at, fd, pending, offset + written, sha)
-            written += len(pending)
-            pending = bytearray()
+            await flush()
     if pending:
-        await in_thread(_write_at, fd, pending, offset + written, sha)
+        await flush()
     return got
 
 

@@ -8,8 +8,9 @@ set; this module moves the bytes with aiohttp:
   object already exists (an earlier attempt of the same upload landed before a crash or a lost
   response), which is success for a write-once key of the same content.
 - ``get_object`` downloads and checks size and sha256. Objects larger than ``part_size`` are
-  fetched as parallel ranged GETs; a digest mismatch is a ``DigestError`` and is not retried
-  (every honest node would see the same bytes).
+  fetched as parallel ranged GETs; a body cut by a reset goes on from the byte it reached
+  (``node.daemon.ranged``), one GET or one part alike; a digest mismatch is a ``DigestError``
+  and is not retried (every honest node would see the same bytes).
 - ``get_to_file`` and ``put_file`` do the same with a local file, for objects too large to hold
   (a checkpoint of a model no process holds whole), streamed through in pieces of
   ``filestream.WRITE_CHUNK``. A download goes to a temporary name in the target's folder,
@@ -20,8 +21,10 @@ set; this module moves the bytes with aiohttp:
   ``node.daemon.filestream`` is their disk side.
 - Either direction may be capped (``node.daemon.ratelimit``): the body is then sent or read in
   chunks at the cap's pace, and each attempt's timeout grows by the time the cap needs.
-- ``HttpTransfers`` is the daemon's ``api.Transfers`` seam over both, bound to one session and
-  its timeouts.
+- An upload granted in parts (``node.daemon.multipart``) goes through ``put_parts`` and
+  ``put_file_parts`` of ``HttpTransfers``.
+- ``HttpTransfers`` is the daemon's ``api.Transfers`` seam over all of them, bound to one
+  session and its timeouts; its ``counts`` tally the ranges resumed and the parts resent.
 
 Errors (``node.errors``): ``TransferError`` for a failure a retry will not fix (its ``status``
 says which), ``DigestError`` for bytes that do not match, ``RetriesExhausted`` once 5xx, 429 and
@@ -39,12 +42,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from yarl import URL
 
-from node.daemon.filestream import PartsSha, body_to_file, file_chunks, in_thread
-from node.daemon.ratelimit import CHUNK, Bandwidth, Limits
-from node.daemon.retry import TRANSIENT_STATUS, Link, RetryPolicy, retry
-from node.errors import DigestError, TransferError, TransientError
+from node.daemon.filestream import PartsSha, file_chunks, in_thread
+from node.daemon.multipart import put_file_parts, put_parts
+from node.daemon.ranged import (
+    TransferCounts,
+    check_status,
+    fetch_range,
+    range_to_file,
+    signed,
+)
+from node.daemon.ratelimit import Bandwidth, Limits
+from node.daemon.retry import Link, RetryPolicy, retry
+from node.errors import DigestError, TransferError
+from protocol.parts import CompletedPart, MultipartGrant
 
 #: Objects above this size are downloaded as parallel ranged GETs.
 PART_SIZE = 8 << 20
@@ -73,38 +84,6 @@ class TransferTimeouts:
 DEFAULT_TIMEOUTS = TransferTimeouts()
 
 
-def _signed(url: str) -> URL:
-    # A presigned query string must reach the server byte for byte: no re-quoting.
-    return URL(url, encoded=True)
-
-
-async def _read_at_most(
-    resp: aiohttp.ClientResponse, limit: int, bandwidth: Bandwidth | None = None
-) -> bytes:
-    """The body up to ``limit`` bytes (``StreamReader.read(n)`` may return fewer: loop), read
-    at ``bandwidth``'s pace when there is one."""
-    chunks = []
-    left = limit
-    while left > 0:
-        if bandwidth is not None:
-            await bandwidth.take(min(left, CHUNK))
-        chunk = await resp.content.read(min(left, CHUNK) if bandwidth is not None else left)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _check_status(status: int, body: bytes, what: str) -> None:
-    if status < 300:
-        return
-    text = body[:300].decode("utf-8", "replace")
-    if status in TRANSIENT_STATUS:
-        raise TransientError(f"{what}: HTTP {status}: {text}", status)
-    raise TransferError(f"{what}: HTTP {status}: {text}", status)
-
-
 async def put_object(
     session: aiohttp.ClientSession,
     url: str,
@@ -126,37 +105,14 @@ async def put_object(
             body = bandwidth.chunks(data)
             sent["Content-Length"] = str(len(data))
         timeout = timeouts.client_timeout(len(data), bandwidth)
-        async with session.put(_signed(url), data=body, headers=sent, timeout=timeout) as resp:
+        async with session.put(signed(url), data=body, headers=sent, timeout=timeout) as resp:
             body = await resp.read()
             if resp.status == 412:
                 return False
-            _check_status(resp.status, body, "upload")
+            check_status(resp.status, body, "upload")
             return True
 
     return await retry(attempt, policy=policy, what="upload", link=link)
-
-
-async def _get_range(
-    session: aiohttp.ClientSession,
-    url: str,
-    start: int,
-    end: int,
-    timeouts: TransferTimeouts,
-    policy: RetryPolicy,
-    link: Link | None,
-    bandwidth: Bandwidth | None,
-) -> bytes:
-    async def attempt() -> bytes:
-        headers = {"Range": f"bytes={start}-{end - 1}"}
-        timeout = timeouts.client_timeout(end - start, bandwidth)
-        async with session.get(_signed(url), headers=headers, timeout=timeout) as resp:
-            body = await _read_at_most(resp, end - start + 1, bandwidth)
-            _check_status(resp.status, body, "download part")
-            if len(body) != end - start:
-                raise TransientError(f"download part: got {len(body)} bytes of {end - start}")
-            return body
-
-    return await retry(attempt, policy=policy, what="download part", link=link)
 
 
 async def get_object(
@@ -170,43 +126,40 @@ async def get_object(
     part_size: int = PART_SIZE,
     link: Link | None = None,
     bandwidth: Bandwidth | None = None,
+    counts: TransferCounts | None = None,
 ) -> bytes:
     """Download an object of known ``size`` and ``sha256`` (hex) and verify it (at
-    ``bandwidth``'s pace when there is one)."""
+    ``bandwidth``'s pace when there is one); a cut body is resumed where it stopped."""
     if size <= part_size:
-
-        async def attempt() -> bytes:
-            timeout = timeouts.client_timeout(size, bandwidth)
-            async with session.get(_signed(url), timeout=timeout) as resp:
-                # Read at most one byte more than promised: a longer body is a digest error,
-                # and a hostile server cannot make us buffer more than that.
-                body = await _read_at_most(resp, size + 1, bandwidth)
-                _check_status(resp.status, body, "download")
-                return body
-
-        data = await retry(attempt, policy=policy, what="download", link=link)
+        data = await fetch_range(
+            session, url, 0, size, ranged=False, timeout=timeouts.client_timeout(size, bandwidth),
+            policy=policy, link=link, bandwidth=bandwidth, counts=counts, what="download",
+        )  # fmt: skip
     else:
         gate = asyncio.Semaphore(PARALLEL_PARTS)
 
         async def part(start: int) -> bytes:
+            end = min(size, start + part_size)
             async with gate:
-                end = min(size, start + part_size)
-                return await _get_range(session, url, start, end, timeouts, policy, link, bandwidth)
+                return await fetch_range(
+                    session, url, start, end, ranged=True,
+                    timeout=timeouts.client_timeout(end - start, bandwidth), policy=policy,
+                    link=link, bandwidth=bandwidth, counts=counts,
+                )  # fmt: skip
 
-        parts = await asyncio.gather(*(part(s) for s in range(0, size, part_size)))
-        data = b"".join(parts)
+        tasks = [asyncio.ensure_future(part(s)) for s in range(0, size, part_size)]
+        try:
+            data = b"".join(await asyncio.gather(*tasks))
+        finally:  # one part failed for good: the others stop, not left running
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     if len(data) != size:
         raise DigestError(f"download: expected {size} bytes, got {len(data)}")
     actual = hashlib.sha256(data).hexdigest()
     if actual != sha256:
         raise DigestError(f"download: sha256 {actual[:16]}... does not match {sha256[:16]}...")
     return data
-
-
-async def _failed(resp: aiohttp.ClientResponse, what: str) -> None:
-    """Raise for an error status, with the start of the body the store sent with it."""
-    if resp.status >= 300:
-        _check_status(resp.status, await _read_at_most(resp, 300), what)
 
 
 async def get_to_file(
@@ -221,6 +174,7 @@ async def get_to_file(
     part_size: int = PART_SIZE,
     link: Link | None = None,
     bandwidth: Bandwidth | None = None,
+    counts: TransferCounts | None = None,
 ) -> None:
     """Download an object of known ``size`` and ``sha256`` (hex) to ``path``, holding at most
     ``filestream.WRITE_CHUNK`` bytes per part in flight; ``path`` appears only once the file
@@ -232,22 +186,18 @@ async def get_to_file(
         raise TransferError(f"download: cannot write in {path.parent}: {exc.strerror}") from exc
     try:
         if size <= part_size:
-
-            async def attempt() -> str:
-                sha = hashlib.sha256()
-                timeout = timeouts.client_timeout(size, bandwidth)
-                async with session.get(_signed(url), timeout=timeout) as resp:
-                    await _failed(resp, "download")
-                    # One byte more than promised at most: a longer body is a digest error.
-                    got = await body_to_file(resp, fd, 0, size, bandwidth, sha)
-                if got != size:
-                    raise DigestError(f"download: expected {size} bytes, got {got}")
-                return sha.hexdigest()
-
-            actual = await retry(attempt, policy=policy, what="download", link=link)
+            sha = hashlib.sha256()
+            got = await range_to_file(
+                session, url, fd, 0, size, ranged=False, sha=sha, what="download",
+                timeout=timeouts.client_timeout(size, bandwidth), policy=policy, link=link,
+                bandwidth=bandwidth, counts=counts,
+            )  # fmt: skip
+            if got != size:
+                raise DigestError(f"download: expected {size} bytes, got {got}")
+            actual = sha.hexdigest()
         else:
             actual = await _parts_to_file(
-                session, url, fd, size, part_size, timeouts, policy, link, bandwidth
+                session, url, fd, size, part_size, timeouts, policy, link, bandwidth, counts
             )
         if actual != sha256:
             raise DigestError(f"download: sha256 {actual[:16]}... does not match {sha256[:16]}...")
@@ -273,26 +223,24 @@ async def _parts_to_file(
     policy: RetryPolicy,
     link: Link | None,
     bandwidth: Bandwidth | None,
+    counts: TransferCounts | None,
 ) -> str:
-    """Parallel ranged GETs written at their offsets, each retried alone; the file's sha256."""
+    """Parallel ranged GETs written at their offsets, each retried (and resumed) alone; the
+    file's sha256."""
     gate = asyncio.Semaphore(PARALLEL_PARTS)
     sha = PartsSha(fd, size, part_size)
 
     async def part(index: int) -> None:
         start = index * part_size
         end = min(size, start + part_size)
-
-        async def attempt() -> None:
-            headers = {"Range": f"bytes={start}-{end - 1}"}
-            timeout = timeouts.client_timeout(end - start, bandwidth)
-            async with session.get(_signed(url), headers=headers, timeout=timeout) as resp:
-                await _failed(resp, "download part")
-                got = await body_to_file(resp, fd, start, end - start, bandwidth)
-            if got != end - start:
-                raise TransientError(f"download part: got {got} bytes of {end - start}")
-
         async with gate:
-            await retry(attempt, policy=policy, what="download part", link=link)
+            got = await range_to_file(
+                session, url, fd, start, end, ranged=True,
+                timeout=timeouts.client_timeout(end - start, bandwidth), policy=policy,
+                link=link, bandwidth=bandwidth, counts=counts,
+            )  # fmt: skip
+        if got != end - start:  # a store that sent more than the range asked for
+            raise TransferError(f"download part: got {got} bytes of {end - start}")
         await sha.landed(index)
 
     tasks = [asyncio.ensure_future(part(i)) for i in range(-(-size // part_size))]
@@ -333,11 +281,11 @@ async def put_file(
         timeout = timeouts.client_timeout(size, bandwidth)
         with open(path, "rb", buffering=0) as f:
             body = file_chunks(f, size, bandwidth)
-            async with session.put(_signed(url), data=body, headers=sent, timeout=timeout) as resp:
+            async with session.put(signed(url), data=body, headers=sent, timeout=timeout) as resp:
                 text = await resp.read()
                 if resp.status == 412:
                     return False
-                _check_status(resp.status, text, "upload")
+                check_status(resp.status, text, "upload")
                 return True
 
     return await retry(attempt, policy=policy, what="upload", link=link)
@@ -359,6 +307,27 @@ class HttpTransfers:
         self.limits = limits or Limits()
         #: Whether the object store answers; logs once per change of state.
         self.link = Link("store")
+        #: Ranges resumed and upload parts retried, over the node's life.
+        self.counts = TransferCounts()
+
+    def _timeout_up(self, size: int) -> aiohttp.ClientTimeout:
+        return self.timeouts.client_timeout(size, self.limits.upload)
+
+    async def put_parts(
+        self, grant: MultipartGrant, data: bytes, done: dict[int, CompletedPart] | None = None
+    ) -> list[CompletedPart]:
+        return await put_parts(
+            self.session, grant, data, timeout_for=self._timeout_up, policy=self.policy,
+            link=self.link, bandwidth=self.limits.upload, counts=self.counts, done=done,
+        )  # fmt: skip
+
+    async def put_file_parts(
+        self, grant: MultipartGrant, path: Path, *, size: int
+    ) -> list[CompletedPart]:
+        return await put_file_parts(
+            self.session, grant, path, size, timeout_for=self._timeout_up, policy=self.policy,
+            link=self.link, bandwidth=self.limits.upload, counts=self.counts,
+        )  # fmt: skip
 
     async def put(self, url: str, headers: Mapping[str, str], data: bytes) -> bool:
         return await put_object(
@@ -382,6 +351,7 @@ class HttpTransfers:
             policy=self.policy,
             link=self.link,
             bandwidth=self.limits.download,
+            counts=self.counts,
         )
 
     async def put_file(
@@ -410,4 +380,5 @@ class HttpTransfers:
             policy=self.policy,
             link=self.link,
             bandwidth=self.limits.download,
+            counts=self.counts,
         )

@@ -12,4 +12,7 @@ Imported as ``support.<module>`` (pytest puts ``tests/`` on ``sys.path``):
   transfer seams, with a clock.
 - ``daemon_harness``: real ``NodeDaemon``s wired to those fakes, for the daemon's unit tests.
 - ``browser``: headless Chromium through selenium (the ``browser`` fixture), and reading a page.
+- ``cutting_server``: a loopback object server that drops connections mid-body (resets).
+- ``parts``: the multipart tests' run, node client, lowered part size and part-cutting session.
+- ``wan_transfer``: a node process that sends and fetches one large payload (the WAN lab's).
 """

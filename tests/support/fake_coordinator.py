@@ -42,6 +42,7 @@ from protocol.messages import (
     SubmitResponse,
     UploadGrant,
 )
+from protocol.parts import PartPlan, UploadComplete, UploadDone
 from protocol.runconfig import RunConfig
 from support.fake_store import FakeClock, FakeStore
 
@@ -193,7 +194,11 @@ class FakeApi:
         await self._reach()
         return self.c.machine.round_view(self.node_id)
 
-    async def upload_grant(self, round_: int, size: int, sha256: str) -> UploadGrant:
+    async def upload_grant(
+        self, round_: int, size: int, sha256: str, parts: PartPlan | None = None
+    ) -> UploadGrant:
+        """A single PUT whatever ``parts`` asks (as a coordinator whose store has no multipart
+        uploads answers)."""
         await self._reach()
         self._note("upload", round_)
         try:
@@ -203,6 +208,10 @@ class FakeApi:
         key = payload_key("", self.c.machine.run_id, round_, self.node_id)
         url = self.c.store.presign_put(key, size, sha256)
         return UploadGrant(key=key, url=url, headers={}, expires_in_s=900.0)
+
+    async def upload_complete(self, round_: int, request: UploadComplete) -> UploadDone:
+        await self._reach()
+        raise CoordinatorError(409, "no_multipart", "this fake grants single PUTs only")
 
     async def submit(self, round_: int, request: SubmitRequest) -> SubmitResponse:
         await self._reach()
@@ -257,6 +266,10 @@ class FakeApi:
         self.c.store.objects.pop(key, None)  # a stale object from an expired grant goes
         url = self.c.store.presign_put(key, offer.size, offer.sha256)
         return UploadGrant(key=key, url=url, headers={}, expires_in_s=900.0)
+
+    async def checkpoint_complete(self, round_: int, request: UploadComplete) -> UploadDone:
+        await self._reach()
+        raise CoordinatorError(409, "no_multipart", "this fake grants single PUTs only")
 
     async def checkpoint_commit(self, round_: int, offer: CheckpointUpload) -> CheckpointInfo:
         await self._reach()

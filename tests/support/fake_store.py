@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.errors import DigestError, RetriesExhausted, TransferError
+from protocol.parts import CompletedPart, MultipartGrant
 
 
 class FakeClock:
@@ -151,6 +152,11 @@ class NodeTransfers:
         self.store.objects[grant.key] = data
         return True
 
+    async def put_parts(
+        self, grant: MultipartGrant, data: bytes, done: dict[int, CompletedPart] | None = None
+    ) -> list[CompletedPart]:
+        raise TransferError("upload: this fake store has no multipart uploads", 501)
+
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:
         plan = self.plan
         plan.calls += 1
@@ -181,6 +187,11 @@ class NodeTransfers:
         if len(data) != size:
             raise TransferError(f"upload: {path} holds {len(data)} bytes, not {size}")
         return await self.put(url, headers, data)
+
+    async def put_file_parts(
+        self, grant: MultipartGrant, path: Path, *, size: int
+    ) -> list[CompletedPart]:
+        raise TransferError("upload: this fake store has no multipart uploads", 501)
 
     async def get_to_file(self, url: str, path: Path, *, size: int, sha256: str) -> None:
         data = await self.get(url, size=size, sha256=sha256)

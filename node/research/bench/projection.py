@@ -78,8 +78,8 @@ class Assumptions(BaseModel):
     profiles: tuple[str, ...] = ()
     #: Parallel GETs of a node (``NodeSettings.parallel_downloads``): ⌈G / this⌉ waves.
     parallel_downloads: int = Field(PARALLEL_DOWNLOADS, ge=1)
-    #: Bytes a reset makes a transfer send again at most (multipart parts, ranged resumes);
-    #: None: the whole object, as a single PUT or GET does.
+    #: Bytes a reset makes a transfer send again at most; None: as the node does (objects of
+    #: 64 MiB or more in 8 MiB parts and resumed ranges, smaller ones whole: ``wire.reset_s``).
     resume_bytes: float | None = Field(None, gt=0.0)
     #: G: payloads downloaded per round (issue 11's assumption).
     peers: int = Field(16, ge=1)

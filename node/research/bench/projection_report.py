@@ -118,8 +118,8 @@ def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--resume-bytes",
         type=float,
-        help="bytes a reset makes a transfer send again at most (multipart parts, ranged"
-        " resumes; default: the whole object)",
+        help="bytes a reset makes a transfer send again at most (default: as the node does,"
+        " 8 MiB parts from 64 MiB up, smaller objects whole)",
     )
     p.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.4)")
     p.add_argument("--gpus", type=int, help="GPUs per node (default 8)")

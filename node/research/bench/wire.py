@@ -50,6 +50,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from node.daemon.multipart import MULTIPART_THRESHOLD, UPLOAD_PART_SIZE
 from node.daemon.retry import FOREVER, RetryPolicy
 
 #: RFC 6928's initial window, 10 segments of a 1,460-byte MSS (Linux's default since 2.6.39).
@@ -208,8 +209,10 @@ def reset_s(
     One node: a reset of a transfer in flight costs the transfer's first retry pause and a
     new connection's handshake, and the object starts again from its first byte
     (``restarted_s``: the PUT, and each wave of GETs, whose streams all wait for the slowest),
-    or, with ``resume_bytes`` (multipart parts retried alone, ranged GETs resumed), only the
-    piece of at most that many bytes in flight. A reset between transfers costs the next
+    or only the piece of at most ``resume_bytes`` in flight (multipart parts retried alone,
+    ranged GETs resumed). By default as the node does (``node.daemon.multipart``): objects of
+    ``MULTIPART_THRESHOLD`` (64 MiB) or more in ``UPLOAD_PART_SIZE`` (8 MiB) pieces, smaller
+    ones whole. A reset between transfers costs the next
     coordinator request its first pause and a handshake. The round is delayed whenever any of
     the ``nodes`` is (module docstring).
     """
@@ -217,7 +220,9 @@ def reset_s(
         return 0.0
     per_s, rtt = 1.0 / link.reset_every_s, link.rtt_s
     penalty = TRANSFER_PAUSE_S + rtt
-    pieces = 1 if resume_bytes is None else max(1, math.ceil(payload / resume_bytes))
+    if resume_bytes is None:  # as the node does: large objects in parts, small ones whole
+        resume_bytes = UPLOAD_PART_SIZE if payload >= MULTIPART_THRESHOLD else payload
+    pieces = max(1, math.ceil(payload / resume_bytes))
 
     def lost(seconds: float) -> float:
         return pieces * restarted_s(seconds / pieces, per_s, penalty)
