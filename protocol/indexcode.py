@@ -75,8 +75,44 @@ def check_index(b: int, unary: bytes, rem: bytes, *, geometry: TileGeometry, fie
     _walk(b, unary, rem, geometry=geometry, field=field, write=False)
 
 
+#: Largest tile whose in-tile positions ``decode_tile_positions`` keeps (as uint16).
+MAX_LOCAL_TILE_LEN = 1 << 16
+
+
+def decode_tile_positions(
+    b: int, unary: bytes, rem: bytes, *, geometry: TileGeometry, field: str
+) -> np.ndarray:
+    """Every check of ``decode_flat_index``; returns each kept entry's position inside its
+    tile (uint16, tiles of at most ``MAX_LOCAL_TILE_LEN`` entries), in payload order.
+
+    Two bytes an entry, half an index: a lazy payload keeps these from its check, so each
+    stream is decoded once; ``flat_index_of`` gives the indices when the tensor is used.
+    """
+    if geometry.tile_len > MAX_LOCAL_TILE_LEN:
+        raise ValueError(f"tiles of {geometry.tile_len} entries do not fit uint16 positions")
+    out = _walk(b, unary, rem, geometry=geometry, field=field, write=True, local=True)
+    return out.numpy()
+
+
+def flat_index_of(positions: np.ndarray, geometry: TileGeometry) -> torch.Tensor:
+    """The row-major indices (as ``decode_flat_index`` gives them) of ``positions`` from
+    ``decode_tile_positions``: a division-free pass, no bit decoding."""
+    g = geometry
+    flat = np.empty(positions.size, dtype=np.int32 if g.numel < 2**31 else np.int64)
+    if flat.size:
+        kernels.expand_positions(positions, g.k, g.h, g.w, g.cols, flat)
+    return torch.from_numpy(flat)
+
+
 def _walk(
-    b: int, unary: bytes, rem: bytes, *, geometry: TileGeometry, field: str, write: bool
+    b: int,
+    unary: bytes,
+    rem: bytes,
+    *,
+    geometry: TileGeometry,
+    field: str,
+    write: bool,
+    local: bool = False,
 ) -> torch.Tensor:
     if not 0 <= b <= MAX_RICE_BITS:
         raise PayloadError(f"{field}.rice_bits", f"must be in [0, {MAX_RICE_BITS}], got {b}")
@@ -91,7 +127,8 @@ def _walk(
             f"{field}.remainders",
             f"expected {expected} bytes for {n} fields of {b} bits, got {len(rem)}",
         )
-    flat = np.empty(n if write else 0, dtype=np.int32 if g.numel < 2**31 else np.int64)
+    dtype = np.uint16 if local else np.int32 if g.numel < 2**31 else np.int64
+    flat = np.empty(n if write else 0, dtype=dtype)
     if n == 0:
         if unary:
             raise PayloadError(f"{field}.unary", "must be empty when nothing is kept")
@@ -107,6 +144,7 @@ def _walk(
         g.w,
         g.cols,
         flat,
+        local,
     )
     if status != kernels.OK:
         part, message = _STATUS[status]

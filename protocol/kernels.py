@@ -310,7 +310,7 @@ _CLZ8 = np.array([8] + [7 - int(v).bit_length() + 1 for v in range(1, 256)], dty
 
 
 @numba.njit(cache=True, nogil=True)
-def decode_positions(unary, rem, b, n_tiles, k, tile_len, h, w, cols, flat):
+def decode_positions(unary, rem, b, n_tiles, k, tile_len, h, w, cols, flat, local=False):
     """Decode Rice-coded gaps straight into flat indices; returns a status code.
 
     ``unary`` is a uint8 array; ``rem`` the remainder stream followed by 4 zero bytes (so a
@@ -318,9 +318,10 @@ def decode_positions(unary, rem, b, n_tiles, k, tile_len, h, w, cols, flat):
     receives the row-major index of every kept entry, tile by tile. Rejects quotients or
     positions past the tile, missing codes, and any bit or byte after the last code.
 
-    An empty ``flat`` only checks: every rule above is applied, nothing is written. That is
-    how a payload is validated completely without materialising its indices, which are then
-    decoded once, when the payload is aggregated.
+    With ``local``, ``flat`` receives each entry's position inside its tile instead (uint16
+    when the tile has at most 65,536 entries: half the bytes of an index, which is how a lazy
+    payload keeps what it decoded while checking; ``expand_positions`` turns them into
+    indices). An empty ``flat`` only checks: every rule above is applied, nothing is written.
     """
     n_bytes = unary.size
     rem_bytes = rem.size - 4
@@ -370,8 +371,11 @@ def decode_positions(unary, rem, b, n_tiles, k, tile_len, h, w, cols, flat):
             if pos >= tile_len:
                 return GAP_OUT_OF_TILE
             if write:
-                row = pos // w
-                flat[j] = base + row * cols + (pos - row * w)
+                if local:
+                    flat[j] = pos
+                else:
+                    row = pos // w
+                    flat[j] = base + row * cols + (pos - row * w)
             j += 1
     if (bit + 7) // 8 != n_bytes:
         return TRAILING_BYTES
@@ -435,3 +439,23 @@ def rice_encode(positions, max_bits):
             if (r >> (b - 1 - i)) & 1:
                 rem[(s + i) >> 3] |= np.uint8(0x80 >> ((s + i) & 7))
     return b, unary, rem
+
+
+@numba.njit(cache=True, nogil=True)
+def expand_positions(positions, k, h, w, cols, flat):
+    """Row-major flat indices (``flat``) of in-tile ``positions`` (each tile's ``k`` entries
+    in turn, as ``decode_positions(..., local=True)`` writes them), tile by tile."""
+    # The offset of every in-tile position from the tile's corner, looked up: a table of one
+    # tile (16 KB at 64 x 64) stays in cache, and a division or a row counter per entry was
+    # as slow as decoding the stream again.
+    offset = np.empty(h * w, dtype=flat.dtype)
+    for r in range(h):
+        for c in range(w):
+            offset[r * w + c] = r * cols + c
+    gc = cols // w
+    n_tiles = positions.size // k if k else 0
+    for t in range(n_tiles):
+        ti = t // gc
+        base = ti * h * cols + (t - ti * gc) * w
+        for j in range(t * k, t * k + k):
+            flat[j] = base + offset[positions[j]]
