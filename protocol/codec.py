@@ -2,9 +2,9 @@
 
 Public API (used by the node, the benchmarks and outside checks; names and meanings are stable):
 
-- ``encode(tensors, *, topk=64, tile=64)`` compresses every tensor and returns the payload bytes
-  together with the dense fp32 reconstruction of what was sent (the caller subtracts it from its
-  error-feedback buffer).
+- ``encode(tensors, *, topk=64, tile=64, out=None)`` compresses every tensor and returns the
+  payload bytes together with the dense fp32 reconstruction of what was sent (the caller
+  subtracts it from its error-feedback buffer), written into ``out``'s buffers where given.
 - ``encode_records(tensors, ...)`` and ``assemble(records, ...)`` are ``encode`` in two steps,
   for a node of several processes: each rank encodes its own tensors' records (shipped to rank
   0 with ``protocol.envelope.records_to_bytes``), rank 0 assembles them into the payload, the
@@ -85,17 +85,38 @@ DEFAULT_TILE = 64
 # --------------------------------------------------------------------------- encoding
 
 
+def _recon_buffer(out: torch.Tensor | None, g: TileGeometry) -> torch.Tensor:
+    """``out`` when the reconstruction can be written into it (a contiguous fp32 CPU tensor of
+    the tensor's shape), else a new tensor; every entry is written by the caller.
+
+    Reusing last round's buffer is most of what a memory copy costs less than a fresh
+    tensor: the first touch of 330 MB of new pages at 81 M was a third of encode's time.
+    """
+    if (
+        out is not None
+        and out.dtype == torch.float32
+        and out.device.type == "cpu"
+        and tuple(out.shape) == g.shape
+        and out.is_contiguous()
+    ):
+        return out
+    return torch.empty(g.shape, dtype=torch.float32)
+
+
 def encode_tensor(
-    x: torch.Tensor, geometry: TileGeometry, name: str
+    x: torch.Tensor, geometry: TileGeometry, name: str, *, out: torch.Tensor | None = None
 ) -> tuple[TensorRecord, torch.Tensor]:
-    """Compress one tensor; returns its record and its dense fp32 reconstruction."""
+    """Compress one tensor; returns its record and its dense fp32 reconstruction, written into
+    ``out`` (and ``out`` returned) when it is a contiguous fp32 CPU tensor of the right shape.
+    """
     x = x.detach().to(torch.float32).contiguous()
     g = geometry
     if g.n_tiles == 0:
         q = quantize(torch.zeros(0))
         recon = torch.zeros(g.shape, dtype=torch.float32)
         return TensorRecord(name, g.shape, 0, q.stats_bytes(), b"", b"", b""), recon
-    recon_np = np.empty((g.rows, g.cols), dtype=np.float32)  # every entry written below
+    recon = _recon_buffer(out, g)
+    recon_np = recon.numpy().reshape(g.rows, g.cols)  # every entry written below
     if g.k >= g.tile_len:  # everything is kept
         if not bool(torch.isfinite(x).all()):
             raise CodecError(f"tensor {name!r} contains NaN or infinite values")
@@ -118,7 +139,6 @@ def encode_tensor(
         raise CodecError(f"tensor {name!r}: values too large to quantise in fp32")
     pos_np = np.ascontiguousarray(positions.numpy())
     kernels.fill_dense(recon_np, pos_np, q.codes.numpy(), q.table().numpy(), g.h, g.w)
-    recon = torch.from_numpy(recon_np).view(g.shape)
     rice_bits, unary, rem = encode_positions(positions)
     record = TensorRecord.of(
         name, g.shape, rice_bits, q.stats_bytes(), pack_codes(q.codes), unary, rem
@@ -136,13 +156,19 @@ def _check_header(*, run_id: object, round: object, node_id: object, base: objec
 
 
 def encode_records(
-    tensors: Mapping[str, torch.Tensor], *, topk: int = DEFAULT_TOPK, tile: int = DEFAULT_TILE
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    topk: int = DEFAULT_TOPK,
+    tile: int = DEFAULT_TILE,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[list[TensorRecord], dict[str, torch.Tensor]]:
     """Compress each tensor of ``tensors`` into its record, in sorted name order.
 
     Returns ``(records, reconstruction)``; ``assemble`` turns records (these, or the union of
-    several ranks' disjoint sets) into the payload. Raises ``CodecError`` for non-finite values,
-    bad ``topk``/``tile``, or names and shapes the format cannot carry.
+    several ranks' disjoint sets) into the payload. ``out`` may hold buffers (e.g. an earlier
+    round's reconstruction, no longer needed) that the reconstruction is written into, by name
+    (``encode_tensor``). Raises ``CodecError`` for non-finite values, bad ``topk``/``tile``, or
+    names and shapes the format cannot carry.
     """
     check_codec_params(topk, tile)
     records, recon = [], {}
@@ -156,7 +182,8 @@ def encode_records(
                 f"characters and tensors have at most {MAX_DIMS} dimensions"
             )
         geometry = TileGeometry.of(tuple(x.shape), topk=topk, tile=tile)
-        record, recon[name] = encode_tensor(x.cpu(), geometry, name)
+        buffer = None if out is None else out.get(name)
+        record, recon[name] = encode_tensor(x.cpu(), geometry, name, out=buffer)
         records.append(record)
     return records, recon
 
@@ -188,17 +215,19 @@ def encode(
     round: int = 0,
     node_id: str = "",
     base: str = "",
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """Compress every tensor of ``tensors`` into one payload.
 
     Returns ``(payload_bytes, reconstruction)``: the reconstruction maps each name to the dense
-    fp32 tensor (same shape) that ``decode`` will rebuild, bit for bit. Tensors are written in
-    sorted name order. ``run_id``, ``round``, ``node_id`` and ``base`` (the fingerprint of the
-    parameters trained from) go into the header. Raises ``CodecError`` for non-finite values or
-    bad ``topk``/``tile``.
+    fp32 tensor (same shape) that ``decode`` will rebuild, bit for bit, written into ``out[name]``
+    where that is a contiguous fp32 CPU tensor of the shape (reusing a buffer spares the page
+    faults of a new one). Tensors are written in sorted name order. ``run_id``, ``round``,
+    ``node_id`` and ``base`` (the fingerprint of the parameters trained from) go into the
+    header. Raises ``CodecError`` for non-finite values or bad ``topk``/``tile``.
     """
     _check_header(run_id=run_id, round=round, node_id=node_id, base=base)  # before the work
-    records, recon = encode_records(tensors, topk=topk, tile=tile)
+    records, recon = encode_records(tensors, topk=topk, tile=tile, out=out)
     payload = assemble(
         records, topk=topk, tile=tile, run_id=run_id, round=round, node_id=node_id, base=base
     )

@@ -56,15 +56,21 @@ def feed_error(
 
 
 def compress(
-    error: Mapping[str, torch.Tensor], *, topk: int, tile: int, **header: object
+    error: Mapping[str, torch.Tensor],
+    *,
+    topk: int,
+    tile: int,
+    out: Mapping[str, torch.Tensor] | None = None,
+    **header: object,
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """Encode the error buffer and subtract what was sent from it, in place.
 
     Returns the payload bytes and the dense reconstruction ``c_hat`` (keep it: step 9 adds it
-    back if this payload is not aggregated). ``header`` goes to ``protocol.codec.encode``
-    (run_id, round, node_id, base).
+    back if this payload is not aggregated), written into ``out``'s buffers where given (an
+    earlier round's ``c_hat`` nobody needs any more). ``header`` goes to
+    ``protocol.codec.encode`` (run_id, round, node_id, base).
     """
-    data, recon = encode(error, topk=topk, tile=tile, **header)  # type: ignore[arg-type]
+    data, recon = encode(error, topk=topk, tile=tile, out=out, **header)  # type: ignore[arg-type]
     for name, e in error.items():
         e.sub_(recon[name])
     return data, recon

@@ -175,6 +175,8 @@ class Worker:
         self.last_gathered = 0
         #: ĉ of the rounds trained and not yet settled, by round (this rank's tensors).
         self.recon: dict[int, dict[str, torch.Tensor]] = {}
+        #: A settled round's ĉ, whose memory the next encode writes into (``forget``).
+        self._spare_recon: dict[str, torch.Tensor] | None = None
         #: The peers' payloads of the round being applied (this rank's tensors of each).
         self.gathered: dict[str, Payload] = {}
         #: Files of the local state being written behind (``node.compute.state``): every method
@@ -320,7 +322,10 @@ class Worker:
         run = self.run
         header = {"run_id": self.run_id, "node_id": self.node_id, "base": base}
         if not self.sharded:
-            return compress(self.error, topk=run.topk, tile=run.tile, round=round_, **header)
+            spare, self._spare_recon = self._spare_recon, None
+            return compress(
+                self.error, topk=run.topk, tile=run.tile, out=spare, round=round_, **header
+            )
         records, recon = encode_tensors(
             self.group, self.error, self.shapes, topk=run.topk, tile=run.tile
         )
@@ -415,8 +420,11 @@ class Worker:
         return self.recon[round_]
 
     def forget(self, round_: int) -> None:
-        """Round ``round_`` is settled: its ĉ is not needed any more."""
-        self.recon.pop(round_, None)
+        """Round ``round_`` is settled: its ĉ is not needed any more, and its memory takes the
+        next round's (a fresh 4 B/param buffer costs a page fault per 4 KB on first touch)."""
+        spare = self.recon.pop(round_, None)
+        if spare is not None:
+            self._spare_recon = spare
 
     def return_own(self, recon: Mapping[str, torch.Tensor]) -> None:
         """Step 9: the node's own payload was not aggregated; put ĉ back into e."""
