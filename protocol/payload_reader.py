@@ -291,7 +291,6 @@ def _read(
         return read_record(e, blobs[e.name]), geometries[e.name], e.field
 
     if lazy:
-
         checked = kernels.map_threads(lambda e: _check_record(*one(e)), wanted)
         tensors: Mapping[str, SparseTensor] = _LazyTensors({c.record.name: c for c in checked})
     else:

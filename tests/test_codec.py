@@ -167,6 +167,22 @@ def test_input_dtypes_and_layouts_do_not_change_the_payload() -> None:
     assert encode(both)[0] == encode(dict(reversed(both.items())))[0]
 
 
+def test_the_reconstruction_goes_into_given_buffers_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = {"w": torch.randn(64, 96, generator=gen), "b": torch.randn(40, generator=gen)}
+    want, fresh = encode(x)
+    # A used buffer (old contents), one of the wrong shape, one non-contiguous, none at all.
+    out = {"w": torch.full((64, 96), 7.0), "b": torch.full((41,), 7.0)}
+    got, recon = encode(x, out=out)
+    assert got == want
+    assert recon["w"] is out["w"] and recon["b"] is not out["b"]
+    for name in x:
+        assert torch.equal(recon[name], fresh[name])
+    strided = torch.full((96, 64), 7.0).t()
+    assert encode(x, out={"w": strided})[1]["w"] is not strided
+    assert encode(x, out={"w": out["w"].double()})[1]["w"].dtype == torch.float32
+
+
 # ---- tile geometry --------------------------------------------------------------------------
 
 

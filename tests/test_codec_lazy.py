@@ -96,3 +96,20 @@ def test_a_bad_last_frame_is_still_rejected_up_front() -> None:
     assert len(ZSTD_RAW) == ZSTD_RAW_SIZE
     with pytest.raises(PayloadError, match=r"tensors\[1\]\.codes"):
         read_payload(bad, ZSTD_MODEL, lazy=True)
+
+
+@pytest.mark.parametrize("tile,topk", [(64, 64), (8, 5), (7, 3)])
+def test_lazy_positions_expand_to_the_eager_indices_on_odd_geometries(tile: int, topk: int) -> None:
+    # The check keeps in-tile positions; a lookup expands them through a one-tile offset
+    # table. Tiles of one row, of odd sizes and of a whole small tensor must give the same
+    # indices as the eager walk.
+    shapes = {"a": (5, 7, 3), "b": (13,), "c": (96, 40), "d": (), "e": (3, 130), "f": (1, 1)}
+    gen = torch.Generator().manual_seed(11)
+    x = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    data = encode(x, topk=topk, tile=tile)[0]
+    eager = read_payload(data, shapes)
+    lazy = read_payload(data, shapes, lazy=True)
+    for name in shapes:
+        assert torch.equal(lazy.tensors[name].index, eager.tensors[name].index), name
+        assert lazy.tensors[name].index.dtype == eager.tensors[name].index.dtype
+        assert torch.equal(lazy.tensors[name].codes, eager.tensors[name].codes), name
