@@ -246,17 +246,21 @@ def _fill(out, positions, codes, table, h, w, chunks):
     gc = cols // w
     n_bands = rows // h
     size = h * cols
+    # Offsets of every in-tile position from the tile's corner, looked up rather than divided.
+    offset = np.empty(h * w, dtype=np.int64)
+    for r in range(h):
+        for c in range(w):
+            offset[r * w + c] = r * cols + c
     for ch in numba.prange(chunks):
         for band in range(ch * n_bands // chunks, (ch + 1) * n_bands // chunks):
-            base = band * size
-            for i in range(base, base + size):
-                flat[i] = 0.0
+            # A slice, zeroed whole: an element loop over the 1-D view was 6x slower
+            # (numba kept the negative-index checks, which block vector code).
+            out_band = flat[band * size : band * size + size]
+            out_band[:] = 0.0
             for t in range(band * gc, (band + 1) * gc):
-                col0 = base + (t - band * gc) * w
+                col0 = (t - band * gc) * w
                 for i in range(k):
-                    p = positions[t, i]
-                    r = p // w
-                    flat[col0 + r * cols + p - r * w] = table[codes[t * k + i]]
+                    out_band[col0 + offset[positions[t, i]]] = table[codes[t * k + i]]
 
 
 def fill_dense(
