@@ -32,13 +32,13 @@ from support.daemon_harness import (
 pytestmark = pytest.mark.asyncio
 
 
-@pytest.mark.parametrize("variant", ["delayed", "eager"])
+@pytest.mark.parametrize("variant", ["delayed", "eager", "merge"])
 async def test_one_node_runs_the_whole_run_bit_for_bit(harness, variant: str) -> None:
     run = run_config(overlap=variant, rounds=4)
     h = harness(run)
     assert await h.daemon("node-0").run(handle_signals=False) == 0
     expected = reference_fingerprints(run)
-    if variant == "delayed":  # (eager, alone, guesses the aggregate exactly: its own update)
+    if variant != "eager":  # (eager, alone, guesses the aggregate exactly: its own update)
         assert expected != reference_fingerprints(run_config(rounds=4))
     for r in range(run.rounds):
         report = h.reports(r)["node-0"]
@@ -67,10 +67,19 @@ async def test_payloads_are_trained_from_the_theta_before_the_aggregate_in_fligh
             assert signed.base_fingerprint == h.reports(r - 2)["node-0"].fingerprint
 
 
-@pytest.mark.parametrize("point", ["after_train", "mid_upload", "after_submit", "mid_apply"])
-async def test_a_crash_anywhere_in_an_overlapped_round_loses_nothing(harness, point: str) -> None:
-    # "delayed" keeps nothing beside the saved state, so the run is the uninterrupted one.
-    run = run_config(overlap="delayed", rounds=4)
+@pytest.mark.parametrize("variant", ["delayed", "merge"])
+@pytest.mark.parametrize(
+    "point", ["after_train", "mid_upload", "after_upload", "after_submit", "mid_apply"]
+)
+async def test_a_crash_anywhere_in_an_overlapped_round_loses_nothing(
+    harness, point: str, variant: str
+) -> None:
+    # "delayed" and "merge" keep nothing beside the saved state (the merge writes nothing: a
+    # crash before "submitting r+1" is committed merges again at the same step), so the run
+    # is the uninterrupted one.
+    run = run_config(
+        overlap=variant, rounds=4, inner_steps=3, overlap_tau=2 if variant == "merge" else None
+    )
     h = harness(run)
     with pytest.raises(Crash):
         await h.daemon("node-0", faults=crash_at(2, point)).run(handle_signals=False)
