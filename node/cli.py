@@ -82,13 +82,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--overlap",
         nargs="?",
-        const="eager",
+        const="merge",
         choices=("off", "delayed", "eager", "merge"),
         default=None,
-        help="SparseLoCo: apply each round's aggregate one round late so transfers overlap the"
-        " next round's training; 'eager' (the default with the flag) starts that training with"
-        " the worker's own update applied, 'delayed' without it; 'merge' merges it into the"
-        " training at inner step --overlap-tau",
+        help="SparseLoCo: let each round's transfers overlap the next round's training; 'merge'"
+        " (the default with the flag) merges the aggregate into that training at inner step"
+        " --overlap-tau; 'delayed' applies it one round late, 'eager' too but starts that"
+        " training with an estimate of it applied (README benchmark 12)",
     )
     p.add_argument(
         "--overlap-tau",

@@ -236,7 +236,11 @@ def _sparseloco_up(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedPro
     return proc, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("schedule", [[], ["merge", "--overlap-tau", "3"]], ids=["eager", "merge"])
+@pytest.mark.parametrize(
+    "schedule",
+    [[], ["eager"], ["merge", "--overlap-tau", "3"]],
+    ids=["flag-alone", "eager", "merge-tau-3"],
+)
 def test_up_with_overlap_on_capped_links(tmp_path, schedule: list[str]) -> None:
     """``sparseloco up --overlap`` with bandwidth caps, through the console script as the
     README shows it: every node in every gather set (each payload trained from the θ the
@@ -246,9 +250,9 @@ def test_up_with_overlap_on_capped_links(tmp_path, schedule: list[str]) -> None:
         tmp_path, "--nodes", "3", "--rounds", "4", "--overlap", *schedule,
         "--upload-limit", "400kbit", "--download-limit", "400kbit",
     )  # fmt: skip
-    assert result["run"]["overlap"] == (schedule[0] if schedule else "eager")
-    if schedule:
-        assert result["run"]["overlap_tau"] == 3
+    # The flag alone is "merge" at the run's default τ (README benchmark 12).
+    assert result["run"]["overlap"] == (schedule[0] if schedule else "merge")
+    assert result["run"].get("overlap_tau") == (3 if len(schedule) > 1 else None)
     assert result["fingerprints_agree"] is True
     assert [r["round"] for r in result["rounds"]] == [0, 1, 2, 3]
     for r in result["rounds"]:

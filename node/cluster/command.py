@@ -61,10 +61,10 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--overlap",
         nargs="?",
-        const="eager",
+        const="merge",
         choices=("off", "delayed", "eager", "merge"),
         help="train each round while the previous one's payloads travel (the run's overlap;"
-        " eager with the flag alone; merge applies them at inner step --overlap-tau)",
+        " merge with the flag alone: their aggregate is merged at inner step --overlap-tau)",
     )
     p.add_argument(
         "--overlap-tau",

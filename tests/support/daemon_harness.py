@@ -14,6 +14,7 @@ daemon's θ bit for bit without trusting the daemon.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -202,7 +203,9 @@ def _merged_reference(w: Worker, run: RunConfig, node_id: str) -> list[str]:
     for r in range(run.rounds):
         payloads = {node_id: w.read(result.payload)}
         if r + 1 < run.rounds:
-            result = w.train_and_compress(r + 1, merge=(tau, lambda p=payloads: _merge(w, p)))
+            result = w.train_and_compress(
+                r + 1, merge=(tau, functools.partial(_merge, w, payloads))
+            )
         else:
             w.apply(payloads)
         out.append(w.fingerprint())
