@@ -82,12 +82,19 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--overlap",
         nargs="?",
-        const="eager",
-        choices=("off", "delayed", "eager"),
+        const="merge",
+        choices=("off", "delayed", "eager", "merge"),
         default=None,
-        help="SparseLoCo: apply each round's aggregate one round late so transfers overlap the"
-        " next round's training; 'eager' (the default with the flag) starts that training with"
-        " the worker's own update applied, 'delayed' without it",
+        help="SparseLoCo: let each round's transfers overlap the next round's training; 'merge'"
+        " (the default with the flag) merges the aggregate into that training at inner step"
+        " --overlap-tau; 'delayed' applies it one round late, 'eager' too but starts that"
+        " training with an estimate of it applied (README benchmark 12)",
+    )
+    p.add_argument(
+        "--overlap-tau",
+        type=int,
+        help="with --overlap merge: the inner step (1..H) at which the aggregate in flight is"
+        " merged (default: the run's, README benchmark 12)",
     )
     p.add_argument("--inner-lr", type=float, help="inner AdamW lr (default by algorithm)")
     p.add_argument("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)")
@@ -121,6 +128,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             "alpha",
             "clip",
             "overlap",
+            "overlap_tau",
             "inner_lr",
             "outer_lr",
             "seed",

@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 PROTOCOL = 2
 #: Hex digits of the sha256 of the canonical config kept as the run id.
 RUN_ID_HEX = 16
+#: τ of ``overlap = "merge"`` when the run does not set ``overlap_tau`` (README benchmark 12).
+DEFAULT_MERGE_STEP = 1
 #: A dataset id: the sha256 of a prepared dataset's canonical manifest (``protocol.dataset``).
 DATASET_ID_PATTERN = r"^sha256:[0-9a-f]{64}$"
 
@@ -82,8 +84,14 @@ class RunConfig(BaseModel):
     #: θ_{r-1} itself; "eager" from θ_{r-1} minus the node's estimate of the step round r-1's
     #: aggregate will take (its own update for a 1/G share, the previous aggregate's step for
     #: the rest). What every node applies and agrees on is the same in both; only where each
-    #: node's local training starts differs.
-    overlap: Literal["off", "delayed", "eager"] = "off"
+    #: node's local training starts differs. "merge" also trains round r from θ_{r-1}, but
+    #: applies round r-1's aggregate at inner step ``merge_step`` of round r (the node waits
+    #: there for it) and adds the step it takes to the parameters being trained, so round r's
+    #: payload is trained from θ_r as without overlap (``node.compute.merge``).
+    overlap: Literal["off", "delayed", "eager", "merge"] = "off"
+    #: (overlap = "merge") τ, the inner step of a round at which the previous round's aggregate
+    #: is merged, 1 <= τ <= H; None: ``DEFAULT_MERGE_STEP`` (or H, if H is smaller).
+    overlap_tau: int | None = Field(None, ge=1)
     # Inner optimiser
     inner_lr: float = Field(1e-3, gt=0.0)
     warmup_frac: float = Field(0.05, ge=0.0, le=1.0)
@@ -130,6 +138,17 @@ class RunConfig(BaseModel):
                 f"{self.checkpoint_every}, or a joiner could find neither payloads nor a"
                 " checkpoint to start from; raise retention_rounds"
             )
+        if self.overlap_tau is not None:
+            if self.overlap != "merge":
+                raise ValueError(
+                    f'overlap_tau={self.overlap_tau} applies to overlap = "merge" only'
+                    f' (overlap is {self.overlap!r}); set overlap = "merge" or drop overlap_tau'
+                )
+            if self.overlap_tau > self.inner_steps:
+                raise ValueError(
+                    f"overlap_tau={self.overlap_tau} exceeds inner_steps={self.inner_steps}: the"
+                    " aggregate must be merged within the round; lower overlap_tau"
+                )
         return self
 
     def canonical(self) -> bytes:
@@ -139,13 +158,15 @@ class RunConfig(BaseModel):
         together, so a run of another version has another id, and a coordinator database or a
         node's state of it is refused at start rather than failing later. ``overlap`` was a
         boolean before its variants existed; "off" and "delayed" are written as that boolean
-        still; a run without a ``dataset`` leaves the key out."""
+        still; a run without a ``dataset`` or an ``overlap_tau`` leaves the key out."""
         document = self.model_dump(mode="json")
         document["protocol"] = PROTOCOL
         if document["overlap"] in ("off", "delayed"):
             document["overlap"] = document["overlap"] == "delayed"
         if document["dataset"] is None:
             del document["dataset"]  # likewise for runs on local data
+        if document["overlap_tau"] is None:
+            del document["overlap_tau"]  # likewise for runs before "merge" existed
         return canonical_json(document)
 
     @property
@@ -163,12 +184,30 @@ class RunConfig(BaseModel):
     def overlaps(self) -> bool:
         return self.overlap != "off"
 
+    @property
+    def merge_step(self) -> int | None:
+        """(overlap = "merge") τ: after this many inner steps of round r+1, round r's aggregate
+        is merged; None for the other schedules."""
+        if self.overlap != "merge":
+            return None
+        if self.overlap_tau is not None:
+            return self.overlap_tau
+        return min(DEFAULT_MERGE_STEP, self.inner_steps)
+
     def base_round(self, round_: int) -> int | None:
         """The round whose aggregate was the last one in θ that round ``round_``'s payloads are
         trained from: the nodes' reports of that round (the fingerprint after applying it) say
-        what the base must be. None when the base is θ_0 (round 0, and round 1 with overlap)."""
-        base = round_ - (2 if self.overlaps else 1)
+        what the base must be. None when the base is θ_0 (round 0, and round 1 with a delayed
+        or eager overlap). With "merge" a payload's base is θ after the previous round, as
+        without overlap: the aggregate in flight is merged before the round's training ends."""
+        base = round_ - (2 if self.late_base else 1)
         return base if base >= 0 else None
+
+    @property
+    def late_base(self) -> bool:
+        """Whether a round's payloads are trained from θ one aggregate behind ("delayed",
+        "eager"); with "merge" the aggregate in flight is merged before training ends."""
+        return self.overlap in ("delayed", "eager")
 
     @property
     def total_inner_steps(self) -> int:

@@ -32,13 +32,13 @@ from support.daemon_harness import (
 pytestmark = pytest.mark.asyncio
 
 
-@pytest.mark.parametrize("variant", ["delayed", "eager"])
+@pytest.mark.parametrize("variant", ["delayed", "eager", "merge"])
 async def test_one_node_runs_the_whole_run_bit_for_bit(harness, variant: str) -> None:
     run = run_config(overlap=variant, rounds=4)
     h = harness(run)
     assert await h.daemon("node-0").run(handle_signals=False) == 0
     expected = reference_fingerprints(run)
-    if variant == "delayed":  # (eager, alone, guesses the aggregate exactly: its own update)
+    if variant != "eager":  # (eager, alone, guesses the aggregate exactly: its own update)
         assert expected != reference_fingerprints(run_config(rounds=4))
     for r in range(run.rounds):
         report = h.reports(r)["node-0"]
@@ -67,10 +67,39 @@ async def test_payloads_are_trained_from_the_theta_before_the_aggregate_in_fligh
             assert signed.base_fingerprint == h.reports(r - 2)["node-0"].fingerprint
 
 
-@pytest.mark.parametrize("point", ["after_train", "mid_upload", "after_submit", "mid_apply"])
-async def test_a_crash_anywhere_in_an_overlapped_round_loses_nothing(harness, point: str) -> None:
-    # "delayed" keeps nothing beside the saved state, so the run is the uninterrupted one.
-    run = run_config(overlap="delayed", rounds=4)
+async def test_merged_payloads_are_trained_from_the_theta_after_the_aggregate_in_flight(
+    harness,
+) -> None:
+    # "merge" applies round r-1's aggregate at step τ of round r: round r's base is θ_r, the
+    # fingerprint reported after round r-1, as without overlap (``RunConfig.base_round``).
+    run = run_config(overlap="merge", rounds=4, inner_steps=3, overlap_tau=2)
+    h = harness(run)
+    first, second = h.start(h.daemon("node-0")), h.start(h.daemon("node-1"))
+    assert await first == 0 and await second == 0
+    for r in range(run.rounds):
+        signed = h.manifest(r).manifest
+        reports = h.reports(r)
+        assert {e.node_id for e in signed.gather} == {"node-0", "node-1"}, signed.excluded
+        assert reports["node-0"].fingerprint == reports["node-1"].fingerprint
+        for report in reports.values():
+            assert_mass_balanced(report.mass)
+        if r >= 1:
+            assert signed.base_fingerprint == h.reports(r - 1)["node-0"].fingerprint
+
+
+@pytest.mark.parametrize("variant", ["delayed", "merge"])
+@pytest.mark.parametrize(
+    "point", ["after_train", "mid_upload", "after_upload", "after_submit", "mid_apply"]
+)
+async def test_a_crash_anywhere_in_an_overlapped_round_loses_nothing(
+    harness, point: str, variant: str
+) -> None:
+    # "delayed" and "merge" keep nothing beside the saved state (the merge writes nothing: a
+    # crash before "submitting r+1" is committed merges again at the same step), so the run
+    # is the uninterrupted one.
+    run = run_config(
+        overlap=variant, rounds=4, inner_steps=3, overlap_tau=2 if variant == "merge" else None
+    )
     h = harness(run)
     with pytest.raises(Crash):
         await h.daemon("node-0", faults=crash_at(2, point)).run(handle_signals=False)
@@ -97,8 +126,11 @@ async def test_an_eager_node_restarts_with_one_delayed_round(harness, point: str
     assert state.fingerprint == h.reports(run.rounds - 1)["node-0"].fingerprint
 
 
-async def test_a_round_missed_while_training_the_next_keeps_the_contribution(harness) -> None:
-    run = run_config(overlap="eager", rounds=3)
+@pytest.mark.parametrize("variant", ["eager", "merge"])
+async def test_a_round_missed_while_training_the_next_keeps_the_contribution(
+    harness, variant: str
+) -> None:
+    run = run_config(overlap=variant, rounds=3)
     h = harness(run)
     # Round 1's payload waits 5 s before its upload (beside round 2's training).
     task = h.start(h.daemon("node-0", Faults(slow={1: 5.0})))
@@ -121,9 +153,12 @@ async def test_a_round_missed_while_training_the_next_keeps_the_contribution(har
     assert [e.node_id for e in h.manifest(2).manifest.gather] == ["node-0"]
 
 
-async def test_a_diverged_node_resyncs_and_ends_bit_identical(harness, caplog) -> None:
+@pytest.mark.parametrize("variant", ["eager", "merge"])
+async def test_a_diverged_node_resyncs_and_ends_bit_identical(
+    harness, caplog, variant: str
+) -> None:
     caplog.set_level(logging.INFO, logger="sparseloco.node")
-    h = harness(run_config(overlap="eager", rounds=5, min_nodes=3))
+    h = harness(run_config(overlap=variant, rounds=5, min_nodes=3))
     nodes = ["node-0", "node-1", "node-2"]
     tasks = [
         h.start(h.daemon(n, Faults(corrupt={0}) if n == "node-2" else Faults())) for n in nodes
@@ -131,15 +166,25 @@ async def test_a_diverged_node_resyncs_and_ends_bit_identical(harness, caplog) -
     for task in tasks:
         assert await task == 0
     # θ_1 of node-2 is wrong: its round-2 payload (trained from θ_1) is refused, and it sees
-    # the divergence when round 2's manifest names θ_1's majority fingerprint.
-    assert h.manifest(2).manifest.excluded.get("node-2") == Exclusion.WRONG_BASE
+    # the divergence when round 2's manifest names θ_1's majority fingerprint. (merge: the
+    # fault lands once round 1, which merged θ_1 at step τ, finished training, so its payload
+    # is whole; the node sees the divergence at step τ of round 2, against round 1's base.)
+    if variant == "eager":
+        assert h.manifest(2).manifest.excluded.get("node-2") == Exclusion.WRONG_BASE
+    else:
+        assert any("event=merge_abandoned node=node-2" in m for m in caplog.messages)
     assert any("event=resynced node=node-2" in m for m in caplog.messages)
     last = h.reports(h.run.rounds - 1)
     assert set(last) == set(nodes) and len({r.fingerprint for r in last.values()}) == 1
 
 
-async def test_sigterm_while_the_next_round_trains_leaves_and_resumes(harness) -> None:
-    run = run_config(overlap="eager", rounds=3, inner_steps=400)
+@pytest.mark.parametrize("variant", ["eager", "merge"])
+async def test_sigterm_while_the_next_round_trains_leaves_and_resumes(
+    harness, variant: str
+) -> None:
+    # (merge: τ = 5, so the stop lands after the merge: θ_1 in memory is dropped unsaved)
+    tau = {"overlap_tau": 5} if variant == "merge" else {}
+    run = run_config(overlap=variant, rounds=3, inner_steps=400, **tau)
     h = harness(run)
     daemon = h.daemon("node-0")
     task = asyncio.create_task(daemon.run(handle_signals=True))

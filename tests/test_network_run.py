@@ -236,15 +236,23 @@ def _sparseloco_up(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedPro
     return proc, json.loads(out.read_text())
 
 
-def test_up_with_overlap_on_capped_links(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "schedule",
+    [[], ["eager"], ["merge", "--overlap-tau", "3"]],
+    ids=["flag-alone", "eager", "merge-tau-3"],
+)
+def test_up_with_overlap_on_capped_links(tmp_path, schedule: list[str]) -> None:
     """``sparseloco up --overlap`` with bandwidth caps, through the console script as the
-    README shows it: every node in every gather set (each payload trained from the θ before
-    the aggregate in flight, as the coordinator checks), one θ on all nodes after each round."""
+    README shows it: every node in every gather set (each payload trained from the θ the
+    coordinator checks: before the aggregate in flight, or after it with "merge"), one θ on
+    all nodes after each round."""
     _, result = _sparseloco_up(
-        tmp_path, "--nodes", "3", "--rounds", "4", "--overlap",
+        tmp_path, "--nodes", "3", "--rounds", "4", "--overlap", *schedule,
         "--upload-limit", "400kbit", "--download-limit", "400kbit",
     )  # fmt: skip
-    assert result["run"]["overlap"] == "eager"
+    # The flag alone is "merge" at the run's default τ (README benchmark 12).
+    assert result["run"]["overlap"] == (schedule[0] if schedule else "merge")
+    assert result["run"].get("overlap_tau") == (3 if len(schedule) > 1 else None)
     assert result["fingerprints_agree"] is True
     assert [r["round"] for r in result["rounds"]] == [0, 1, 2, 3]
     for r in result["rounds"]:

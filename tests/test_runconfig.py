@@ -26,3 +26,28 @@ def test_the_protocol_version_is_part_of_the_run_id(monkeypatch) -> None:
     before = RunConfig().run_id
     monkeypatch.setattr(runconfig, "PROTOCOL", runconfig.PROTOCOL - 1)
     assert RunConfig().run_id != before
+
+
+def test_merge_names_its_step_and_checks_the_base_after_the_aggregate_in_flight() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from protocol.runconfig import DEFAULT_MERGE_STEP
+
+    merge = RunConfig(overlap="merge", inner_steps=30, overlap_tau=5)
+    assert merge.merge_step == 5 and merge.overlaps and not merge.late_base
+    assert RunConfig(overlap="merge").merge_step == DEFAULT_MERGE_STEP
+    assert RunConfig(overlap="merge", inner_steps=1).merge_step == 1
+    assert RunConfig(overlap="eager").merge_step is None
+    # Payloads of round r are based on θ_r, as without overlap; delayed and eager on θ_{r-1}.
+    assert [merge.base_round(r) for r in range(3)] == [None, 0, 1]
+    assert [RunConfig(overlap="eager").base_round(r) for r in range(3)] == [None, None, 0]
+    # τ is part of the run id; a run without it keeps the id it had before "merge" existed.
+    assert "overlap_tau" not in RunConfig().canonical().decode()
+    assert merge.run_id != RunConfig(overlap="merge", inner_steps=30, overlap_tau=6).run_id
+    with pytest.raises(ValidationError, match="exceeds inner_steps"):
+        RunConfig(overlap="merge", inner_steps=10, overlap_tau=11)
+    with pytest.raises(ValidationError, match="applies to overlap"):
+        RunConfig(overlap="eager", overlap_tau=3)
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        RunConfig(overlap="merge", overlap_tau=0)

@@ -66,6 +66,20 @@ def test_deterministic_for_a_seed() -> None:
     assert a["final_fingerprint"] != c["final_fingerprint"]
 
 
+def test_merge_at_the_last_step_is_delayed_and_earlier_is_not() -> None:
+    # Merging round r's aggregate after all H steps of round r+1 trains exactly what "delayed"
+    # trains (the pseudo-gradient against θ_{r+1} of θ_trained + θ_{r+1} - θ_r); the loss curve
+    # is the same, to the rounding of that sum.
+    tiny = {"algo": "sparseloco", "rounds": 3}
+    delayed = simulate(build_config("tiny", overlap="delayed", **tiny))
+    late = simulate(build_config("tiny", overlap="merge", overlap_tau=10, **tiny))
+    early = simulate(build_config("tiny", overlap="merge", overlap_tau=1, **tiny))
+    losses = [[loss for _, loss in r["eval_loss_curve"]] for r in (delayed, late)]
+    assert losses[1] == pytest.approx(losses[0], abs=1e-4)
+    assert early["eval_loss_curve"][-1] != pytest.approx(delayed["eval_loss_curve"][-1], abs=1e-3)
+    assert early["config"]["overlap_tau"] == 1
+
+
 def test_bad_config_names_the_field() -> None:
     with pytest.raises(ConfigError, match="workers"):
         build_config("tiny", algo="sparseloco", workers=0)

@@ -61,10 +61,16 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--overlap",
         nargs="?",
-        const="eager",
-        choices=("off", "delayed", "eager"),
+        const="merge",
+        choices=("off", "delayed", "eager", "merge"),
         help="train each round while the previous one's payloads travel (the run's overlap;"
-        " eager with the flag alone)",
+        " merge with the flag alone: their aggregate is merged at inner step --overlap-tau)",
+    )
+    p.add_argument(
+        "--overlap-tau",
+        type=int,
+        help="with --overlap merge: the inner step (1..H) the aggregate in flight is merged at"
+        " (default: the run config's, README benchmark 12)",
     )
     p.add_argument("--upload-limit", help="cap every node's uploads, e.g. 100Mbit (per second)")
     p.add_argument("--download-limit", help="cap every node's downloads, e.g. 100Mbit")
@@ -124,6 +130,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             data=args.data,
             round_timeout_s=args.round_timeout,
             overlap=args.overlap,
+            overlap_tau=args.overlap_tau,
             upload_limit=args.upload_limit,
             download_limit=args.download_limit,
             device=args.device,

@@ -64,8 +64,10 @@ class UpConfig(BaseModel):
     round_timeout_s: float = Field(120.0, gt=0)
     #: Evaluate every this many rounds (and the first and last); None: the run config's default.
     eval_every: int | None = Field(None, ge=1)
-    #: The run's ``overlap`` (off, delayed, eager); None: the run config's default (off).
-    overlap: Literal["off", "delayed", "eager"] | None = None
+    #: The run's ``overlap`` (off, delayed, eager, merge); None: the run config's default (off).
+    overlap: Literal["off", "delayed", "eager", "merge"] | None = None
+    #: (merge) The run's ``overlap_tau``; None: its default.
+    overlap_tau: int | None = Field(None, ge=1)
     #: Every node's upload and download caps (``--upload-limit``, ``--download-limit``).
     upload_limit: str | None = None
     download_limit: str | None = None
@@ -314,6 +316,7 @@ def run_config(
         **get_run_preset(cfg.preset).shape(),
         **({} if cfg.eval_every is None else {"eval_every": cfg.eval_every}),
         **({} if cfg.overlap is None else {"overlap": cfg.overlap}),
+        **({} if cfg.overlap_tau is None else {"overlap_tau": cfg.overlap_tau}),
     )
     if run_overrides:
         run = RunConfig.model_validate({**run.model_dump(), **run_overrides})

@@ -94,6 +94,18 @@ class Placement:
                 return
             self._load(offset)
 
+    def theta(self) -> dict[str, torch.Tensor]:
+        """θ's own tensors, also while training works on its copy (in place)."""
+        return dict(self._start) if self._start is not None else _params(self.model)
+
+    def shift(self, step: Mapping[str, torch.Tensor]) -> None:
+        """(overlap "merge", between inner steps) Subtract ``step`` (θ_old - θ_new, the outer
+        step just applied to θ) from the parameters being trained; AdamW's moments stay."""
+        model = self.model if self.in_place else self.train_model
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.data.sub_(step[n].to(p.device))
+
     def _load(self, offset: Mapping[str, torch.Tensor] | None = None) -> None:
         theta = _params(self.model)
         with torch.no_grad():

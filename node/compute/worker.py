@@ -29,7 +29,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from node.compute.sharding import assign
 from node.compute.shards import encode_tensors, node_fingerprint, node_payload
 from node.compute.state import NodeState, adam_tensors, restore_adam
 from node.compute.throughput import Meter, StepClock, Throughput
+from node.errors import RanksError
 from protocol.codec import Payload, read_payload, read_payload_file
 from protocol.errors import PayloadError
 from protocol.fingerprint import fingerprint
@@ -139,6 +140,11 @@ class Worker:
         #: Under torchrun (any number of processes): θ and e on this rank's device, the
         #: inner steps on FSDP. A plain process keeps θ in the model, on the CPU.
         self.sharded = self.group.distributed
+        if self.sharded and run.overlap == "merge":
+            raise RanksError(
+                'overlap = "merge" runs on a node of one process only (its merge is not'
+                " sharded yet); run this node without torchrun, or the run with another overlap"
+            )
         self.theta: dict[str, torch.Tensor] = {}
         self.placement: Placement | ShardedPlacement
         if not self.sharded:
@@ -186,8 +192,8 @@ class Worker:
     @property
     def params(self) -> dict[str, torch.Tensor]:
         """θ: this rank's tensors (all of them in a single process, the model's own memory)."""
-        if not self.sharded:
-            return {n: p.data for n, p in self.model.named_parameters()}
+        if isinstance(self.placement, Placement):
+            return self.placement.theta()
         return self.theta
 
     @property
@@ -249,7 +255,10 @@ class Worker:
         return (self.local_steps + 1) / (warm + 1)
 
     def train_and_compress(
-        self, round_: int | None = None, offset: Mapping[str, torch.Tensor] | None = None
+        self,
+        round_: int | None = None,
+        offset: Mapping[str, torch.Tensor] | None = None,
+        merge: tuple[int, Callable[[], None]] | None = None,
     ) -> TrainResult:
         """Steps 1-5: H inner steps from θ, pseudo-gradient, error feedback, encode.
 
@@ -258,6 +267,11 @@ class Worker:
         in flight). ``offset`` (eager overlap, ``eager_offset``) is the estimate of that
         aggregate's step: training then starts from θ - offset and the pseudo-gradient is taken
         from there, while the payload's base stays θ's fingerprint.
+
+        ``merge`` = (τ, fn) (overlap "merge"): ``fn`` runs after τ inner steps; it applies the
+        aggregate in flight to θ and the same step to the parameters being trained
+        (``Worker.merge``), so the pseudo-gradient is taken from the new θ, which the payload
+        names as its base.
 
         Afterwards the model holds θ again and ``error`` has the sent part subtracted.
         Raises ``node.errors.Abandoned`` (θ and e untouched) if ``stop`` is set between inner steps.
@@ -271,11 +285,12 @@ class Worker:
         try:
             t_inner = time.perf_counter()
             self.steps.start()
+            on_step = self._count_step if merge is None else self._merging_at(*merge)
             losses = self.inner.train(
                 trained_round,
                 lr_scale=lambda: self.lr_scale(trained_round),
                 stop=self.stop,
-                on_step=self._count_step,
+                on_step=on_step,
             )
             self.placement.synchronize()
             inner_s = time.perf_counter() - t_inner
@@ -284,7 +299,9 @@ class Worker:
             # they are local and never shared, so that loses nothing.
             self.placement.abandon()
             raise
-        delta = self.placement.finish()  # θ - θ_trained; θ is bit for bit θ_round
+        delta = self.placement.finish()  # θ - θ_trained; θ is bit for bit θ_round (or merged)
+        if self._fingerprint is None:  # θ moved at the merge: the payload's base is the new θ
+            base = self.fingerprint()
         self._fingerprint = base
         if offset is not None:
             with torch.no_grad():
@@ -339,6 +356,39 @@ class Worker:
     def _count_step(self) -> None:
         self.local_steps += 1
         self.steps.tick()
+
+    def _merging_at(self, tau: int, fn: Callable[[], None]) -> Callable[[], None]:
+        """An ``on_step`` that also runs ``fn`` once, after the ``tau``-th step of the round."""
+        taken = 0
+
+        def on_step() -> None:
+            nonlocal taken
+            self._count_step()
+            taken += 1
+            if taken == tau:
+                fn()
+
+        return on_step
+
+    def merge(self, payloads: Mapping[str, Payload]) -> dict[str, str]:
+        """(overlap "merge", between two inner steps) Steps 7-8 on θ, exactly as ``apply``,
+        and the step they took added to the parameters being trained: θ_local += θ_{r+1} - θ_r.
+
+        The merge is additive (not Streaming DiLoCo's convex mix) so the local trajectory keeps
+        every inner step it took and the pseudo-gradient against θ_{r+1} is the node's own
+        update of the whole round; at τ = H it is the "delayed" schedule, and the closer τ is
+        to 0 the closer to no overlap. θ_{r+1} is the same bits on every node (``apply``);
+        the parameters being trained are the node's own and never leave it.
+        """
+        if not isinstance(self.placement, Placement):
+            raise RanksError('overlap = "merge" is not sharded (see __init__)')
+        step = {n: p.clone() for n, p in self.params.items()}
+        rejected = self.apply(payloads)
+        with torch.no_grad():
+            for n, p in self.params.items():
+                step[n].sub_(p)  # θ_r - θ_{r+1}
+        self.placement.shift(step)
+        return rejected
 
     def reset_theta(self, theta: Mapping[str, torch.Tensor], fp: str | None = None) -> None:
         """Set θ to ``theta`` (``fp``: its fingerprint, if known). For the tests' hostile nodes

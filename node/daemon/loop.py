@@ -56,6 +56,7 @@ from node.daemon.condition import Condition
 from node.daemon.dataset import open_waiting
 from node.daemon.faults import Faults
 from node.daemon.join import join, refusal, rejoin
+from node.daemon.merge import Handoff
 from node.daemon.ops import NodeCompute, RankContext
 from node.daemon.pending import PendingRound
 from node.daemon.retry import Link
@@ -370,11 +371,18 @@ class NodeDaemon:
                 await self.finisher.finish(r)
         return False
 
-    async def train(self, round_: int | None = None, eager_from: int | None = None) -> TrainResult:
+    async def train(
+        self,
+        round_: int | None = None,
+        eager_from: int | None = None,
+        merge: Handoff | None = None,
+    ) -> TrainResult:
         """Steps 1-5 (``Worker.train_and_compress``) on every rank; a hostile node's payload
-        instead in the tests that make one. ``eager_from``: see ``ops.train``."""
+        instead in the tests that make one. ``eager_from``, ``merge``: see ``ops.train``."""
         with self.condition.doing(idle=False):
-            result: TrainResult = await self.node("train", round_, eager_from, attack=self.attack)
+            result: TrainResult = await self.node(
+                "train", round_, eager_from, attack=self.attack, merge=merge
+            )
         return result
 
     async def save_trained(self, pending: PendingRound) -> None:

@@ -36,6 +36,7 @@ from node.compute.data import Corpus
 from node.compute.group import Group
 from node.compute.worker import TrainResult, Worker, check_payload_header
 from node.daemon import pending as saves
+from node.daemon.merge import Handoff, merge_now
 from node.daemon.pending import PendingRound, Shard
 from node.daemon.settings import NodeSettings
 from node.errors import RanksError
@@ -149,17 +150,27 @@ def save_trained(
 
 @op
 def train(
-    ctx: RankContext, round_: int | None, eager_from: int | None, *, attack: Any = None
+    ctx: RankContext,
+    round_: int | None,
+    eager_from: int | None,
+    *,
+    attack: Any = None,
+    merge: Handoff | None = None,
 ) -> TrainResult:
     """Steps 1-5 of ``round_`` (the worker's round when None). ``eager_from``: eager overlap,
-    training starts from θ minus the estimated step of that round's aggregate in flight."""
+    training starts from θ minus the estimated step of that round's aggregate in flight.
+    ``merge`` (overlap "merge", one process): the aggregate in flight is merged after τ inner
+    steps (``node.daemon.merge``)."""
     worker = ctx.worker
     offset = worker.eager_offset(eager_from) if eager_from is not None else None
     if attack is not None:  # a hostile test node (one process): what it sends is its ĉ
         result: TrainResult = attack.train(worker, round_, offset)
         worker.recon[worker.round if round_ is None else round_] = result.recon
         return result
-    return worker.train_and_compress(round_, offset)
+    tau = worker.run.merge_step
+    if merge is None or tau is None:
+        return worker.train_and_compress(round_, offset)
+    return worker.train_and_compress(round_, offset, merge=(tau, lambda: merge_now(ctx, merge)))
 
 
 @op

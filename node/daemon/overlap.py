@@ -17,6 +17,10 @@ the same shape as without overlap ("submitting k+1" with θ_{k+1}), so a restart
 way, and a crash before the commit finishes round k again from its manifest and trains round k+1
 again (``node.daemon.pending``).
 
+"merge" (``node.daemon.merge``) trains round k+1 from θ_k too, but the compute thread waits at
+inner step τ for round k's gather set and applies it there: θ is θ_{k+1} when the training ends,
+round k+1's payload is based on it, and round k is concluded without applying it again.
+
 Rounds the node cannot train beside (round 0, which has nothing in flight; the run's last round;
 rounds that closed while the node was away) go through the plain steps of ``node.daemon.loop``.
 """
@@ -28,10 +32,11 @@ import contextlib
 import time
 from typing import TYPE_CHECKING
 
+from node.daemon.merge import Handoff
 from node.daemon.pending import PendingRound
 from node.daemon.rounds import Gathered
 from node.daemon.upload import submit
-from node.errors import Abandoned
+from node.errors import Abandoned, TransferError
 from protocol.messages import RoundState, RoundView
 
 if TYPE_CHECKING:
@@ -60,12 +65,20 @@ async def step(d: NodeDaemon) -> None:
     k = d.worker.round
     pending = d.pending if d.pending is not None and d.pending.round == k else None
     eager_from = k if d.worker.run.overlap == "eager" and pending is not None else None
-    travel = asyncio.create_task(communicate(d, pending, k), name=f"round-{k}-transfers")
+    merging = d.worker.run.overlap == "merge"
+    travel = asyncio.create_task(communicate(d, pending, k, merging), name=f"round-{k}-transfers")
+    handoff = Handoff(k, asyncio.get_running_loop(), travel) if merging else None
     try:
-        result = await d.train(k + 1, eager_from)
+        result = await d.train(k + 1, eager_from, handoff)
     except Abandoned:
-        d.log("training_abandoned")
-        await _cancel(travel)
+        if handoff is None or d.stopping.is_set():
+            d.log("training_abandoned")
+            await _cancel(travel)
+            return
+        # (merge) Nothing came to merge at step τ, θ untouched: round k the plain way.
+        await travel  # what it failed with, if it did
+        d.log("merge_abandoned", applied_round=k, diverged=handoff.diverged)
+        await d.finisher.finish(k)
         return
     except BaseException:
         await _cancel(travel)
@@ -74,27 +87,32 @@ async def step(d: NodeDaemon) -> None:
     speed = result.throughput.log_fields() if result.throughput else {}
     d.log("trained", loss=f"{result.train_loss:.4f}", bytes=len(result.payload), beside=k, **speed)
     gathered = await travel
-    if gathered is None or d.worker.round != k:
+    merged = handoff.applied if handoff is not None else None
+    if gathered is None or d.worker.round != (k if merged is None else k + 1):
         # Stopped, or θ moved elsewhere (a checkpoint after the round was pruned): round k+1
         # was trained from a θ that is gone, so what it computed goes back into e.
         await _give_back(d, k + 1)
         return
     finisher = d.finisher
-    if await finisher.diverged(k, gathered.manifest):
+    if merged is None and await finisher.diverged(k, gathered.manifest):
         await _give_back(d, k + 1)
         await d.resync()
         return
-    await finisher.conclude(k, gathered)
+    await finisher.conclude(k, gathered, merged)
     following = PendingRound.trained(k + 1, result)
     await d.save_trained(following)
     d.pending = following
 
 
-async def communicate(d: NodeDaemon, pending: PendingRound | None, k: int) -> Gathered | None:
+async def communicate(
+    d: NodeDaemon, pending: PendingRound | None, k: int, merging: bool = False
+) -> Gathered | None:
     """(event loop, beside training) Send round k's payload, then fetch round k's gather set.
 
     None if a stop was requested, or if round k's payloads were pruned and the node moved to a
-    checkpoint instead (``RoundFinisher.download``).
+    checkpoint instead (``RoundFinisher.download``). ``merging``: the compute thread waits for
+    this at step τ, so nothing here may need it: pruned payloads give None (and the round loop
+    then skips to the checkpoint itself).
     """
     finisher = d.finisher
     if pending is not None and pending.submitted_at is None:
@@ -109,7 +127,15 @@ async def communicate(d: NodeDaemon, pending: PendingRound | None, k: int) -> Ga
     finisher.waited(pending)
     manifest = finisher.verify(view, k)
     t0 = time.perf_counter()
-    fetched = await finisher.download(k, view, manifest, pending)
+    if merging:
+        try:
+            fetched = await finisher.fetch(k, view, manifest, pending)
+        except TransferError as exc:
+            if exc.status != 404:
+                raise
+            return None
+    else:
+        fetched = await finisher.download(k, view, manifest, pending)
     if fetched is None:
         return None
     return Gathered(manifest, *fetched, time.perf_counter() - t0)

@@ -90,18 +90,27 @@ class RoundFinisher:
         if pending is not None and pending.submitted_at is not None:
             pending.timings["wait"] = self.d.clock.now() - pending.submitted_at
 
-    async def conclude(self, r: int, gathered: Gathered) -> None:
-        """Steps 5-9 once round r's gather set is here: decode, apply, settle, save, report."""
+    async def conclude(
+        self, r: int, gathered: Gathered, merged: tuple[Rejected, Rejected] | None = None
+    ) -> None:
+        """Steps 5-9 once round r's gather set is here: decode, apply, settle, save, report.
+        ``merged``: steps 5-6 were taken already, during the next round's training (overlap
+        "merge", ``node.daemon.merge``): the payloads that failed validation and the screened."""
         d = self.d
         pending = d.pending if d.pending is not None and d.pending.round == r else None
         manifest, blobs, rejected = gathered.manifest, gathered.blobs, gathered.rejected
         if d.attack is not None:
             d.attack.remember(blobs)  # type: ignore[arg-type]  # a hostile test node: bytes
         t1 = time.perf_counter()
-        invalid: Rejected = await d.node("read_gather", r, blobs)
+        if merged is None:
+            invalid: Rejected = await d.node("read_gather", r, blobs)
+            t2 = time.perf_counter()
+            screened = await self.apply(r)
+        else:
+            invalid, screened = merged
+            t2 = t1
+            await self.faulted(r)
         rejected.update(invalid)
-        t2 = time.perf_counter()
-        screened = await self.apply(r)
         rejected.update(screened)
         applied = {node for node in blobs if node not in invalid and node not in screened}
         t3 = time.perf_counter()
@@ -198,15 +207,16 @@ class RoundFinisher:
     async def diverged(self, r: int, manifest: Manifest) -> bool:
         """Whether θ is not the θ round r's payloads were trained from.
 
-        With overlap the payloads of round r ≥ 1 were trained from θ_{r-1} while the node now
-        holds θ_r: the fingerprint it had before its last apply is compared (unknown right after
-        a restart or a checkpoint, when the coordinator's vote is the only check).
+        With a delayed or eager overlap the payloads of round r ≥ 1 were trained from θ_{r-1}
+        while the node now holds θ_r: the fingerprint it had before its last apply is compared
+        (unknown right after a restart or a checkpoint, when the coordinator's vote is the only
+        check).
         """
         d = self.d
         base = manifest.base_fingerprint
         if base is None:
             return False
-        if d.worker.run.overlaps and r > 0:
+        if d.worker.run.late_base and r > 0:
             ours = d.worker.previous_fingerprint
             if ours is None:
                 return False
@@ -322,10 +332,15 @@ class RoundFinisher:
         peers screened out, with the reason. Also the chaos suite's faults of this point."""
         d = self.d
         screened: dict[str, str] = await d.node("apply")
+        await self.faulted(r)
+        return screened
+
+    async def faulted(self, r: int) -> None:
+        """The chaos suite's faults of the point after applying round r (in memory only)."""
+        d = self.d
         d.faults.crash_point(r, "mid_apply")
         if d.faults.corrupt_now(r):
             await d.node("corrupt")
-        return screened
 
     async def settle(
         self, pending: PendingRound | None, manifest: Manifest, applied: set[str]

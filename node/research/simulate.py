@@ -172,8 +172,16 @@ class Simulation:
             self.progress(round_, loss)
         return loss
 
-    def train_workers(self, workers: list[Replica], round_: int) -> float:
-        """H inner steps on every worker from its current parameters; mean last-step loss."""
+    def train_workers(
+        self,
+        workers: list[Replica],
+        round_: int,
+        merge: tuple[int, dict[str, torch.Tensor]] | None = None,
+    ) -> float:
+        """H inner steps on every worker from its current parameters; mean last-step loss.
+
+        ``merge`` = (τ, step): after τ inner steps every worker subtracts ``step`` (θ_old -
+        θ_new, the aggregate that arrived) from its parameters, as ``node.compute.merge`` does."""
         losses = []
         H = self.cfg.inner_steps
         for w, (model, opt) in enumerate(workers):
@@ -181,6 +189,8 @@ class Simulation:
                 step = round_ * H + h
                 x, y = self.batch(w, step)
                 loss = inner_step(model, opt, x, y, step=step, cfg=self.optim_cfg)
+                if merge is not None and h + 1 == merge[0]:
+                    merge_into(model, merge[1])
             losses.append(loss)
         return sum(losses) / len(losses)
 
@@ -190,6 +200,13 @@ class Simulation:
             m = build_model(self.model_cfg, seed=self.cfg.seed).to(self.device)
             out.append((m, make_adamw(m, self.optim_cfg)))
         return out
+
+
+def merge_into(model: LanguageModel, step: dict[str, torch.Tensor]) -> None:
+    """θ_local ← θ_local - (θ_old - θ_new): the daemon's merge (``node.compute.merge``)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.sub_(step[n].to(p.device))
 
 
 def _sync(workers: Sequence[tuple[LanguageModel, Any]], theta: dict[str, torch.Tensor]) -> None:
@@ -213,8 +230,16 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
         for worker, offset in zip(workers, offsets, strict=True):
             start = theta if offset is None else {n: theta[n] - offset[n] for n in theta}
             _sync([worker], start)
+        merge = None
+        if cfg.merge_step is not None and in_flight is not None:
+            # Round r-1's aggregate arrives while round r trains: θ moves now (the workers
+            # started from the θ before), and each worker takes the step at inner step τ.
+            old = {n: t.clone() for n, t in theta.items()}
+            apply_aggregate(theta, in_flight, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
+            merge = (cfg.merge_step, {n: old[n] - theta[n] for n in theta})
+            in_flight = None
         base = fingerprint(theta)
-        train_loss = sim.train_workers(workers, r)
+        train_loss = sim.train_workers(workers, r, merge)
         payloads, recons = {}, []
         for w, (model, _) in enumerate(workers):
             delta = pseudo_gradient(theta, sim.host_params(model))

@@ -4,8 +4,9 @@ Each check returns ``Failure`` values (never raises on a violation), so a run co
 them and reports them together. Letters follow the chaos suite's brief:
 
 - (a) agreement: every node that reported round r reports the same fingerprint, except a node
-  the manifest of r or r+1 (r+2 with overlap) excludes as "wrong base fingerprint" (a corrupted
-  θ is reported in round r itself and excluded only when it trains on it in a later round);
+  the manifest of r or r+1 (r+2 with a delayed or eager overlap) excludes as "wrong base
+  fingerprint" (a corrupted θ is reported in round r itself and excluded only when it trains
+  on it in a later round);
 - (b) manifests: the signed manifest in the bucket verifies, matches the status (gather set,
   exclusions) and every gathered payload's size and sha256, unless retention already pruned it;
 - (c) no round closed twice: status rounds unique and consecutive, and the coordinator logs
@@ -108,8 +109,9 @@ def majority(values: Iterable[str]) -> str | None:
 
 
 def _lag(status: StatusView) -> int:
-    """Rounds from applying round r to the first payloads trained on the result."""
-    return 2 if status.run.overlaps else 1
+    """Rounds from applying round r to the first payloads trained on the result ("merge"
+    merges it into the next round's training, as without overlap)."""
+    return 2 if status.run.late_base else 1
 
 
 def reference_fingerprint(status: StatusView, round_: int) -> str | None:

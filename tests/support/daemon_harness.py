@@ -14,6 +14,7 @@ daemon's θ bit for bit without trusting the daemon.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +27,7 @@ from node.compute.worker import TrainResult, Worker
 from node.daemon.faults import Faults
 from node.daemon.loop import NodeDaemon
 from node.daemon.settings import NodeSettings
+from protocol.codec import Payload
 from protocol.messages import Mass, RoundReport, SignedManifest
 from protocol.runconfig import RunConfig, Timing
 from support.fake_coordinator import FakeCoordinator
@@ -177,6 +179,8 @@ def _reference(run: RunConfig, node_id: str) -> list[str]:
             w.apply({node_id: w.read(result.payload)})
             out.append(w.fingerprint())
         return out
+    if run.overlap == "merge":
+        return _merged_reference(w, run, node_id)
     pending: TrainResult | None = w.train_and_compress()
     for r in range(run.rounds):
         assert pending is not None
@@ -188,6 +192,28 @@ def _reference(run: RunConfig, node_id: str) -> list[str]:
         out.append(w.fingerprint())
         pending = following
     return out
+
+
+def _merged_reference(w: Worker, run: RunConfig, node_id: str) -> list[str]:
+    """Overlap "merge": round r's aggregate is merged after τ inner steps of round r+1."""
+    tau = run.merge_step
+    assert tau is not None
+    result = w.train_and_compress()
+    out = []
+    for r in range(run.rounds):
+        payloads = {node_id: w.read(result.payload)}
+        if r + 1 < run.rounds:
+            result = w.train_and_compress(
+                r + 1, merge=(tau, functools.partial(_merge, w, payloads))
+            )
+        else:
+            w.apply(payloads)
+        out.append(w.fingerprint())
+    return out
+
+
+def _merge(w: Worker, payloads: dict[str, Payload]) -> None:
+    w.merge(payloads)
 
 
 @pytest.fixture

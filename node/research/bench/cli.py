@@ -68,7 +68,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         default=1.0,
         help="a round's transfers take this times its training on the capped links",
     )
-    o.add_argument("--variant", choices=("delayed", "eager"), default="eager")
+    o.add_argument("--variant", choices=("delayed", "eager", "merge"), default="eager")
     o.add_argument("--dir", dest="run_dir", help="keep the three runs' folders here")
     o.add_argument("--json", dest="json_out", metavar="OUT")
     o.set_defaults(func=_cmd_bench_overlap)

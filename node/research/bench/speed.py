@@ -83,11 +83,16 @@ class _TimedSimulation(Simulation):
         super().__init__(cfg)
         self.rounds_timed: list[dict[str, Any]] = []
 
-    def train_workers(self, workers: list[Replica], round_: int) -> float:
+    def train_workers(
+        self,
+        workers: list[Replica],
+        round_: int,
+        merge: tuple[int, dict[str, torch.Tensor]] | None = None,
+    ) -> float:
         steps = len(workers) * self.cfg.inner_steps
         threads = torch.get_num_threads()
         wall, cpu = time.perf_counter(), time.process_time()
-        loss = super().train_workers(workers, round_)
+        loss = super().train_workers(workers, round_, merge)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         tokens = steps * self.cfg.batch_size * self.model_cfg.ctx_len
         self.rounds_timed.append(
