@@ -106,11 +106,19 @@ class ScenarioRunner:
         self.armed[name] = faults
         self.cluster.start_node(name, faults)
 
+    def _finished(self) -> bool:
+        """Whether the run is over, asked again: the last status polled may be a few tiny
+        rounds old, and a node that exits 0 has just seen the run's last round."""
+        if self.status is not None and self.status.state == RoundState.FINISHED:
+            return True
+        with contextlib.suppress(urllib.error.URLError, OSError):
+            self.status = self.cluster.status()
+        return self.status is not None and self.status.state == RoundState.FINISHED
+
     def _reap(self) -> None:
-        finished = self.status is not None and self.status.state == RoundState.FINISHED
         for name, proc in list(self.cluster.nodes.items()):
             code = proc.poll()
-            if code is None or (code == 0 and finished):
+            if code is None or (code == 0 and self._finished()):
                 continue
             if code == -signal.SIGKILL and name in self._killed:
                 continue  # our own kill -9: a restart_node step brings it back
