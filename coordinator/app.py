@@ -29,7 +29,7 @@ from coordinator.datasets import DatasetBook
 from coordinator.db import Database
 from coordinator.durability import GroupSync
 from coordinator.handlers import HANDLERS
-from coordinator.handling import TOKENS, durable_answers, error_middleware, known_query
+from coordinator.handling import TOKENS, add_heard, durable_answers, error_middleware, known_query
 from coordinator.limits import LIMITS, Limits
 from coordinator.machine import RoundMachine
 from coordinator.metrics import CoordinatorMetrics, totals
@@ -237,6 +237,7 @@ def create_app(
         app.router.add_route(
             ep.method, ep.path.replace(ROUND, ROUND_PATTERN), handler, name=ep.name
         )
+    app.on_response_prepare.append(add_heard)
     app.on_shutdown.append(_release_waiters)
     app.cleanup_ctx.append(_background)
     return app

@@ -23,6 +23,7 @@ from aiohttp import web
 from coordinator.errors import ApiError, BadCheckpoint, Conflict
 from coordinator.handling import (
     Handler,
+    heard_again,
     instance_of,
     node_of,
     ok,
@@ -56,6 +57,7 @@ from protocol.messages import (
     HeartbeatRequest,
     JoinRequest,
     JoinResponse,
+    NodeCondition,
     ProbeGrant,
     ProbeRequest,
     RoundReport,
@@ -156,6 +158,7 @@ async def manifest(request: web.Request) -> web.Response:
         body = coord.manifest_body(round_)
     if body is None:
         return ok(coord.machine.round_view(node_id), status=202)
+    heard_again(request, node_id, NodeCondition.TRAINING)  # it applies the round, then trains
     return web.Response(body=body, content_type="application/json")
 
 
@@ -166,7 +169,7 @@ async def report(request: web.Request) -> web.Response:
     body = await read_body(request, RoundReport)
     if coord.machine.report(node_id, round_, body):
         coord.metrics.nodes.observe(node_id, round_, body)
-    return ok(Ack())
+    return ok(coord.machine.round_view(node_id))  # the node's next question, answered now
 
 
 async def status(request: web.Request) -> web.Response:

@@ -48,7 +48,14 @@ from coordinator.limits import LIMITS
 from coordinator.service import COORDINATOR
 from coordinator.tokens import TokenBook
 from protocol.errors import problems
-from protocol.messages import INSTANCE_HEADER, INSTANCE_PATTERN, ErrorBody
+from protocol.messages import (
+    CONDITION_HEADER,
+    HEARD_HEADER,
+    INSTANCE_HEADER,
+    INSTANCE_PATTERN,
+    ErrorBody,
+    NodeCondition,
+)
 from protocol.routes import ROUTES, Endpoint, Query
 
 log = logging.getLogger("sparseloco.coordinator.app")
@@ -156,8 +163,47 @@ def node_of(request: web.Request, *, bound: bool = True) -> str:
     limits.node_request(node_id)
     instance = instance_of(request)
     if bound:
-        request.app[COORDINATOR].machine.check_instance(node_id, instance)
+        machine = request.app[COORDINATOR].machine
+        machine.check_instance(node_id, instance)
+        said = condition_of(request)
+        if said is not None and machine.heard(node_id, said):
+            request[HEARD] = said
     return node_id
+
+
+#: Request key: the condition the request said, if it counted as the node's heartbeat
+#: (``add_heard``).
+HEARD = "sparseloco_heard"
+
+
+def heard_again(request: web.Request, node_id: str, condition: NodeCondition) -> None:
+    """The answer changes what the coordinator holds the node to be doing (a manifest handed
+    out: ``training``); only for a request that counted as a heartbeat."""
+    if request.get(HEARD) is not None:
+        request.app[COORDINATOR].machine.heard(node_id, condition)
+        request[HEARD] = condition
+
+
+def condition_of(request: web.Request) -> NodeCondition | None:
+    """What the request says the node is doing (``X-Sparseloco-Condition``); 422 if malformed."""
+    value = request.headers.get(CONDITION_HEADER)
+    if value is None:
+        return None
+    try:
+        return NodeCondition(value)
+    except ValueError:
+        allowed = ", ".join(c.value for c in NodeCondition)
+        raise ApiError(
+            422, "invalid", f"{CONDITION_HEADER} must be one of {allowed}", CONDITION_HEADER
+        ) from None
+
+
+async def add_heard(request: web.Request, response: web.StreamResponse) -> None:
+    """(``on_response_prepare``) Tell the node its request counted as a heartbeat, and the
+    condition the coordinator now holds for it."""
+    said = request.get(HEARD)
+    if said is not None:
+        response.headers[HEARD_HEADER] = said.value
 
 
 def instance_of(request: web.Request) -> str | None:

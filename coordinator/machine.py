@@ -193,6 +193,11 @@ class RoundMachine:
         """Refuse a call from a process other than the one ``node_id``'s membership is bound to."""
         self.members.check_instance(node_id, instance, self.clock())
 
+    def heard(self, node_id: str, condition: NodeCondition) -> bool:
+        """A request of ``node_id`` carried its condition: a heartbeat of an active member
+        (True), nothing otherwise (``Members.heard``)."""
+        return self.members.heard(node_id, self.clock(), condition)
+
     def revoke(self, node_ids: set[str]) -> list[SignedManifest]:
         """Their tokens were revoked: they take no part any more; an open round stops waiting."""
         current = self._current().round

@@ -196,6 +196,18 @@ class Membership:
         self.conditions[node_id] = condition
         self.said_at[node_id] = now
 
+    def heard(self, node_id: str, now: float, condition: NodeCondition) -> bool:
+        """A request of ``node_id`` said ``condition``: a heartbeat if it is an active member
+        (whether it was one). Unlike ``heartbeat`` a non-member is no error: the request it came
+        with (a dataset read before joining, say) decides what it may do."""
+        member = self._rows.get(node_id)
+        if member is None or member.state != MemberState.ACTIVE:
+            return False
+        self.last_seen[node_id] = now
+        self.conditions[node_id] = condition
+        self.said_at[node_id] = now
+        return True
+
     def busy(self, round_: int, opened_at: float | None = None) -> list[str]:
         """The members expected in ``round_`` (opened at ``opened_at``) that are alive (active,
         heard from within the timeout) and at work on it (``rounds.is_busy``)."""

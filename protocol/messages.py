@@ -113,6 +113,14 @@ class MemberState(StrEnum):
 INSTANCE_HEADER = "X-Sparseloco-Instance"
 INSTANCE_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
 InstanceId = Annotated[str, StringConstraints(pattern=INSTANCE_PATTERN)]
+#: A header any request of a member may carry: what the node is doing as it sends it (a
+#: ``NodeCondition``). A coordinator that counted the request as a heartbeat answers with
+#: ``HEARD_HEADER`` naming the condition it now holds for the node (the one said, except that a
+#: manifest handed out makes it ``training``: the node applies it, then trains), so the node
+#: need not beat while it talks anyway; one that does not know the header ignores it, and the
+#: node keeps beating.
+CONDITION_HEADER = "X-Sparseloco-Condition"
+HEARD_HEADER = "X-Sparseloco-Heard"
 
 
 class JoinRequest(Message):

@@ -133,8 +133,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
                                   " most its manifest_wait_max_s)", "number", 0, 3600)},
              errors=(401, 404, 409, 422, 429)),
     Endpoint("report", "POST", "/v1/rounds/{round}/report",
-             "Report the fingerprint after applying a closed round (its participants only)",
-             RoundReport, {200: Ack}, errors=(400, 401, 404, 408, 409, 413, 422, 429)),
+             "Report the fingerprint after applying a closed round (its participants only);"
+             " answers the round as the node now sees it, as GET /v1/round would",
+             RoundReport, {200: RoundView}, errors=(400, 401, 404, 408, 409, 413, 422, 429)),
     Endpoint("checkpoint_upload", "POST", "/v1/checkpoints/{round}/upload",
              "A presigned PUT for θ at the start of this round, for the first eligible member",
              CheckpointUpload, {200: UploadGrant},

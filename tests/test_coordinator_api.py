@@ -19,10 +19,10 @@ from yarl import URL
 
 from node.cluster.seaweed import EmbeddedStore
 from protocol.keys import manifest_key
-from protocol.messages import SignedManifest
+from protocol.messages import CONDITION_HEADER, HEARD_HEADER, SignedManifest
 from protocol.runconfig import RunConfig, Timing
 from protocol.signing import verify_manifest
-from support.api import FP_A, FP_B, FP_C, NODES, ApiFactory
+from support.api import FP_A, FP_B, FP_C, NODES, ApiFactory, token
 
 
 def run_config(**kw: Any) -> RunConfig:
@@ -123,8 +123,9 @@ async def test_full_round_with_presigned_upload(make_api: ApiFactory, store: Emb
         "POST", "/v1/rounds/0/upload", "n0", {"size": 1, "sha256": "0" * 64}
     )
     assert (status, err["error"]) == (409, "round_closed")
-    status, ack = await api.call("POST", "/v1/rounds/0/report", "n1", {"fingerprint": FP_B})
-    assert (status, ack) == (200, {"ok": True})
+    status, view = await api.call("POST", "/v1/rounds/0/report", "n1", {"fingerprint": FP_B})
+    # The answer is the node's next question answered: the round as it now sees it.
+    assert status == 200 and (view["round"], view["state"], view["expected"]) == (1, "open", True)
     status, st = await api.call("GET", "/v1/status", None)
     assert st["rounds"][0]["gather"] == ["n0"] and st["rounds"][0]["fingerprints"] == {"n1": FP_B}
     assert st["rounds"][1]["state"] == "open"
@@ -253,3 +254,42 @@ async def test_heartbeat_timeout_is_enforced(make_api: ApiFactory) -> None:
         status, view = await api.manifest("n0", 0, wait=0.1)
     assert status == 200
     assert view["signed"]["manifest"]["excluded"] == {"n1": "timed out"}
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_says_the_condition_counts_as_a_heartbeat(
+    make_api: ApiFactory,
+) -> None:
+    """Any request of an active member carrying ``X-Sparseloco-Condition`` keeps it alive and
+    says what it does; the answer names what the coordinator now holds (``X-Sparseloco-Heard``),
+    ``training`` once it hands out a manifest. A non-member's request is served without being
+    counted; a malformed condition is a 422 naming the header."""
+    timing = Timing(heartbeat_timeout_s=1.5)
+    api = await make_api(run_config(min_nodes=2, timing=timing))
+    await api.call("POST", "/v1/join", "n0", {})
+    await api.call("POST", "/v1/join", "n1", {})
+
+    async def said(node: str, method: str, path: str, condition: str, **kw: Any) -> Any:
+        headers = {"Authorization": f"Bearer {token(node)}", CONDITION_HEADER: condition}
+        return await api.client.request(method, path, headers=headers, **kw)
+
+    resp = await said("n0", "GET", "/v1/rounds/0/manifest", "dozing")
+    assert resp.status == 422 and (await resp.json())["field"] == CONDITION_HEADER
+    resp = await said("n2", "GET", "/v1/status", "training")  # not a member: served, not heard
+    assert resp.status == 200 and HEARD_HEADER not in resp.headers
+
+    # Three heartbeat timeouts pass; n0 never beats, only asks for the round and says so.
+    await api.contribute("n0", 0, FP_A)
+    for _ in range(9):
+        resp = await said("n0", "GET", "/v1/round", "waiting")
+        assert resp.headers[HEARD_HEADER] == "waiting"
+        await api.call("POST", "/v1/heartbeat", "n1")
+        await asyncio.sleep(0.5)
+    members = {m["node_id"]: m for m in (await api.call("GET", "/v1/status", None))[1]["members"]}
+    assert members["n0"]["state"] == "active" and members["n0"]["condition"] == "waiting"
+
+    await api.contribute("n1", 0, FP_A)
+    resp = await said("n0", "GET", "/v1/rounds/0/manifest?wait=10", "waiting")
+    assert resp.status == 200 and resp.headers[HEARD_HEADER] == "training"
+    members = {m["node_id"]: m for m in (await api.call("GET", "/v1/status", None))[1]["members"]}
+    assert members["n0"]["condition"] == "training"

@@ -130,3 +130,48 @@ async def test_a_stop_before_the_join_names_no_unknown_node(harness, caplog) -> 
     stops = [m for m in caplog.messages if "event=stop" in m]
     assert "event=stop_requested" in stops and any("before=joining" in m for m in stops)
     assert not any("node=?" in m for m in caplog.messages)
+
+
+async def test_requests_are_heartbeats_and_only_a_silence_gets_one(harness) -> None:
+    """Every request says the node's condition and counts as a heartbeat, so a node that keeps
+    asking (here: for a round that waits for a second member) sends none; once it trains in
+    silence it beats once per interval, which keeps a revocation within one interval."""
+    run = run_config(rounds=2, inner_steps=100_000, min_nodes=2)  # trains longer than the test
+    h = harness(run)
+    interval = run.timing.heartbeat_timeout_s / 4
+    lonely = h.daemon("node-0")
+    tasks = [h.start(lonely)]
+
+    def beats() -> int:
+        return sum(
+            1 for node, endpoint, _ in h.coord.calls if (node, endpoint) == ("node-0", "heartbeat")
+        )
+
+    def asks() -> int:
+        return sum(
+            1 for node, endpoint, _ in h.coord.calls if (node, endpoint) == ("node-0", "round")
+        )
+
+    async def let_pass(seconds: float) -> None:
+        for _ in range(round(seconds / 0.25)):
+            h.coord.advance(0.25)
+            await asyncio.sleep(0.01)
+
+    await until(lambda: asks() > 0, "node-0 to ask for the round")
+    before, asked = beats(), asks()
+    await let_pass(4 * interval)
+    assert asks() > asked + 4 and beats() == before  # it asked all along: heard, no heartbeat
+
+    tasks.append(h.start(h.daemon("node-1")))
+    await until(
+        lambda: lonely.ctx.shard is not None and lonely.ctx.shard.worker.local_steps > 0,
+        "node-0 to train",
+    )
+    before = beats()
+    await let_pass(4 * interval)
+    assert 3 <= beats() - before <= 5  # silent while it trains: one per interval
+    for node in ("node-0", "node-1"):
+        h.coord.revoked.add(node)
+    for task in tasks:
+        with pytest.raises(Refused):
+            await asyncio.wait_for(task, HANG_S)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -42,6 +43,16 @@ from protocol.messages import (
 from protocol.parts import CompletedPart, MultipartGrant, PartPlan, UploadComplete, UploadDone
 
 
+@dataclass(frozen=True)
+class Heard:
+    """Requests as heartbeats: the condition the latest request said (the coordinator takes
+    it as the request arrives, so a long-poll in flight has said it), and how long ago the
+    last answer the coordinator counted as a heartbeat came."""
+
+    condition: NodeCondition
+    age_s: float
+
+
 class CoordinatorApi(Protocol):
     """The coordinator as one node sees it (``protocol.routes`` lists the endpoints)."""
 
@@ -49,6 +60,16 @@ class CoordinatorApi(Protocol):
 
     async def heartbeat(self, condition: NodeCondition | None = None) -> RoundView:
         """Stay a member, saying what the node is doing (``NodeCondition``)."""
+        ...
+
+    def say(self, condition: Callable[[], NodeCondition]) -> None:
+        """Carry ``condition()`` on every request from now on, so that a request the
+        coordinator counts as a heartbeat tells it what the node is doing."""
+        ...
+
+    def heard(self) -> Heard | None:
+        """The last request the coordinator counted as a heartbeat (its condition, its age);
+        None if none did: the daemon then beats at every interval."""
         ...
 
     async def leave(self) -> None: ...

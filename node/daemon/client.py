@@ -17,12 +17,20 @@ of an open round (``manifest_wait_s``), and a round that waits for members (``ro
 once a ``round()`` answered "waiting", the next asks the coordinator to hold the answer until the
 round opens). A coordinator older than the round long-poll refuses the ``wait`` parameter; the
 client then asks without it from then on, as before.
+
+Every request also says what the node is doing (``X-Sparseloco-Condition``, from ``say``); a
+coordinator that counted it as a heartbeat answers ``X-Sparseloco-Heard``, and ``heard`` tells
+the daemon's heartbeat when that last happened, so it beats only into silences. A report is
+answered with the round view the node asks for next: the next ``round()`` takes that answer
+instead of asking again, if it comes within ``REPORTED_VIEW_S``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -30,10 +38,13 @@ from typing import TypeVar
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
+from node.daemon.api import Heard
 from node.daemon.retry import FOREVER, TRANSIENT_STATUS, Link, RetryPolicy, retry
 from node.daemon.tls import certificate_refused
 from node.errors import CoordinatorError, TransientError
 from protocol.messages import (
+    CONDITION_HEADER,
+    HEARD_HEADER,
     INSTANCE_HEADER,
     CheckpointInfo,
     CheckpointList,
@@ -65,6 +76,9 @@ from protocol.routes import ROUTES, Endpoint
 log = logging.getLogger("sparseloco.client")
 
 M = TypeVar("M", bound=BaseModel)
+
+#: How long the round view a report was answered with stands in for the next ``round()``.
+REPORTED_VIEW_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,27 @@ class CoordinatorClient:
         self._waiting = False
         #: False once the coordinator refused the round long-poll (an older one).
         self._round_long_poll = True
+        #: What every request says the node is doing (``say``).
+        self._condition: Callable[[], NodeCondition] | None = None
+        #: The condition the latest request carried (answered or still in flight: the
+        #: coordinator took it as the request arrived), and when the last answer counted as a
+        #: heartbeat came (None until one did).
+        self._said: NodeCondition | None = None
+        self._heard_at: float | None = None
+        #: (view, monotonic time) of the last report's answer, for the next ``round()``.
+        self._reported: tuple[RoundView, float] | None = None
+
+    def say(self, condition: Callable[[], NodeCondition]) -> None:
+        """Carry ``condition()`` on every request from now on."""
+        self._condition = condition
+
+    def heard(self) -> Heard | None:
+        """What the latest request said, and how long ago the last answer counted as a
+        heartbeat came; None if none did (a coordinator that does not count requests, or none
+        answered yet)."""
+        if self._heard_at is None or self._said is None:
+            return None
+        return Heard(self._said, time.monotonic() - self._heard_at)
 
     async def _call(
         self,
@@ -133,6 +168,10 @@ class CoordinatorClient:
         headers = dict(self.headers)
         if data is not None:
             headers["Content-Type"] = "application/json"
+        said = self._condition() if self._condition is not None else None
+        if said is not None:
+            headers[CONDITION_HEADER] = said.value
+            self._said = said
 
         async def attempt() -> BaseModel:
             try:
@@ -159,6 +198,11 @@ class CoordinatorClient:
                         code,
                     )
                 self.link.answered()
+                held = resp.headers.get(HEARD_HEADER)
+                if said is not None and resp.status < 400 and held is not None:
+                    self._heard_at = time.monotonic()
+                    with contextlib.suppress(ValueError):  # what the coordinator now holds
+                        self._said = NodeCondition(held)
                 if resp.status >= 400:
                     try:
                         err = ErrorBody.model_validate_json(raw)
@@ -199,6 +243,11 @@ class CoordinatorClient:
     async def round(self) -> RoundView:
         """The round as the coordinator sees this node; held by the coordinator until it opens
         (at most ``round_wait_s``) when the previous answer said it waits for members."""
+        reported, self._reported = self._reported, None
+        if reported is not None and time.monotonic() - reported[1] < REPORTED_VIEW_S:
+            view = reported[0]
+            self._waiting = view.state == RoundState.WAITING
+            return view
         wait = self.timeouts.round_wait_s
         if self._waiting and self._round_long_poll and wait > 0:
             try:
@@ -237,7 +286,9 @@ class CoordinatorClient:
         raise TypeError(f"unexpected response type {type(out).__name__}")
 
     async def report(self, round_: int, report: RoundReport) -> None:
-        await self._call("report", report, round_=round_)
+        out = await self._call("report", report, round_=round_)
+        if isinstance(out, RoundView):
+            self._reported = (out, time.monotonic())
 
     async def checkpoint_grant(self, round_: int, offer: CheckpointUpload) -> UploadGrant:
         """A presigned PUT for θ_round as a checkpoint; ``CoordinatorError`` ``not_needed``."""

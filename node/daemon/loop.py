@@ -135,8 +135,9 @@ class NodeDaemon:
         #: Why the coordinator stopped accepting this node mid-run (``refuse``); None while it
         #: accepts it.
         self.refused: Refused | None = None
-        #: What the node is doing, as its heartbeats say (``node.daemon.condition``).
+        #: What the node is doing, as its heartbeats and requests say (``node.daemon.condition``).
         self.condition = Condition(self.links)
+        self.api.say(self.condition.now)
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -322,11 +323,20 @@ class NodeDaemon:
         return str(await self.node("save_idle"))
 
     async def _heartbeat(self) -> None:
+        """Beat into the silences: ``heartbeat_interval_s`` after the last request the
+        coordinator counted as one, and soon after the condition changed unless a request has
+        said the new one already. A revoked token is therefore learnt within one interval."""
         if self.joined is None:
             raise RuntimeError("the node has not joined yet")
         interval = self.joined.heartbeat_interval_s
+        wait = interval
         while True:
-            await self.condition.due(self.clock, interval)
+            await self.condition.due(self.clock, wait)
+            heard = self.api.heard()
+            if heard and heard.age_s < interval and heard.condition == self.condition.now():
+                wait = interval - heard.age_s  # a request said it all: beat into the silence
+                continue
+            wait = interval
             try:
                 await self.api.heartbeat(self.condition.now())
             except CoordinatorError as exc:

@@ -24,6 +24,7 @@ from coordinator.errors import Conflict, RoundError, TooLarge, UnknownRound
 from coordinator.machine import RoundMachine
 from coordinator.schema import DB_FILE
 from coordinator.signing import ManifestSigner
+from node.daemon.api import Heard
 from node.errors import CoordinatorError
 from protocol.keys import payload_key
 from protocol.messages import (
@@ -136,6 +137,18 @@ class FakeApi:
         self.node_id = node_id
         #: Reports this node sent, by round.
         self.reports: dict[int, RoundReport] = {}
+        #: What every call says the node is doing (``say``), and the last call that counted
+        #: as a heartbeat (condition, fake time), as the real coordinator counts them.
+        self._condition: Callable[[], NodeCondition] | None = None
+        self._heard: tuple[NodeCondition, float] | None = None
+
+    def say(self, condition: Callable[[], NodeCondition]) -> None:
+        self._condition = condition
+
+    def heard(self) -> Heard | None:
+        if self._heard is None:
+            return None
+        return Heard(self._heard[0], self.c.clock.now() - self._heard[1])
 
     def _note(self, endpoint: str, round_: int | None = None) -> None:
         self.c.calls.append((self.node_id, endpoint, round_))
@@ -151,6 +164,9 @@ class FakeApi:
                 self.c.waiting -= 1
         if self.node_id in self.c.revoked:
             raise CoordinatorError(401, "token_revoked", "this node's token was revoked")
+        said = self._condition() if self._condition is not None else None
+        if said is not None and self.c.machine.heard(self.node_id, said):
+            self._heard = (said, self.c.clock.now())  # no wire: said and answered at once
 
     async def join(self, client: str = "") -> JoinResponse:
         await self._reach()
@@ -192,6 +208,7 @@ class FakeApi:
 
     async def round(self) -> RoundView:
         await self._reach()
+        self._note("round")
         return self.c.machine.round_view(self.node_id)
 
     async def upload_grant(

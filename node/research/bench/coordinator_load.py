@@ -8,8 +8,12 @@ interval the join answered; ask for the round (long-polling while it waits for m
 "train" (a sleep of ``train_s`` plus up to ``spread_s``); ask for an upload grant; PUT a small
 payload of the announced size and sha256 to the presigned URL; submit; long-poll the signed
 manifest; "download and apply" it (a sleep of ``apply_s`` times 0.5 to 1.5; 0 makes every node
-report in the same instant, a worst case no real fleet produces); report a fingerprint. The
-payload is random bytes: the coordinator never decodes one.
+report in the same instant, a worst case no real fleet produces); report a fingerprint, whose
+answer is the next round's view. The payload is random bytes: the coordinator never decodes
+one. As the node daemon does, every request says what the node is doing
+(``X-Sparseloco-Condition``) and a heartbeat goes out only into a silence: an interval after the
+last answer the coordinator counted as one (``X-Sparseloco-Heard``), or ``GAP_S`` after a change
+of condition no request has said.
 
 Measured: latency per request type (p50, p99, max), every error, "last submit to manifest
 on every node" per round (from when the last submit was sent to when the last node held the
@@ -23,6 +27,7 @@ submit p99 < 250 ms, manifest everywhere < 2 s after the last submit, zero error
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import json
@@ -42,7 +47,15 @@ import uvloop
 
 from node.cluster.seaweed import EmbeddedStore
 from node.cluster.up import coordinator_toml, fetch_status, start_coordinator
-from protocol.messages import INSTANCE_HEADER, MemberState, RoundState
+from node.daemon.condition import GAP_S
+from protocol.messages import (
+    CONDITION_HEADER,
+    HEARD_HEADER,
+    INSTANCE_HEADER,
+    MemberState,
+    NodeCondition,
+    RoundState,
+)
 from protocol.routes import ROUTES
 from protocol.runconfig import RunConfig, Timing
 
@@ -103,6 +116,15 @@ class SimNode:
         self.rec = rec
         self.headers = {"Authorization": f"Bearer {token}", INSTANCE_HEADER: secrets.token_hex(8)}
         self.interval = 7.5
+        #: What the node is doing, and whether it changed since the heartbeat last looked.
+        self.condition = NodeCondition.TRAINING
+        self.changed = asyncio.Event()
+        #: The condition the coordinator holds for the node (the latest request said it, or
+        #: the last answer counted as a heartbeat named it), and when that answer came.
+        self.said: NodeCondition | None = None
+        self.heard_at: float | None = None
+        #: The view the last report was answered with.
+        self.reported: dict[str, Any] | None = None
 
     async def call(
         self, name: str, body: Any = None, *, round_: int | None = None, wait: float = 0.0
@@ -111,9 +133,10 @@ class SimNode:
         ep = ROUTES[name]
         params = {"wait": f"{wait:g}"} if wait else None
         data = None if body is None else json.dumps(body).encode()
-        headers = (
-            self.headers if data is None else {**self.headers, "Content-Type": "application/json"}
-        )
+        said = self.said = self.condition
+        headers = {**self.headers, CONDITION_HEADER: said.value}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S + wait)
         start = time.monotonic()
         try:
@@ -123,6 +146,10 @@ class SimNode:
             ) as resp:  # fmt: skip
                 raw = await resp.read()
                 status = resp.status
+                held = resp.headers.get(HEARD_HEADER)
+                if status < 400 and held is not None:
+                    self.heard_at = time.monotonic()
+                    self.said = NodeCondition(held)
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.rec.error(f"{name}:{type(exc).__name__}:{getattr(exc, 'errno', None)}")
             return 0, None
@@ -144,20 +171,39 @@ class SimNode:
             self.interval = float(joined["heartbeat_interval_s"])
         return status == 200
 
+    def say(self, condition: NodeCondition) -> None:
+        if condition != self.condition:
+            self.condition = condition
+            self.changed.set()
+
     async def heartbeat(self) -> None:
-        await asyncio.sleep(random.uniform(0, self.interval))
+        """Beat into silences as the node daemon does (``node.daemon.loop``, ``condition``):
+        an interval after the last answer counted as one, and ``GAP_S`` after a change of
+        condition that no request has said."""
+        wait = random.uniform(0, self.interval)
         while True:
+            await asyncio.sleep(min(wait, GAP_S))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), max(0.0, wait - GAP_S))
+            self.changed.clear()
+            age = time.monotonic() - self.heard_at if self.heard_at else self.interval
+            if self.said == self.condition and age < self.interval:
+                wait = self.interval - age
+                continue
+            wait = self.interval
             status, body = await self.call("heartbeat")
             if status == 409 and isinstance(body, dict) and body.get("error") == "not_member":
                 await self.join()  # timed out: a node daemon joins again
-            await asyncio.sleep(self.interval)
 
     async def wait_open(self, r: int) -> dict[str, Any]:
         """The round view once round ``r`` is open (polling as a node daemon does)."""
         waiting = False
         while True:
             wait = ROUND_WAIT_S if waiting and self.rec.round_long_poll else 0.0
-            status, view = await self.call("round", wait=wait)
+            if self.reported is not None:  # the report's answer, as the node's client takes it
+                status, view, self.reported = 200, self.reported, None
+            else:
+                status, view = await self.call("round", wait=wait)
             waiting = status == 200 and view["state"] == RoundState.WAITING
             if status == 422 and wait and isinstance(view, dict) and view.get("field") == "wait":
                 self.rec.round_long_poll = False  # an older coordinator: poll instead
@@ -219,17 +265,23 @@ class SimNode:
         self.rec.last_submit_sent[r] = max(self.rec.last_submit_sent.get(r, 0.0), sent)
         if status != 200:
             return
-        while True:
-            status, view = await self.call("manifest", round_=r, wait=MANIFEST_WAIT_S)
-            if status == 200:
-                break
-            if status != 202:
-                return
+        self.say(NodeCondition.WAITING)
+        try:
+            while True:
+                status, view = await self.call("manifest", round_=r, wait=MANIFEST_WAIT_S)
+                if status == 200:
+                    break
+                if status != 202:
+                    return
+        finally:
+            self.say(NodeCondition.TRAINING)
         self.rec.manifest_at[r].append(time.monotonic())
         if len(view["urls"]) != len(view["signed"]["manifest"]["gather"]):
             self.rec.error("manifest:urls")
         await asyncio.sleep(apply_s * random.uniform(0.5, 1.5))
-        await self.call("report", {"fingerprint": fingerprint(r + 1)}, round_=r)
+        status, view = await self.call("report", {"fingerprint": fingerprint(r + 1)}, round_=r)
+        if status == 200 and isinstance(view, dict) and "state" in view:
+            self.reported = view
 
 
 def _cpu_s(pid: int) -> float:
