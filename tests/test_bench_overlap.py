@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from node.cli import parse
-from node.research.bench.utilisation import link_rate, markdown, utilisation
+from node.research.bench.utilisation import link_rate, markdown, schedules, utilisation
 
 
 def summary(durations: list[float], train: dict[str, list[float]], moved: int) -> dict:
@@ -51,21 +51,28 @@ def test_too_few_rounds_are_refused() -> None:
 
 def test_the_table_names_every_schedule() -> None:
     u = utilisation(summary([9, 9, 9, 9], {"a": [3, 3, 3, 3]}, 10))
+    names = ("uncapped", "plain", "merge", "merge:10", "eager")
     text = markdown(
         {
             "rate_bytes_s": 1000.0,
             "link_share": 1.0,
-            **dict.fromkeys(("uncapped", "plain", "overlap"), u),
+            "runs": dict.fromkeys(names, u),
+            "final_eval_loss": {"plain": 2.5, "merge": 2.25},
         }
     )
     assert "8.0 kbit/s" in text
-    assert [line.split("|")[1].strip() for line in text.splitlines()[4:]] == [
-        "uncapped",
-        "plain",
-        "overlap",
-    ]
+    rows = [line.split("|") for line in text.splitlines()[4:]]
+    assert [row[1].strip() for row in rows] == list(names)
+    assert [row[6].strip() for row in rows] == ["-", "2.5000", "2.2500", "-", "-"]
+
+
+def test_schedules_are_read_with_their_merge_step() -> None:
+    assert schedules("merge, merge:10,eager") == [("merge", None), ("merge", 10), ("eager", None)]
+    for bad in ("", "merge:0", "merge:x", "eager:3", "sideways"):
+        with pytest.raises(ValueError):
+            schedules(bad)
 
 
 def test_the_command_takes_its_documented_flags() -> None:
     args = parse(["bench", "overlap", "--nodes", "3", "--preset", "small", "--link-share", "1"])
-    assert (args.nodes, args.preset, args.link_share, args.variant) == (3, "small", 1.0, "eager")
+    assert (args.nodes, args.preset, args.link_share, args.variant) == (3, "small", 1.0, "merge")

@@ -157,21 +157,30 @@ async def test_requests_are_heartbeats_and_only_a_silence_gets_one(harness) -> N
             h.coord.advance(0.25)
             await asyncio.sleep(0.01)
 
-    await until(lambda: asks() > 0, "node-0 to ask for the round")
-    before, asked = beats(), asks()
-    await let_pass(4 * interval)
-    assert asks() > asked + 4 and beats() == before  # it asked all along: heard, no heartbeat
+    try:
+        await until(lambda: asks() > 0, "node-0 to ask for the round")
+        before, asked = beats(), asks()
+        await let_pass(4 * interval)
+        assert asks() > asked + 4, "node-0 stopped asking"
+        assert beats() == before  # it asked all along: heard, no heartbeat
 
-    tasks.append(h.start(h.daemon("node-1")))
-    await until(
-        lambda: lonely.ctx.shard is not None and lonely.ctx.shard.worker.local_steps > 0,
-        "node-0 to train",
-    )
-    before = beats()
-    await let_pass(4 * interval)
-    assert 3 <= beats() - before <= 5  # silent while it trains: one per interval
-    for node in ("node-0", "node-1"):
-        h.coord.revoked.add(node)
+        tasks.append(h.start(h.daemon("node-1")))
+        await until(
+            lambda: lonely.ctx.shard is not None and lonely.ctx.shard.worker.local_steps > 0,
+            "node-0 to train",
+        )
+        before = beats()
+        await let_pass(4 * interval)
+        assert 3 <= beats() - before <= 5  # silent while it trains: one per interval
+    finally:  # revoked, the nodes abandon their endless training between two steps
+        for node in ("node-0", "node-1"):
+            h.coord.revoked.add(node)
+        waited = 0.0
+        async with asyncio.timeout(HANG_S):
+            while not all(task.done() for task in tasks):
+                await let_pass(0.5)
+                waited += 0.5
+    assert waited <= interval + 1.0  # each learnt it within one interval of fake time
     for task in tasks:
         with pytest.raises(Refused):
-            await asyncio.wait_for(task, HANG_S)
+            await task

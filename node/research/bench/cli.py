@@ -68,7 +68,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         default=1.0,
         help="a round's transfers take this times its training on the capped links",
     )
-    o.add_argument("--variant", choices=("delayed", "eager", "merge"), default="eager")
+    o.add_argument(
+        "--variant",
+        default="merge",
+        help="overlap schedules to run after plain, comma-separated: delayed, eager, merge,"
+        " merge:TAU (merge at inner step TAU); default merge at the run's default τ",
+    )
     o.add_argument("--dir", dest="run_dir", help="keep the three runs' folders here")
     o.add_argument("--json", dest="json_out", metavar="OUT")
     o.set_defaults(func=_cmd_bench_overlap)

@@ -11,7 +11,9 @@ node processes on loopback):
 2. **plain** with that cap on every node's uploads and downloads (``--upload-limit``,
    ``--download-limit``: the token buckets of ``node.daemon.ratelimit``; this kernel has no
    ``netem``);
-3. **overlap** (``eager`` unless told otherwise) with the same cap.
+3. one run per overlap schedule asked for (``merge`` at the run's default τ unless told
+   otherwise; ``--variant merge:10,eager`` runs merge at τ = 10 and then eager) with the same
+   cap, so every ratio comes from one invocation on the same links.
 
 Utilisation = Σ training seconds / Σ round durations over the steady rounds, per node, then the
 mean over nodes; and the same for the node that trained longest in each round (the one the round
@@ -81,20 +83,40 @@ def link_rate(result: dict[str, Any], link_share: float) -> float:
     return statistics.median(samples)
 
 
+def schedules(spec: str) -> list[tuple[str, int | None]]:
+    """``"merge,merge:10,eager"`` as (overlap, τ or None) pairs; ``ValueError`` if malformed."""
+    out: list[tuple[str, int | None]] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, tau = item.partition(":")
+        if name not in ("delayed", "eager", "merge") or (tau and name != "merge"):
+            raise ValueError(f"unknown schedule {item!r}: use delayed, eager, merge or merge:TAU")
+        if tau and not (tau.isdigit() and int(tau) >= 1):
+            raise ValueError(f"{item!r}: τ must be a whole number of inner steps, at least 1")
+        out.append((name, int(tau) if tau else None))
+    if not out:
+        raise ValueError("name at least one overlap schedule")
+    return out
+
+
+def label(overlap: str, tau: int | None) -> str:
+    return overlap if tau is None else f"{overlap}:{tau}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     rate = report["rate_bytes_s"]
     lines = [
         f"link cap: {rate * 8 / 1e3:.1f} kbit/s each way per node"
         f" (transfers ≈ {report['link_share']:g} × training)",
         "",
-        "| schedule | utilisation, mean of nodes | slowest node | round s | training s |",
-        "|---|---:|---:|---:|---:|",
+        "| schedule | utilisation, mean of nodes | slowest node | round s | training s"
+        " | final eval loss |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    for name in ("uncapped", "plain", "overlap"):
-        u = report[name]
+    for name, u in report["runs"].items():
+        loss = report["final_eval_loss"].get(name)
         lines.append(
             f"| {name} | {u['utilisation']:.3f} | {u['slowest']:.3f} | {u['round_s']:.2f}"
-            f" | {u['train_s']:.2f} |"
+            f" | {u['train_s']:.2f} | {'-' if loss is None else f'{loss:.4f}'} |"
         )
     return "\n".join(lines)
 
@@ -107,10 +129,11 @@ def run(
     preset: str,
     run_dir: str | None,
     link_share: float = 1.0,
-    overlap: str = "eager",
+    overlap: str = "merge",
 ) -> dict[str, Any]:
     if rounds < 3:
         raise ValueError("--rounds must be at least 3 (the first and last are not steady)")
+    asked = schedules(overlap)
     root = Path(run_dir) if run_dir else None
 
     def one(name: str, **options: Any) -> dict[str, Any]:
@@ -128,32 +151,25 @@ def run(
     calibration = one("uncapped")
     rate = link_rate(calibration, link_share)
     cap = f"{rate:.0f}"  # bytes per second
-    plain = one("plain", upload_limit=cap, download_limit=cap)
-    overlapped = one("overlap", overlap=overlap, upload_limit=cap, download_limit=cap)
+    results = {"uncapped": calibration}
+    results["plain"] = one("plain", upload_limit=cap, download_limit=cap)
+    for name, tau in asked:
+        results[label(name, tau)] = one(
+            label(name, tau).replace(":", "-tau-"), overlap=name, overlap_tau=tau,
+            upload_limit=cap, download_limit=cap,
+        )  # fmt: skip
     report = {
         "nodes": nodes,
         "rounds": rounds,
         "preset": preset,
         "link_share": link_share,
         "rate_bytes_s": rate,
-        "overlap_variant": overlap,
-        "uncapped": utilisation(calibration),
-        "plain": utilisation(plain),
-        "overlap": utilisation(overlapped),
+        "schedules": [label(name, tau) for name, tau in asked],
+        "runs": {name: utilisation(result) for name, result in results.items()},
         # Median seconds per phase (``bench round``'s table) of each run, for the diagnosis.
-        "phases": {
-            name: phase_table(result)
-            for name, result in (
-                ("uncapped", calibration),
-                ("plain", plain),
-                ("overlap", overlapped),
-            )
-        },
-        "final_eval_loss": {
-            "plain": plain["final_eval_loss"],
-            "overlap": overlapped["final_eval_loss"],
-        },
-        "fingerprints_agree": plain["fingerprints_agree"] and overlapped["fingerprints_agree"],
+        "phases": {name: phase_table(result) for name, result in results.items()},
+        "final_eval_loss": {name: result["final_eval_loss"] for name, result in results.items()},
+        "fingerprints_agree": all(r["fingerprints_agree"] for r in results.values()),
     }
     print(markdown(report))
     if json_out:
