@@ -169,18 +169,18 @@ async def test_the_fetcher_downloads_once_evicts_old_shards_and_a_stop_ends_a_wa
 
 
 def test_up_trains_a_llama_model_on_bpe_shards_streamed_from_the_store(tmp_path: Path) -> None:
-    """The README's two commands, as typed there (in a folder where ``node/corpus`` is the
-    bundled corpus): ``sparseloco data prepare ... --train-bpe 4096`` then ``sparseloco up
-    --preset llama_bpe --data ds``. The nodes stream their own shards from the run's store; each
+    """The two commands of docs/commands.md, as typed there (in a folder where ``node/corpus``
+    is the bundled corpus): ``sparseloco data prepare ... --train-bpe 4096`` then ``sparseloco
+    up --preset llama_bpe --data ds``. The nodes stream their own shards from the run's store; each
     holds a few shards of its slot, none the whole dataset."""
     (tmp_path / "node").mkdir()
     (tmp_path / "node" / "corpus").symlink_to(CORPUS)
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    doc = (Path(__file__).parent.parent / "docs" / "commands.md").read_text()
     prepare_line = (
         "sparseloco data prepare node/corpus --out ds --train-bpe 4096 --shard-tokens 16384"
     )
     up_line = "sparseloco up --preset llama_bpe --data ds --nodes 2 --rounds 3"
-    assert prepare_line in readme and up_line in readme
+    assert prepare_line in doc and up_line in doc
     prep = subprocess.run(
         [str(BIN / "sparseloco"), *prepare_line.split()[1:]],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,

@@ -1,4 +1,4 @@
-"""The operator's path in README.md, command for command, with real processes.
+"""The operator's guide (docs/operators-guide.md), command for command, with real processes.
 
 A new operator on one machine: starts the store (``sparseloco store``), writes ``run.toml`` from
 ``deploy/run.example.toml``, starts ``sparseloco coordinator --config run.toml``, invites two
