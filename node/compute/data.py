@@ -20,7 +20,6 @@ Errors::
 from __future__ import annotations
 
 import glob
-import hashlib
 import itertools
 import os
 from pathlib import Path
@@ -29,6 +28,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from node.compute.seeds import stream_seed
+from node.compute.stream import ShardStream
 from node.errors import DataError
 from protocol.dataset import MANIFEST_FILE, DatasetManifest, parse_manifest
 
@@ -85,12 +86,6 @@ def load_corpus(spec: str | os.PathLike[str] | None) -> bytes:
             " or a glob pattern such as 'data/**/*.txt'"
         )
     return _read_files(files)
-
-
-def stream_seed(*numbers: int) -> int:
-    """A 63-bit generator seed from integers, stable across platforms and Python versions."""
-    digest = hashlib.blake2b(":".join(map(str, numbers)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class ByteCorpus:
@@ -274,8 +269,6 @@ def open_corpus(
     if spec is not None and not isinstance(spec, str | os.PathLike):
         return spec
     if spec is not None and (Path(spec) / MANIFEST_FILE).is_file():
-        from node.compute.stream import ShardStream
-
         root = Path(spec)
         try:
             manifest = parse_manifest((root / MANIFEST_FILE).read_bytes())

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from node.compute.model import LanguageModel, ModelConfig
+from node.compute.modelbase import LanguageModel
+from node.compute.modelconfig import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -29,6 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from node.compute.llama import Llama
+from node.compute.modelbase import LanguageModel
+
 # The shape and the named sizes live apart, without torch (the console script's help reads them).
 from node.compute.modelconfig import PRESETS, ModelConfig, get_preset
 
@@ -101,44 +104,6 @@ class Block(nn.Module):
         """Add the attention and MLP updates to the residual stream."""
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
-
-
-class LanguageModel(nn.Module):
-    """What both architectures share: ``cfg``, token ids (B, T) in, logits (B, T, V) out, the
-    loss, and which matrices feed the residual stream (initialised smaller with depth)."""
-
-    residual: tuple[str, ...] = ()
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-
-    def check_input(self, idx: Tensor) -> None:
-        if idx.dim() != 2:
-            raise ValueError(f"idx must have shape (batch, time), got {tuple(idx.shape)}")
-        if idx.shape[1] > self.cfg.ctx_len:
-            raise ValueError(
-                f"sequence length {idx.shape[1]} exceeds the model's ctx_len={self.cfg.ctx_len}"
-            )
-
-    def reset_buffers(self) -> None:
-        """Fill computed buffers after ``to_empty`` (none here)."""
-
-    def units(self) -> list[nn.Module]:
-        """The transformer blocks, in order: what FSDP shards one by one (``node.compute.fsdp``)."""
-        raise NotImplementedError
-
-    def edges(self) -> list[nn.Module]:
-        """Modules outside the blocks that FSDP may shard as units of their own (the embedding
-        and a separate output head: with a large vocabulary, more than a block each)."""
-        return []
-
-    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy in nats over all (B, T) positions."""
-        logits = self(idx)
-        # Cross-entropy in fp32 even under bf16 autocast: log-softmax in bf16 loses enough
-        # precision to show in the loss curve.
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class GPT(LanguageModel):
@@ -218,8 +183,6 @@ def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def model_class(cfg: ModelConfig) -> type[LanguageModel]:
     """The module class of ``cfg.arch``."""
     if cfg.arch == "llama":
-        from node.compute.llama import Llama
-
         return Llama
     return GPT
 

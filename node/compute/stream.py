@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from node.compute.data import stream_seed
+from node.compute.seeds import stream_seed
 from node.errors import DataError
 from protocol.dataset import DatasetManifest, ShardInfo
 

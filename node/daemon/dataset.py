@@ -19,6 +19,9 @@ Downloads go through the daemon's ``Transfers`` (bounded retries, the node's ban
 with URLs asked for per batch of files, just in time, so none outlives its presigning. The
 folder keeps at most ``keep`` train shards besides the held-out ones: the oldest are deleted
 first, so a node never holds more than a few shards of a dataset of any size.
+
+On a node of several processes (``node.daemon.ranks``) only rank 0 downloads; the other ranks
+read the same folder through ``follower_stream``, waiting for each shard to appear there.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import concurrent.futures
 import logging
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -51,6 +55,9 @@ KEEP = 6
 _POLL_S = 0.5
 #: Longest pause between two tries of a shard the node waits for.
 RETRY_MAX_S = 30.0
+#: How often a follower waiting for a shard file looks again, and how long it waits at most.
+SHARD_POLL_S = 0.2
+SHARD_WAIT_S = 24 * 3600.0
 
 
 class ShardFetcher:
@@ -284,3 +291,39 @@ async def open_waiting(
         if stop.is_set():
             raise Abandoned()
         pause = min(RETRY_MAX_S, 2 * pause)
+
+
+# -- the other ranks of a torchrun node (node.daemon.ranks) ----------------------------------------
+
+
+class SharedFolder:
+    """A follower's ``Fetch`` for the run's dataset: rank 0 downloads every shard the node
+    trains on (it trains on the same step at the same time), so a follower waits for the file
+    to appear in the shared folder; rank 0 also does the read-ahead."""
+
+    def __init__(self, root: Path, stop: threading.Event) -> None:
+        self.root = root
+        self.stop = stop
+
+    def __call__(self, shards: Sequence[ShardInfo], *, wait: bool) -> None:
+        if not wait:
+            return
+        deadline = time.monotonic() + SHARD_WAIT_S
+        for info in shards:
+            while not (self.root / info.name).is_file():
+                if self.stop.is_set():
+                    raise Abandoned()
+                if time.monotonic() > deadline:
+                    raise DataError(f"shard {info.name} never appeared in {self.root}")
+                time.sleep(SHARD_POLL_S)
+
+
+def follower_stream(root: Path, run: RunConfig, stop: threading.Event) -> ShardStream:
+    """The run's dataset as a follower reads it: the folder rank 0 streams it into (``stop``
+    ends a wait for a shard)."""
+    try:
+        manifest = parse_manifest((root / MANIFEST_FILE).read_bytes(), run.dataset)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{root}: the run's dataset manifest is not readable here: {exc}") from exc
+    ctx_len = get_preset(run.model).ctx_len
+    return ShardStream(root, manifest, ctx_len=ctx_len, fetch=SharedFolder(root, stop))

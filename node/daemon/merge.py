@@ -11,7 +11,8 @@ and subtracts the step they took, θ_k - θ_{k+1}, from the parameters being tra
 without overlap (``RunConfig.base_round``).
 
 The hand-off is one ``Handoff`` per round: the compute thread blocks on the event loop's
-result of the transfers (``Handoff.wait``); anything but a gather set to merge (a stop, a θ that
+result of the transfers (``Handoff.wait``, called by ``node.daemon.ops.merge_now`` inside the
+``train`` op); anything but a gather set to merge (a stop, a θ that
 diverged from the manifest's base, round k's payloads pruned, a failure) abandons round k+1's
 training before θ is touched, and the round loop finishes round k the plain way
 (``RoundFinisher.finish``: resync, skip to a checkpoint, or stop), since those steps need the
@@ -28,13 +29,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from node.daemon.rounds import Gathered
 from node.errors import Abandoned
-
-if TYPE_CHECKING:
-    from node.daemon.ops import RankContext
 
 Rejected = dict[str, str]
 
@@ -71,22 +68,3 @@ class Handoff:
             raise Abandoned()
         self.gathered = gathered
         return gathered
-
-
-def merge_now(ctx: RankContext, handoff: Handoff) -> None:
-    """(compute thread, after τ inner steps) Wait for round ``handoff.round``'s gather set,
-    check θ against its base, validate and merge it (``Worker.merge``)."""
-    from node.daemon.ops import read_gather
-
-    gathered = handoff.wait()
-    worker = ctx.worker
-    base = gathered.manifest.base_fingerprint
-    if base is not None and base != worker.fingerprint():
-        handoff.diverged = True
-        raise Abandoned()
-    invalid = read_gather(ctx, handoff.round, gathered.blobs)
-    try:
-        screened = worker.merge(worker.gathered)
-    finally:
-        worker.gathered = {}
-    handoff.applied = (invalid, screened)

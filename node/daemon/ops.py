@@ -36,10 +36,11 @@ from node.compute.data import Corpus
 from node.compute.group import Group
 from node.compute.worker import TrainResult, Worker, check_payload_header
 from node.daemon import pending as saves
-from node.daemon.merge import Handoff, merge_now
+from node.daemon.dataset import follower_stream
+from node.daemon.merge import Handoff
 from node.daemon.pending import PendingRound, Shard
 from node.daemon.settings import NodeSettings
-from node.errors import RanksError
+from node.errors import Abandoned, RanksError
 from protocol.errors import PayloadError
 from protocol.messages import JoinResponse
 
@@ -109,8 +110,6 @@ def setup(
     if s.threads:
         torch.set_num_threads(s.threads)
     if data is None and dataset_root is not None:
-        from node.daemon.ranks import follower_stream
-
         data = follower_stream(Path(dataset_root), joined.run, ctx.stop)
     worker = Worker(
         joined.run,
@@ -171,6 +170,23 @@ def train(
     if merge is None or tau is None:
         return worker.train_and_compress(round_, offset)
     return worker.train_and_compress(round_, offset, merge=(tau, lambda: merge_now(ctx, merge)))
+
+
+def merge_now(ctx: RankContext, handoff: Handoff) -> None:
+    """(compute thread, after τ inner steps) Wait for round ``handoff.round``'s gather set,
+    check θ against its base, validate and merge it (``Worker.merge``)."""
+    gathered = handoff.wait()
+    worker = ctx.worker
+    base = gathered.manifest.base_fingerprint
+    if base is not None and base != worker.fingerprint():
+        handoff.diverged = True
+        raise Abandoned()
+    invalid = read_gather(ctx, handoff.round, gathered.blobs)
+    try:
+        screened = worker.merge(worker.gathered)
+    finally:
+        worker.gathered = {}
+    handoff.applied = (invalid, screened)
 
 
 @op

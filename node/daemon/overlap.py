@@ -30,17 +30,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from node.compute.worker import TrainResult
+from node.daemon.host import RoundDaemon
 from node.daemon.merge import Handoff
 from node.daemon.pending import PendingRound
-from node.daemon.rounds import Gathered
+from node.daemon.rounds import Gathered, RoundFinisher
 from node.daemon.upload import submit
 from node.errors import Abandoned, TransferError
 from protocol.messages import RoundState, RoundView
-
-if TYPE_CHECKING:
-    from node.daemon.loop import NodeDaemon
 
 CLOSED = RoundState.CLOSED
 
@@ -48,7 +47,24 @@ CLOSED = RoundState.CLOSED
 OPEN_POLL_S = 0.25
 
 
-def beside(d: NodeDaemon, view: RoundView) -> bool:
+class OverlapDaemon(RoundDaemon, Protocol):
+    """What an overlapped step needs of the daemon (``node.daemon.loop.NodeDaemon``): what
+    finishing a round needs (``node.daemon.host``), its finisher, and training."""
+
+    @property
+    def finisher(self) -> RoundFinisher: ...
+
+    async def train(
+        self,
+        round_: int | None = None,
+        eager_from: int | None = None,
+        merge: Handoff | None = None,
+    ) -> TrainResult: ...
+
+    async def save_trained(self, pending: PendingRound) -> None: ...
+
+
+def beside(d: OverlapDaemon, view: RoundView) -> bool:
     """Whether the next round can train beside the transfers of the round θ is at: not the
     run's last round, not a closed round being caught up on, and not round 0's first training
     (nothing in flight yet), also while round 0 still waits for members: then no one is
@@ -60,7 +76,7 @@ def beside(d: NodeDaemon, view: RoundView) -> bool:
     return not (first and (view.expected or view.state == RoundState.WAITING))
 
 
-async def step(d: NodeDaemon) -> None:
+async def step(d: OverlapDaemon) -> None:
     """Train round k+1 while round k's payloads travel, then apply round k and commit k+1."""
     k = d.worker.round
     pending = d.pending if d.pending is not None and d.pending.round == k else None
@@ -105,7 +121,7 @@ async def step(d: NodeDaemon) -> None:
 
 
 async def communicate(
-    d: NodeDaemon, pending: PendingRound | None, k: int, merging: bool = False
+    d: OverlapDaemon, pending: PendingRound | None, k: int, merging: bool = False
 ) -> Gathered | None:
     """(event loop, beside training) Send round k's payload, then fetch round k's gather set.
 
@@ -141,7 +157,7 @@ async def communicate(
     return Gathered(manifest, *fetched, time.perf_counter() - t0)
 
 
-async def send_when_open(d: NodeDaemon, pending: PendingRound) -> None:
+async def send_when_open(d: OverlapDaemon, pending: PendingRound) -> None:
     """Submit ``pending`` once its round opens; nothing if the round went on without the node
     (closed before, or it is not expected): then step 9 keeps the contribution."""
     r = pending.round
@@ -164,7 +180,7 @@ async def send_when_open(d: NodeDaemon, pending: PendingRound) -> None:
         await d.sleep(OPEN_POLL_S)  # round r-1 is still open, or round r waits for members
 
 
-async def _give_back(d: NodeDaemon, round_: int) -> None:
+async def _give_back(d: OverlapDaemon, round_: int) -> None:
     """A trained round that will not be sent: ĉ back into e (nothing the node computed is lost
     while it keeps running; the state on disk never had it)."""
     if d.stopping.is_set():

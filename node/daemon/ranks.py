@@ -29,31 +29,25 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 import traceback
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Coroutine
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from node.compute.group import STOP, Group
-from node.compute.model import get_preset
-from node.compute.stream import ShardStream
 from node.daemon.ops import OPS, RankContext
 from node.daemon.settings import NodeSettings
-from node.errors import Abandoned, DataError, RanksError
-from protocol.dataset import MANIFEST_FILE, ShardInfo, parse_manifest
+from node.errors import Abandoned, RanksError
 from protocol.errors import SparseLoCoError
-from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.ranks")
 
 #: Failures every rank meets alike inside an op (agreed there): a follower goes on to the next.
 AGREED = (Abandoned, FloatingPointError, SparseLoCoError)
-#: How often a follower waiting for a shard file looks again, and how long it waits at most.
-SHARD_POLL_S = 0.2
-SHARD_WAIT_S = 24 * 3600.0
+
+#: The daemon rank 0 runs: ``node.daemon.serve.serve`` (given by its caller, which imports this
+#: module: the import runs one way).
+Serve = Callable[[NodeSettings, Group], Coroutine[Any, Any, int]]
 
 
 def torchrun_world() -> int:
@@ -66,8 +60,9 @@ def torchrun_world() -> int:
         return 1
 
 
-def run_ranks(settings: NodeSettings) -> int:
-    """This process's part of a torchrun node: the daemon on rank 0, a follower elsewhere.
+def run_ranks(settings: NodeSettings, serve: Serve) -> int:
+    """This process's part of a torchrun node: the daemon (``serve``) on rank 0, a follower
+    elsewhere.
 
     Every rank leaves through ``os._exit`` once its part is done, without tearing down its gloo
     groups: by then everything it owns is saved (every save is an op, committed before rank 0
@@ -76,7 +71,7 @@ def run_ranks(settings: NodeSettings) -> int:
     torchrun then reports as a failed node."""
     group = Group.from_env()
     try:
-        code = _lead(settings, group) if group.leader else follow(settings, group)
+        code = _lead(settings, group, serve) if group.leader else follow(settings, group)
     except SparseLoCoError as exc:
         print(f"sparseloco: error: {exc}", file=sys.stderr)
         code = 2
@@ -96,12 +91,10 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _lead(settings: NodeSettings, group: Group) -> int:
+def _lead(settings: NodeSettings, group: Group, serve: Serve) -> int:
     import uvloop
 
-    from node.daemon.serve import serve
-
-    code = uvloop.run(serve(settings, group=group))
+    code = uvloop.run(serve(settings, group))
     # The daemon ended cleanly (finished, stopped or refused): its compute thread is done and
     # the followers wait for the next op. Were it to fail instead, its exit would end their
     # wait (a collective with a dead rank fails at once).
@@ -149,36 +142,3 @@ def follow(settings: NodeSettings, group: Group) -> int:
                 "event=rank_setup rank=%d model=%s owned=%d", group.rank,
                 ctx.shard.worker.run.model, len(ctx.shard.worker.owned),
             )  # fmt: skip
-
-
-class SharedFolder:
-    """A follower's ``Fetch`` for the run's dataset: rank 0 downloads every shard the node
-    trains on (it trains on the same step at the same time), so a follower waits for the file
-    to appear in the shared folder; rank 0 also does the read-ahead."""
-
-    def __init__(self, root: Path, stop: threading.Event) -> None:
-        self.root = root
-        self.stop = stop
-
-    def __call__(self, shards: Sequence[ShardInfo], *, wait: bool) -> None:
-        if not wait:
-            return
-        deadline = time.monotonic() + SHARD_WAIT_S
-        for info in shards:
-            while not (self.root / info.name).is_file():
-                if self.stop.is_set():
-                    raise Abandoned()
-                if time.monotonic() > deadline:
-                    raise DataError(f"shard {info.name} never appeared in {self.root}")
-                time.sleep(SHARD_POLL_S)
-
-
-def follower_stream(root: Path, run: RunConfig, stop: threading.Event) -> ShardStream:
-    """The run's dataset as a follower reads it: the folder rank 0 streams it into (``stop``
-    ends a wait for a shard)."""
-    try:
-        manifest = parse_manifest((root / MANIFEST_FILE).read_bytes(), run.dataset)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{root}: the run's dataset manifest is not readable here: {exc}") from exc
-    ctx_len = get_preset(run.model).ctx_len
-    return ShardStream(root, manifest, ctx_len=ctx_len, fetch=SharedFolder(root, stop))

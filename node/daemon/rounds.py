@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from node.daemon.gather import Blobs, fetch_gather
+from node.daemon.host import RoundDaemon
 from node.daemon.pending import PendingRound
 from node.daemon.retry import Backoff
 from node.daemon.upload import submit
@@ -39,9 +39,6 @@ from node.errors import CoordinatorError, RetriesExhausted, TransferError
 from protocol.causes import cause
 from protocol.messages import Manifest, ManifestView, Mass, RoundReport, RoundState, RoundView
 from protocol.signing import verify_manifest
-
-if TYPE_CHECKING:
-    from node.daemon.loop import NodeDaemon
 
 #: Attempts at a gather set that answer 404 (each with fresh URLs) before the round counts as
 #: pruned by retention.
@@ -64,7 +61,7 @@ class Gathered:
 class RoundFinisher:
     """The steps after training, for one daemon (its seams, worker and pending round)."""
 
-    def __init__(self, daemon: NodeDaemon) -> None:
+    def __init__(self, daemon: RoundDaemon) -> None:
         self.d = daemon
 
     async def finish(self, r: int) -> None:

@@ -59,7 +59,7 @@ def run_node(settings: NodeSettings) -> int:
     """Run a node to completion on uvloop; the exit status."""
     return_large_blocks()  # freed tensors go back to the system (node.compute.heap)
     if torchrun_world() >= 1:  # under torchrun, one process or more
-        return run_ranks(settings)
+        return run_ranks(settings, serve)
     import uvloop
 
     return uvloop.run(serve(settings))

@@ -20,18 +20,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from node.daemon import multipart
+from node.daemon.host import Daemon
 from node.daemon.pending import PendingRound
 from node.daemon.retry import Backoff
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
 from protocol.causes import cause
 from protocol.messages import RoundState, SubmitRequest, UploadGrant
 from protocol.parts import CompletedPart, UploadComplete
-
-if TYPE_CHECKING:
-    from node.daemon.loop import NodeDaemon
 
 log = logging.getLogger("sparseloco.node")
 
@@ -49,7 +46,7 @@ def _reusable(grant: UploadGrant, age_s: float) -> bool:
 
 
 async def _upload(
-    d: NodeDaemon, round_: int, grant: UploadGrant, payload: bytes, done: dict[int, CompletedPart]
+    d: Daemon, round_: int, grant: UploadGrant, payload: bytes, done: dict[int, CompletedPart]
 ) -> None:
     """The payload through ``grant``: one PUT, or every part not ``done`` and then the
     completion."""
@@ -67,7 +64,7 @@ async def _upload(
         raise TransferError(f"upload: {exc}", exc.status) from exc
 
 
-async def submit(d: NodeDaemon, pending: PendingRound) -> None:
+async def submit(d: Daemon, pending: PendingRound) -> None:
     """Upload through a presigned PUT and announce it; a missed round is not an error.
 
     While the store does not take the payload, the upload is tried again (a new grant each

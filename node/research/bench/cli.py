@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 
+from node.research.bench import node_work_flags
+
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (reported numbers, never pass/fail)")
@@ -102,7 +104,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     n = bench.add_parser(
         "node-work", help="the node's own work per round and rank, memory per rank (1, 2, 4 ranks)"
     )
-    node_work_flags(n).set_defaults(func=_cmd_bench_node_work)
+    node_work_flags.add_flags(n).set_defaults(func=_cmd_bench_node_work)
     v = bench.add_parser(
         "speed", help="the node's tokens/s round by round beside simulate's (runs up, simulate)"
     )
@@ -141,21 +143,6 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="run nothing: compare a saved --json report's runs with the projection again",
     )
     wan.set_defaults(func=_cmd_bench_wan)
-
-
-def node_work_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``bench node-work``'s flags (``node.research.bench.node_work``)."""
-    p.add_argument("--preset", help="model preset (default: the 81 M benchmark shape)")
-    p.add_argument("--ranks", default="1,2,4", help="rank counts to measure (default 1,2,4)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--peers", type=int, default=16)
-    p.add_argument("--train-steps", type=int, default=0, help="real inner steps a round (0: none)")
-    p.add_argument("--batch-size", type=int, default=4, help="the node's batch (>= every ranks)")
-    p.add_argument("--ctx-len", type=int, help="another context length for the model")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--state-dir", help="where the state files go (default: a temp dir)")
-    p.add_argument("--json", dest="json_out", metavar="OUT")
-    return p
 
 
 def _cmd_bench_codec(args: argparse.Namespace) -> int:

@@ -56,6 +56,7 @@ from node.compute.sharding import balance
 from node.compute.worker import Worker
 from node.daemon.pending import Shard, save_applied, save_submitting
 from node.research.bench.codec_bench import error_buffer
+from node.research.bench.node_work_flags import add_flags
 from node.research.bench.spawn import spawn
 from protocol.codec import encode
 from protocol.runconfig import RunConfig
@@ -375,10 +376,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from node.research.bench.cli import node_work_flags
-
     p = argparse.ArgumentParser(prog="python -m node.research.bench.node_work", description=__doc__)
-    return run_args(node_work_flags(p).parse_args(argv))
+    return run_args(add_flags(p).parse_args(argv))
 
 
 def run_args(a: argparse.Namespace) -> int:

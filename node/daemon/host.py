@@ -1,0 +1,109 @@
+"""The daemon as the round's steps see it: what ``upload``, ``rounds`` and ``overlap`` use of it.
+
+The steps take the daemon that runs them (``node.daemon.loop.NodeDaemon``) as one argument.
+They name it by these Protocols rather than by its class, so the imports run one way: ``loop``
+imports the steps, which import this module, and none of them imports ``loop`` back.
+``NodeDaemon`` has every member named here (the type checker checks it where ``loop`` hands
+itself to a step); the tests may hand the steps anything else that has them.
+
+- ``Daemon``: the seams (coordinator, store, clock), the chaos suite's faults, the stop flag and
+  the log: what ``upload.submit`` needs;
+- ``RoundDaemon``: besides, the node's compute, its pending round, checkpoints and the rest of
+  what ``rounds.RoundFinisher`` needs to finish a round;
+- (``overlap.OverlapDaemon`` adds the finisher and training, in ``overlap``, beside the
+  ``RoundFinisher`` it names.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from node.compute.worker import Worker
+from node.daemon.api import Clock, CoordinatorApi, Transfers
+from node.daemon.attacks import Attack
+from node.daemon.checkpoints import CheckpointSync
+from node.daemon.condition import Condition
+from node.daemon.faults import Faults
+from node.daemon.pending import PendingRound
+from node.daemon.settings import NodeSettings
+from protocol.messages import JoinResponse
+
+T = TypeVar("T")
+
+
+class Compute(Protocol):
+    """The node's compute, one op at a time (``node.daemon.ops.NodeCompute``):
+    ``await node("op", *args, **local)``."""
+
+    async def __call__(self, name: str, *args: Any, **local: Any) -> Any: ...
+
+
+class Daemon(Protocol):
+    """What sending a payload needs (``node.daemon.upload``)."""
+
+    @property
+    def api(self) -> CoordinatorApi: ...
+
+    @property
+    def transfers(self) -> Transfers: ...
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def faults(self) -> Faults: ...
+
+    @property
+    def stopping(self) -> asyncio.Event: ...
+
+    @property
+    def node_id(self) -> str: ...
+
+    def log(self, event: str, **fields: object) -> None: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class RoundDaemon(Daemon, Protocol):
+    """What finishing a round needs (``node.daemon.rounds``)."""
+
+    #: The round trained and compressed but not yet applied; None between rounds.
+    pending: PendingRound | None
+
+    @property
+    def settings(self) -> NodeSettings: ...
+
+    @property
+    def joined(self) -> JoinResponse | None: ...
+
+    @property
+    def attack(self) -> Attack | None: ...
+
+    @property
+    def worker(self) -> Worker: ...
+
+    @property
+    def node(self) -> Compute: ...
+
+    @property
+    def sync(self) -> CheckpointSync: ...
+
+    @property
+    def condition(self) -> Condition: ...
+
+    async def until_stopped(self, work: Awaitable[T]) -> T | None: ...
+
+    async def resync(self) -> None: ...
+
+    async def save_idle(self) -> str: ...
+
+    async def give_back(self, round_: int) -> None: ...
+
+    def retries_since_last_report(self) -> int: ...
+
+    def spool(self, round_: int) -> Path | None: ...
+
+    def drop_spool(self, round_: int | None = None) -> None: ...
