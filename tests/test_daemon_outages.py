@@ -16,7 +16,14 @@ import pytest
 
 from node.compute.state import load_state
 from node.errors import Refused
-from support.daemon_harness import HANG_S, reference_fingerprints, run_config, until, worker
+from support.daemon_harness import (
+    HANG_S,
+    PATIENT,
+    reference_fingerprints,
+    run_config,
+    until,
+    worker,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -136,7 +143,8 @@ async def test_requests_are_heartbeats_and_only_a_silence_gets_one(harness) -> N
     """Every request says the node's condition and counts as a heartbeat, so a node that keeps
     asking (here: for a round that waits for a second member) sends none; once it trains in
     silence it beats once per interval, which keeps a revocation within one interval."""
-    run = run_config(rounds=2, inner_steps=100_000, min_nodes=2)  # trains longer than the test
+    timing = PATIENT.model_copy(update={"heartbeat_timeout_s": 8.0})  # beats every 2 s
+    run = run_config(rounds=2, inner_steps=3_000, min_nodes=2, timing=timing)  # trains on
     h = harness(run)
     interval = run.timing.heartbeat_timeout_s / 4
     lonely = h.daemon("node-0")
