@@ -83,6 +83,10 @@ async def test_merged_payloads_are_trained_from_the_theta_after_the_aggregate_in
         assert reports["node-0"].fingerprint == reports["node-1"].fingerprint
         for report in reports.values():
             assert_mass_balanced(report.mass)
+            # Rounds trained beside a transfer stood at step τ: that wait is its own phase,
+            # not training (bench overlap's utilisation counts training only).
+            if r >= 1:
+                assert report.timings["merge_wait"] >= 0.0 and report.timings["train"] >= 0.0
         if r >= 1:
             assert signed.base_fingerprint == h.reports(r - 1)["node-0"].fingerprint
 

@@ -28,6 +28,7 @@ merging at the same τ; a crash after it resumes as any overlapped node does.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from node.daemon.rounds import Gathered
@@ -48,6 +49,9 @@ class Handoff:
     applied: tuple[Rejected, Rejected] | None = None
     #: (set by the compute thread) θ was not the base the manifest names: nothing was merged.
     diverged: bool = False
+    #: (set by the compute thread) seconds it stood still at step τ waiting for the transfers:
+    #: part of the round's training phase on the clock, none of its training.
+    waited_s: float = 0.0
     gathered: Gathered | None = field(default=None, repr=False)
 
     async def _result(self) -> Gathered | None:
@@ -60,10 +64,13 @@ class Handoff:
         """(compute thread) Block until the transfers are done; ``Abandoned`` if they brought
         nothing to merge (the round loop then sees why)."""
         future = asyncio.run_coroutine_threadsafe(self._result(), self.loop)
+        start = time.perf_counter()
         try:
             gathered = future.result()
         except BaseException as exc:  # the loop is closing
             raise Abandoned() from exc
+        finally:
+            self.waited_s = time.perf_counter() - start
         if gathered is None:
             raise Abandoned()
         self.gathered = gathered

@@ -116,6 +116,9 @@ async def step(d: OverlapDaemon) -> None:
         return
     await finisher.conclude(k, gathered, merged)
     following = PendingRound.trained(k + 1, result)
+    if handoff is not None:  # the wait at step τ is on the training clock but trains nothing
+        following.timings["train"] -= handoff.waited_s
+        following.timings["merge_wait"] = handoff.waited_s
     await d.save_trained(following)
     d.pending = following
 

@@ -31,6 +31,7 @@ log = logging.getLogger("sparseloco.bench.round")
 
 PHASES = (
     "train",
+    "merge_wait",  # (overlap "merge") standing at step τ for the transfers: not training
     "encode",
     "upload",
     "wait",
