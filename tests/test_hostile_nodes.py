@@ -1,10 +1,11 @@
 """Hostile participants, as real node processes beside honest ones (SECURITY.md's harness).
 
-Every scenario is a real run: SeaweedFS, ``python -m coordinator`` and four ``python -m node``
-processes training the tiny model for 8 rounds, one of them hostile (``SPARSELOCO_ATTACK``,
-``node.daemon.attacks``): it follows the protocol but sends a payload meant to hurt. The
-members are joined in a fixed order before the processes start, so every run gives the honest
-nodes the same data streams, and a run without the attacker (3 honest nodes) is the yardstick.
+Every scenario is a real run: SeaweedFS, ``python -m coordinator`` and four node
+processes training the tiny model for 8 rounds, one of them hostile (``support.hostile``: the
+daemon with its seams wrapped, run as ``python -m support.hostile_node``): it follows the
+protocol but sends a payload meant to hurt. The members are joined in a fixed order before the
+processes start, so every run gives the honest nodes the same data streams, and a run without
+the attacker (3 honest nodes) is the yardstick.
 
 Asserted from the outside (the coordinator's status): the honest nodes hold bit-identical
 parameters after every round; an attack the screening recognises (sign flip, noise, huge

@@ -2,11 +2,11 @@
 
 Honest peers are stand-ins for error-feedback buffers that share a direction (a common
 component plus each peer's own noise, as pseudo-gradients of one model on different data do);
-hostile peers are the attacks of ``node.daemon.attacks``. Checked: an honest round screens
-nobody and aggregates exactly as without screening; every attack is screened out and the result
-is bit for bit what the honest peers alone give; colluding attackers cannot vouch for each
-other; verdicts do not depend on the order payloads arrive in; two peers are never judged; and
-the value bound caps what one peer can do when screening cannot act.
+hostile peers are the attacks of ``node.research.bench.hostile``. Checked: an honest round
+screens nobody and aggregates exactly as without screening; every attack is screened out and the
+result is bit for bit what the honest peers alone give; colluding attackers cannot vouch for
+each other; verdicts do not depend on the order payloads arrive in; two peers are never judged;
+and the value bound caps what one peer can do when screening cannot act.
 """
 
 from __future__ import annotations

@@ -237,7 +237,6 @@ def start_node(
             args += [f"--{way}-limit", limit]
     env = _quiet_env(threads)
     env.pop("SPARSELOCO_FAULTS", None)
-    env.pop("SPARSELOCO_ATTACK", None)
     env.update(extra_env or {})
     env["SPARSELOCO_NODE_TOKEN"] = token
     return Process(name, args, log_path, env=env)

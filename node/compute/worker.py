@@ -391,8 +391,8 @@ class Worker:
         return rejected
 
     def reset_theta(self, theta: Mapping[str, torch.Tensor], fp: str | None = None) -> None:
-        """Set θ to ``theta`` (``fp``: its fingerprint, if known). For the tests' hostile nodes
-        (``node.daemon.attacks``); the round loop never sets θ but through its steps."""
+        """Set θ to ``theta`` (``fp``: its fingerprint, if known). The round loop never sets θ
+        but through its steps; the tests' stale node (``tests/support/hostile.py``) does."""
         self._reset_to(theta, fp)
 
     def _reset_to(self, theta: Mapping[str, torch.Tensor], fp: str | None = None) -> None:

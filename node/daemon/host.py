@@ -23,7 +23,6 @@ from typing import Any, Protocol, TypeVar
 
 from node.compute.worker import Worker
 from node.daemon.api import Clock, CoordinatorApi, Transfers
-from node.daemon.attacks import Attack
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.condition import Condition
 from node.daemon.faults import Faults
@@ -78,9 +77,6 @@ class RoundDaemon(Daemon, Protocol):
 
     @property
     def joined(self) -> JoinResponse | None: ...
-
-    @property
-    def attack(self) -> Attack | None: ...
 
     @property
     def worker(self) -> Worker: ...

@@ -50,7 +50,6 @@ from node.compute.group import Group
 from node.compute.worker import TrainResult, Worker
 from node.daemon import overlap
 from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
-from node.daemon.attacks import Attack
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.condition import Condition
 from node.daemon.dataset import open_waiting
@@ -106,8 +105,6 @@ class NodeDaemon:
         self.transfers = transfers
         self.clock: Clock = clock or RealClock()
         self.faults = faults if faults is not None else Faults.from_env()
-        #: A hostile node for the tests (``SPARSELOCO_ATTACK``); None, always, in real runs.
-        self.attack = Attack.from_env()
         self.stopping = asyncio.Event()
         self.compute_stop = threading.Event()  # the stop request, for a shard download
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
@@ -387,12 +384,10 @@ class NodeDaemon:
         eager_from: int | None = None,
         merge: Handoff | None = None,
     ) -> TrainResult:
-        """Steps 1-5 (``Worker.train_and_compress``) on every rank; a hostile node's payload
-        instead in the tests that make one. ``eager_from``, ``merge``: see ``ops.train``."""
+        """Steps 1-5 (``Worker.train_and_compress``) on every rank. ``eager_from``,
+        ``merge``: see ``ops.train``."""
         with self.condition.doing(idle=False):
-            result: TrainResult = await self.node(
-                "train", round_, eager_from, attack=self.attack, merge=merge
-            )
+            result: TrainResult = await self.node("train", round_, eager_from, merge=merge)
         return result
 
     async def save_trained(self, pending: PendingRound) -> None:

@@ -153,7 +153,6 @@ def train(
     round_: int | None,
     eager_from: int | None,
     *,
-    attack: Any = None,
     merge: Handoff | None = None,
 ) -> TrainResult:
     """Steps 1-5 of ``round_`` (the worker's round when None). ``eager_from``: eager overlap,
@@ -162,10 +161,6 @@ def train(
     steps (``node.daemon.merge``)."""
     worker = ctx.worker
     offset = worker.eager_offset(eager_from) if eager_from is not None else None
-    if attack is not None:  # a hostile test node (one process): what it sends is its ĉ
-        result: TrainResult = attack.train(worker, round_, offset)
-        worker.recon[worker.round if round_ is None else round_] = result.recon
-        return result
     tau = worker.run.merge_step
     if merge is None or tau is None:
         return worker.train_and_compress(round_, offset)

@@ -96,8 +96,6 @@ class RoundFinisher:
         d = self.d
         pending = d.pending if d.pending is not None and d.pending.round == r else None
         manifest, blobs, rejected = gathered.manifest, gathered.blobs, gathered.rejected
-        if d.attack is not None:
-            d.attack.remember(blobs)  # type: ignore[arg-type]  # a hostile test node: bytes
         t1 = time.perf_counter()
         if merged is None:
             invalid: Rejected = await d.node("read_gather", r, blobs)

@@ -26,6 +26,7 @@ from node.cluster.up import coordinator_toml, fetch_status, start_coordinator, s
 from protocol.messages import RoundState, StatusView
 from protocol.runconfig import RunConfig
 from protocol.signing import public_key_hex
+from support.hostile import start_hostile_node
 
 #: Safety net for any single wait; a healthy tiny run needs a small fraction of it.
 WAIT_S = 240.0
@@ -96,24 +97,24 @@ class Cluster:
     def start_node(
         self, name: str, faults: str | None = None, attack: str | None = None, ranks: int = 1
     ) -> Process:
-        """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS``, ``attack`` its
-        ``SPARSELOCO_ATTACK`` (``node.daemon.attacks``: a hostile node); ``ranks`` > 1: one
-        node of that many processes under torchrun."""
+        """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS``; ``attack`` makes
+        it a hostile node of that kind (``support.hostile``: the daemon with its seams
+        wrapped); ``ranks`` > 1: one node of that many processes under torchrun."""
         env = {}
         if faults:
             env["SPARSELOCO_FAULTS"] = faults
+        state_dir, log_path = self.root / "nodes" / name, self.root / "logs" / f"{name}.log"
         if attack:
-            env["SPARSELOCO_ATTACK"] = attack
-        proc = start_node(
-            name,
-            self.url,
-            self.tokens[name],
-            self.root / "nodes" / name,
-            self.root / "logs" / f"{name}.log",
-            None,
-            env or None,
-            ranks=ranks,
-        )
+            if ranks != 1:
+                raise ValueError("a hostile node is one process")
+            proc = start_hostile_node(
+                attack, name, self.url, self.tokens[name], state_dir, log_path, env
+            )
+        else:
+            proc = start_node(
+                name, self.url, self.tokens[name], state_dir, log_path, None, env or None,
+                ranks=ranks,
+            )  # fmt: skip
         self.nodes[name] = proc
         return proc
 

@@ -1,11 +1,11 @@
 """``sparseloco bench robust``: hostile workers against robust aggregation, in one process.
 
 The simulator's SparseLoCo loop (``node.research.simulate``) with the last ``attackers`` of
-``workers`` hostile (``node.daemon.attacks``: sign flip, noise, a huge tile or entry, a replay
-of a peer's previous payload, an update trained from θ three rounds old). Every scenario runs
-with robust aggregation on and off, next to the clean run and the run without the attackers
-(the honest workers alone, on the same data streams), so the table says both whether an attack
-hurts and whether the defence removes the harm. Same token budget everywhere.
+``workers`` hostile (``node.research.bench.hostile``: sign flip, noise, a huge tile or entry,
+a replay of a peer's previous payload, an update trained from θ three rounds old). Every
+scenario runs with robust aggregation on and off, next to the clean run and the run without the
+attackers (the honest workers alone, on the same data streams), so the table says both whether
+an attack hurts and whether the defence removes the harm. Same token budget everywhere.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from node.compute.outer import apply_aggregate, compress, feed_error, pseudo_gradient
-from node.daemon.attacks import STALE_ROUNDS, hostile_tensors
+from node.research.bench.hostile import KINDS, STALE_ROUNDS, hostile_tensors
 from node.research.simulate import SimConfig, Simulation, _sync, build_config
 from protocol.codec import decode, encode, read_payload
 from protocol.fingerprint import fingerprint
 
-ATTACKS = ("sign_flip", "noise", "huge_tile", "one_entry", "replay", "stale")
+ATTACKS = KINDS
 
 
 def run(cfg: SimConfig, attack: str | None, attackers: int, absent: bool) -> dict[str, Any]:
