@@ -173,7 +173,7 @@ def node_of(request: web.Request, *, bound: bool = True) -> str:
 
 #: Request key: the condition the request said, if it counted as the node's heartbeat
 #: (``add_heard``).
-HEARD = "sparseloco_heard"
+HEARD = web.RequestKey("sparseloco_heard", NodeCondition)
 
 
 def heard_again(request: web.Request, node_id: str, condition: NodeCondition) -> None:
