@@ -44,27 +44,24 @@ from coordinator.uploads import (
     upload,
     upload_complete,
 )
-from protocol.dataset import MANIFEST_FILE
+from protocol.dataset import MANIFEST_FILE, DatasetFiles, DatasetFilesRequest, DatasetView
 from protocol.keys import probe_key
 from protocol.messages import (
     Ack,
     CheckpointList,
     CheckpointUpload,
     CheckpointView,
-    DatasetFiles,
-    DatasetFilesRequest,
-    DatasetView,
     HeartbeatRequest,
     JoinRequest,
     JoinResponse,
     NodeCondition,
     ProbeGrant,
     ProbeRequest,
-    RoundReport,
     RoundState,
     SubmitRequest,
 )
 from protocol.parts import composite_sha256_b64
+from protocol.reports import RoundReport
 from protocol.routes import MAX_STATUS_ROUNDS, ROUTES
 
 log = logging.getLogger("sparseloco.coordinator.app")

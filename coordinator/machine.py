@@ -45,13 +45,13 @@ from protocol.messages import (
     Manifest,
     ManifestEntry,
     NodeCondition,
-    RoundReport,
     RoundState,
     RoundView,
     SignedManifest,
     SubmitRequest,
     SubmitResponse,
 )
+from protocol.reports import RoundReport
 from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.coordinator.machine")

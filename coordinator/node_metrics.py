@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 
 from coordinator.db import Database
-from protocol.messages import RoundReport
+from protocol.reports import RoundReport
 
 
 class NodeMetrics:

@@ -20,16 +20,10 @@ from pydantic import ValidationError
 
 from coordinator import rounds
 from coordinator.db import Database, RoundRow
-from protocol.messages import (
-    MemberView,
-    NodeCondition,
-    RoundReport,
-    RoundState,
-    RoundSummary,
-    SignedManifest,
-    StatusView,
-)
+from protocol.messages import NodeCondition, RoundState, SignedManifest
+from protocol.reports import RoundReport
 from protocol.runconfig import RunConfig
+from protocol.status import MemberView, RoundSummary, StatusView
 
 log = logging.getLogger("sparseloco.coordinator.status")
 

@@ -28,7 +28,8 @@ from typing import TypeVar
 from coordinator import rounds
 from coordinator.db import Database
 from coordinator.errors import Conflict, UnknownRound
-from protocol.messages import RoundReport, RoundState, SignedManifest
+from protocol.messages import RoundState, SignedManifest
+from protocol.reports import RoundReport
 
 log = logging.getLogger("sparseloco.coordinator.machine")
 

@@ -27,7 +27,8 @@ from ``shapes``, which come from the run's model, never from the payload.
 
 Selection: the kept positions of a tile are exactly its ``k`` largest entries by magnitude, ties
 broken towards the lower position, so the payload is a deterministic function of the input. The
-selection and the index decoding run as compiled loops (``protocol.kernels``).
+selection and the index decoding run as compiled loops (``protocol.kernels``,
+``protocol.rice_kernels``).
 """
 
 from __future__ import annotations

@@ -15,17 +15,20 @@ name: the id pins the manifest, the manifest pins every shard.
 Shard assignment is a pure function of the manifest and the node's data slot
 (``train_shards``, ``slot_shards``): the train shards in manifest order, slot ``s`` of ``n``
 taking every ``n``-th from ``s``. Eval shards are held out of every slot.
+
+The API bodies a node fetches them with (``DatasetView``, ``DatasetFilesRequest``,
+``DatasetFiles``) are at the end.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from protocol.messages import MAX_MANIFEST_BYTES
+from protocol.messages import Message
 from protocol.runconfig import DATASET_ID_PATTERN, canonical_json
 
 #: What a shard's file name inside a dataset folder looks like (no way out of the folder).
@@ -33,6 +36,8 @@ SHARD_NAME_PATTERN = r"^shards/[0-9]{5,9}\.bin$"
 #: The tokenizer file next to the shards of a BPE dataset.
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
+#: Most bytes of a dataset manifest.
+MAX_MANIFEST_BYTES = 256 << 20
 
 
 class ShardInfo(BaseModel):
@@ -129,3 +134,37 @@ def dataset_key(prefix: str, dataset_id: str, name: str) -> str:
         else f"datasets/{dataset_hex(dataset_id)}"
     )
     return f"{root}/{name}"
+
+
+# The API bodies that hand a node the dataset (``GET /v1/dataset``, ``POST /v1/dataset/files``).
+#: Most dataset files one request may ask for.
+MAX_DATASET_FILES = 64
+DatasetFileName = Annotated[
+    str, StringConstraints(pattern=r"^(shards/[0-9]{5,9}\.bin|tokenizer\.json)$")
+]
+
+
+class DatasetView(Message):
+    """The run's dataset: its id and a presigned GET of its manifest (``protocol.dataset``).
+    The node checks the manifest it downloads hashes to ``dataset``, the id its run config
+    names, before it trusts a byte of it."""
+
+    dataset: str
+    manifest_url: str
+    manifest_size: int = Field(
+        gt=0, le=MAX_MANIFEST_BYTES, description="bytes of the manifest (its canonical JSON)"
+    )
+    expires_in_s: float
+
+
+class DatasetFilesRequest(Message):
+    """Files of the run's dataset a node wants to download (its shards, the tokenizer)."""
+
+    names: list[DatasetFileName] = Field(min_length=1, max_length=MAX_DATASET_FILES)
+
+
+class DatasetFiles(Message):
+    """A presigned GET for each file asked for (each file's size and sha256 are the manifest's)."""
+
+    urls: dict[str, str]
+    expires_in_s: float

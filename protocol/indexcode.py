@@ -6,7 +6,7 @@ cannot be expressed at all). Each gap is split by the Rice parameter ``b`` into 
 ``q = g >> b`` and a remainder ``r = g & (2**b - 1)``. Unlike textbook Rice coding, which
 interleaves the two, the quotients of the whole tensor go into a *unary stream* (``q`` zero bits,
 then a one) and the remainders into a *remainder stream* of fixed ``b``-bit fields. The total size
-is the same. Encoder and decoder are compiled loops in ``protocol.kernels`` that make one pass
+is the same. Encoder and decoder are compiled loops in ``protocol.rice_kernels`` that make one pass
 each; the decoder validates as it goes.
 
 Bits are written most significant first within each byte; the final byte is padded with zeros.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from protocol import kernels
+from protocol import rice_kernels
 from protocol.errors import PayloadError
 from protocol.tiles import TileGeometry
 
@@ -33,7 +33,7 @@ MAX_RICE_BITS = 20
 def encode_positions(positions: torch.Tensor) -> tuple[int, bytes, bytes]:
     """Rice-code sorted tile positions; returns ``(b, unary_stream, remainder_stream)``."""
     pos = np.ascontiguousarray(positions.numpy(), dtype=np.int64)
-    b, unary, rem = kernels.rice_encode(pos, MAX_RICE_BITS)
+    b, unary, rem = rice_kernels.rice_encode(pos, MAX_RICE_BITS)
     return int(b), unary.tobytes(), rem.tobytes()
 
 
@@ -48,12 +48,12 @@ def max_unary_bytes(n_tiles: int, k: int, tile_len: int, b: int) -> int:
 
 
 _STATUS = {
-    kernels.TOO_FEW_CODES: ("unary", "fewer codes than the tiles keep"),
-    kernels.GAP_OUT_OF_TILE: ("indices", "a position lies outside its tile"),
-    kernels.TRAILING_BITS: ("unary", "one bits after the last code"),
-    kernels.TRAILING_BYTES: ("unary", "trailing bytes after the last code"),
-    kernels.REMAINDER_PADDING: ("remainders", "non-zero padding bits"),
-    kernels.QUOTIENT_TOO_LARGE: ("unary", "a run of zeros longer than any gap inside a tile"),
+    rice_kernels.TOO_FEW_CODES: ("unary", "fewer codes than the tiles keep"),
+    rice_kernels.GAP_OUT_OF_TILE: ("indices", "a position lies outside its tile"),
+    rice_kernels.TRAILING_BITS: ("unary", "one bits after the last code"),
+    rice_kernels.TRAILING_BYTES: ("unary", "trailing bytes after the last code"),
+    rice_kernels.REMAINDER_PADDING: ("remainders", "non-zero padding bits"),
+    rice_kernels.QUOTIENT_TOO_LARGE: ("unary", "a run of zeros longer than any gap inside a tile"),
 }
 
 
@@ -100,7 +100,7 @@ def flat_index_of(positions: np.ndarray, geometry: TileGeometry) -> torch.Tensor
     g = geometry
     flat = np.empty(positions.size, dtype=np.int32 if g.numel < 2**31 else np.int64)
     if flat.size:
-        kernels.expand_positions(positions, g.k, g.h, g.w, g.cols, flat)
+        rice_kernels.expand_positions(positions, g.k, g.h, g.w, g.cols, flat)
     return torch.from_numpy(flat)
 
 
@@ -133,7 +133,7 @@ def _walk(
         if unary:
             raise PayloadError(f"{field}.unary", "must be empty when nothing is kept")
         return torch.from_numpy(flat)
-    status = kernels.decode_positions(
+    status = rice_kernels.decode_positions(
         np.frombuffer(unary, dtype=np.uint8),
         np.frombuffer(rem + bytes(4), dtype=np.uint8),
         b,
@@ -146,7 +146,7 @@ def _walk(
         flat,
         local,
     )
-    if status != kernels.OK:
+    if status != rice_kernels.OK:
         part, message = _STATUS[status]
         raise PayloadError(f"{field}.{part}", message)
     return torch.from_numpy(flat)

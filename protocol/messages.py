@@ -29,7 +29,9 @@ A process restarted on the same state directory names its predecessor at join
 A ``Manifest`` is the record of one closed round. The coordinator signs its canonical JSON
 with Ed25519 (``protocol.signing``) and stores ``SignedManifest`` in the object store; nodes
 verify the signature with the public key they received at join. The route table itself (method,
-path, request and response models of each endpoint) is ``protocol.routes``.
+path, request and response models of each endpoint) is ``protocol.routes``. Three bodies have
+their own modules: a node's ``RoundReport`` (``protocol.reports``), the ``StatusView``
+(``protocol.status``) and the dataset's (``protocol.dataset``).
 """
 
 from __future__ import annotations
@@ -49,32 +51,13 @@ NodeId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 FingerprintHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 
-# Numbers in request bodies: the JSON type is kept (``true`` is not a number, ``1.0`` not an
-# integer, ``"1"`` neither), no NaN or infinity gets in, and every value has a range, so a stored
-# report always validates again and serialises to plain JSON.
+# Numbers in request bodies keep their JSON type (``strict``) and have a range; the report's
+# (``protocol.reports``) say why.
 #: Largest object (payload, checkpoint) size a body may name: 1 TiB; the coordinator's
 #: configured limits are far lower and answer 413 above them.
 MAX_OBJECT_BYTES = 1 << 40
-#: Largest count (bytes moved, retries) a report may carry: exact in a float64 and in JSON.
-MAX_COUNT = (1 << 53) - 1
-#: A loss in nats per token; 1e6 is far above any real one (a byte-level model starts at ~5.5).
-MAX_LOSS = 1e6
-#: A phase time in seconds: about 116 days.
-MAX_SECONDS = 1e7
-#: A mass account's sums (Σ over every entry of a model of billions of parameters).
-MAX_MASS = 1e18
-#: Most phases one report may time, and most peers it may say it rejected.
-MAX_PHASES = 32
-MAX_REJECTED = 4096
 
 ObjectSize = Annotated[int, Field(strict=True, gt=0, le=MAX_OBJECT_BYTES)]
-Count = Annotated[int, Field(strict=True, ge=0, le=MAX_COUNT)]
-Loss = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=MAX_LOSS)]
-Seconds = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=MAX_SECONDS)]
-MassSum = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-MAX_MASS, le=MAX_MASS)]
-MassScale = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=MAX_MASS)]
-PhaseName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
-Reason = Annotated[str, StringConstraints(max_length=256)]
 
 
 class Message(BaseModel):
@@ -267,87 +250,8 @@ class ManifestView(Message):
     urls: dict[str, str] = Field(description="node id -> presigned GET of its payload")
 
 
-class Mass(Message):
-    """Where this round's error-fed signal went (float64 sums over every tensor's entries).
-
-    ``computed`` = Σ(β·e + Δ) before compression; ``sent`` = Σ of the decoded payload if it was
-    aggregated, else 0; ``held`` = Σ e after the round. Nothing is lost when
-    computed == sent + held, up to rounding (``scale`` = Σ|β·e + Δ| sets the tolerance).
-    """
-
-    computed: MassSum
-    sent: MassSum
-    held: MassSum
-    scale: MassScale
-
-
-class RoundReport(Message):
-    """What a node reports after applying a round."""
-
-    fingerprint: FingerprintHex = Field(description="fingerprint of θ after applying the round")
-    rejected: dict[NodeId, Reason] = Field(
-        default_factory=dict,
-        max_length=MAX_REJECTED,
-        description="gathered payloads this node could not use, and why",
-    )
-    train_loss: Loss | None = None
-    eval_loss: Loss | None = None
-    bytes_up: Count = 0
-    bytes_down: Count = 0
-    timings: dict[PhaseName, Seconds] = Field(
-        default_factory=dict,
-        max_length=MAX_PHASES,
-        description="seconds per phase of the round on this node",
-    )
-    mass: Mass | None = Field(
-        None, description="error-feedback accounting of this node's own contribution"
-    )
-    retries: Count = Field(
-        0, description="failed attempts at the coordinator or the store since the last report"
-    )
-    tokens_per_s: float | None = Field(
-        None,
-        strict=True,
-        allow_inf_nan=False,
-        ge=0,
-        le=1e12,
-        description="tokens per second of the round's inner steps on this node",
-    )
-    mfu: float | None = Field(
-        None,
-        strict=True,
-        allow_inf_nan=False,
-        ge=0,
-        le=100,
-        description="model FLOPs utilisation of the inner steps (of the device's peak bf16"
-        " FLOP/s); absent on the CPU or a device of unknown peak",
-    )
-
-
 class Ack(Message):
     ok: bool = True
-
-
-class MemberView(Message):
-    node_id: NodeId
-    state: MemberState
-    slot: int
-    joined_round: int
-    last_seen_s: float = Field(description="seconds since the last heartbeat")
-    condition: NodeCondition | None = Field(
-        None, description="what its last heartbeat said it was doing (absent: not said)"
-    )
-
-
-class RoundSummary(Message):
-    round: int
-    state: RoundState
-    gather: list[str] = Field(default_factory=list)
-    excluded: dict[str, str] = Field(default_factory=dict)
-    base_fingerprint: str | None = None
-    fingerprints: dict[str, str] = Field(default_factory=dict)
-    reports: dict[str, RoundReport] = Field(default_factory=dict)
-    duration_s: float | None = None
 
 
 class CheckpointUpload(Message):
@@ -385,51 +289,6 @@ class CheckpointList(Message):
     next. Every one was verified by the coordinator before it was committed."""
 
     checkpoints: list[CheckpointView]
-
-
-class StatusView(Message):
-    run_id: str
-    run: RunConfig
-    round: int
-    state: RoundState
-    members: list[MemberView]
-    rounds: list[RoundSummary] = Field(description="recent rounds, newest last")
-    checkpoint: CheckpointInfo | None = None
-
-
-#: Most bytes of a dataset manifest (``protocol.dataset``).
-MAX_MANIFEST_BYTES = 256 << 20
-#: Most dataset files one request may ask for.
-MAX_DATASET_FILES = 64
-DatasetFileName = Annotated[
-    str, StringConstraints(pattern=r"^(shards/[0-9]{5,9}\.bin|tokenizer\.json)$")
-]
-
-
-class DatasetView(Message):
-    """The run's dataset: its id and a presigned GET of its manifest (``protocol.dataset``).
-    The node checks the manifest it downloads hashes to ``dataset``, the id its run config
-    names, before it trusts a byte of it."""
-
-    dataset: str
-    manifest_url: str
-    manifest_size: int = Field(
-        gt=0, le=MAX_MANIFEST_BYTES, description="bytes of the manifest (its canonical JSON)"
-    )
-    expires_in_s: float
-
-
-class DatasetFilesRequest(Message):
-    """Files of the run's dataset a node wants to download (its shards, the tokenizer)."""
-
-    names: list[DatasetFileName] = Field(min_length=1, max_length=MAX_DATASET_FILES)
-
-
-class DatasetFiles(Message):
-    """A presigned GET for each file asked for (each file's size and sha256 are the manifest's)."""
-
-    urls: dict[str, str]
-    expires_in_s: float
 
 
 class ErrorBody(Message):

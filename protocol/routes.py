@@ -25,30 +25,28 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from protocol.dataset import DatasetFiles, DatasetFilesRequest, DatasetView
 from protocol.messages import (
     Ack,
     CheckpointInfo,
     CheckpointList,
     CheckpointUpload,
     CheckpointView,
-    DatasetFiles,
-    DatasetFilesRequest,
-    DatasetView,
     HeartbeatRequest,
     JoinRequest,
     JoinResponse,
     ManifestView,
     ProbeGrant,
     ProbeRequest,
-    RoundReport,
     RoundView,
-    StatusView,
     SubmitRequest,
     SubmitResponse,
     UploadGrant,
     UploadRequest,
 )
 from protocol.parts import MAX_PARTS_BODY_BYTES, UploadComplete, UploadDone
+from protocol.reports import RoundReport
+from protocol.status import StatusView
 
 #: The placeholder for a round number in a path.
 ROUND = "{round}"

@@ -33,7 +33,8 @@ from coordinator.verify import CheckpointVerifier
 from node.cluster.seaweed import EmbeddedStore
 from protocol.fingerprint import fingerprint
 from protocol.keys import checkpoint_key, latest_checkpoint_key, run_prefix
-from protocol.messages import CheckpointInfo, CheckpointUpload, RoundReport
+from protocol.messages import CheckpointInfo, CheckpointUpload
+from protocol.reports import RoundReport
 from protocol.runconfig import RunConfig, Timing
 from support.api import FP_B, Api, ApiFactory
 from support.theta_files import THETA_FP, offer, theta_file

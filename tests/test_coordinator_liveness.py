@@ -26,14 +26,8 @@ from coordinator.db import Database
 from coordinator.errors import Conflict
 from coordinator.machine import RoundMachine
 from coordinator.signing import ManifestSigner
-from protocol.messages import (
-    Exclusion,
-    MemberState,
-    NodeCondition,
-    RoundReport,
-    RoundState,
-    SubmitRequest,
-)
+from protocol.messages import Exclusion, MemberState, NodeCondition, RoundState, SubmitRequest
+from protocol.reports import RoundReport
 from protocol.runconfig import RunConfig, Timing
 
 FP = "a" * 32

@@ -33,9 +33,9 @@ from selenium.webdriver.chrome.webdriver import WebDriver
 from coordinator.handlers import HANDLERS
 from coordinator.openapi import openapi_document
 from node.cluster.seaweed import EmbeddedStore
-from protocol.messages import StatusView
 from protocol.routes import ROUTES
 from protocol.runconfig import RunConfig, Timing
+from protocol.status import StatusView
 from support.browser import (
     DOWN,
     EXCLUDED,

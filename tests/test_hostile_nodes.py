@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from node.cluster.seaweed import EmbeddedStore
-from protocol.messages import RoundState, StatusView
+from protocol.messages import RoundState
 from protocol.runconfig import RunConfig, Timing
+from protocol.status import StatusView
 from support.cluster import Cluster
 
 ROUNDS = 8

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from protocol.keys import manifest_key
-from protocol.messages import RoundState, SignedManifest, StatusView
+from protocol.messages import RoundState, SignedManifest
 from protocol.runconfig import RunConfig, Timing
 from protocol.signing import verify_manifest
+from protocol.status import StatusView
 from support.cluster import Cluster
 
 TIMING = Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=30)

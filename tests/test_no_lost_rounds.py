@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from node.cluster.seaweed import EmbeddedStore
-from protocol.messages import RoundState, StatusView
+from protocol.messages import RoundState
 from protocol.runconfig import RunConfig, Timing
+from protocol.status import StatusView
 from support.cluster import Cluster
 
 #: Deadlines as tight as the rules allow (the median of recent rounds plus half a second): any

@@ -35,7 +35,8 @@ from node.cluster.process import Process
 from node.cluster.seaweed import free_ports
 from protocol.fingerprint import fingerprint
 from protocol.invite import decode_invite
-from protocol.messages import MemberState, RoundState, StatusView
+from protocol.messages import MemberState, RoundState
+from protocol.status import StatusView
 
 REPO = Path(__file__).resolve().parent.parent
 SPARSELOCO = str(Path(sys.executable).parent / "sparseloco")

@@ -26,8 +26,9 @@ from pathlib import Path
 
 from node.cluster.process import Process
 from node.compute.presets import get_run_preset
-from protocol.messages import RoundState, StatusView
+from protocol.messages import RoundState
 from protocol.runconfig import RunConfig, Timing
+from protocol.status import StatusView
 from support.cluster import Cluster, closed_count
 
 TIMING = Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=20)

@@ -23,8 +23,9 @@ from node.cluster.seaweed import EmbeddedStore
 from node.cluster.up import start_coordinator
 from node.daemon.pinning import PIN_FILE
 from protocol.invite import decode_invite, key_fingerprint
-from protocol.messages import RoundState, StatusView
+from protocol.messages import RoundState
 from protocol.runconfig import RunConfig
+from protocol.status import StatusView
 from support.harness import REPO_ROOT, write_coordinator_config
 from support.tls import self_signed
 

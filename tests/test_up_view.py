@@ -13,15 +13,10 @@ import pytest
 from rich.console import Console
 
 from node.cluster.view import UpView
-from protocol.messages import (
-    MemberState,
-    MemberView,
-    RoundReport,
-    RoundState,
-    RoundSummary,
-    StatusView,
-)
+from protocol.messages import MemberState, RoundState
+from protocol.reports import RoundReport
 from protocol.runconfig import RunConfig
+from protocol.status import MemberView, RoundSummary, StatusView
 
 RUN = RunConfig(name="view", rounds=2)
 FP = "a" * 32

@@ -42,9 +42,10 @@ from node.errors import DataError, UpError
 from node.tools.offline import keep_agreed
 from node.tools.shards import upload
 from protocol.dataset import MANIFEST_FILE, DatasetManifest, parse_manifest
-from protocol.messages import RoundState, StatusView
+from protocol.messages import RoundState
 from protocol.routes import MAX_STATUS_ROUNDS
 from protocol.runconfig import RunConfig, Timing
+from protocol.status import StatusView
 
 log = logging.getLogger("sparseloco.up")
 

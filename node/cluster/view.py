@@ -28,7 +28,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from protocol.messages import RoundState, RoundSummary, StatusView
+from protocol.messages import RoundState
+from protocol.status import RoundSummary, StatusView
 
 log = logging.getLogger("sparseloco.up")
 

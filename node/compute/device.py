@@ -108,7 +108,7 @@ def _flat(positions: torch.Tensor, g: TileGeometry) -> torch.Tensor:
 
 
 def _rice(positions: torch.Tensor) -> tuple[int, bytes, bytes]:
-    """``protocol.kernels.rice_encode`` in torch operations (exact integer arithmetic)."""
+    """``protocol.rice_kernels.rice_encode`` in torch operations (exact integer arithmetic)."""
     n = positions.numel()
     prev = torch.cat([positions.new_full((positions.shape[0], 1), -1), positions[:, :-1]], 1)
     gaps = (positions - prev - 1).reshape(-1)

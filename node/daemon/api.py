@@ -25,22 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from protocol.dataset import DatasetFiles, DatasetView
 from protocol.messages import (
     CheckpointInfo,
     CheckpointUpload,
     CheckpointView,
-    DatasetFiles,
-    DatasetView,
     JoinResponse,
     ManifestView,
     NodeCondition,
-    RoundReport,
     RoundView,
     SubmitRequest,
     SubmitResponse,
     UploadGrant,
 )
 from protocol.parts import CompletedPart, MultipartGrant, PartPlan, UploadComplete, UploadDone
+from protocol.reports import RoundReport
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from node.daemon.api import Heard
 from node.daemon.retry import FOREVER, TRANSIENT_STATUS, Link, RetryPolicy, retry
 from node.daemon.tls import certificate_refused
 from node.errors import CoordinatorError, TransientError
+from protocol.dataset import DatasetFiles, DatasetFilesRequest, DatasetView
 from protocol.messages import (
     CONDITION_HEADER,
     HEARD_HEADER,
@@ -50,9 +51,6 @@ from protocol.messages import (
     CheckpointList,
     CheckpointUpload,
     CheckpointView,
-    DatasetFiles,
-    DatasetFilesRequest,
-    DatasetView,
     ErrorBody,
     HeartbeatRequest,
     JoinRequest,
@@ -61,17 +59,17 @@ from protocol.messages import (
     NodeCondition,
     ProbeGrant,
     ProbeRequest,
-    RoundReport,
     RoundState,
     RoundView,
-    StatusView,
     SubmitRequest,
     SubmitResponse,
     UploadGrant,
     UploadRequest,
 )
 from protocol.parts import PartPlan, UploadComplete, UploadDone
+from protocol.reports import RoundReport
 from protocol.routes import ROUTES, Endpoint
+from protocol.status import StatusView
 
 log = logging.getLogger("sparseloco.client")
 

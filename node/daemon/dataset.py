@@ -41,8 +41,14 @@ from node.compute.stream import ShardStream
 from node.daemon.api import CoordinatorApi, Transfers
 from node.errors import Abandoned, CoordinatorError, DataError, TransferError
 from protocol.causes import cause
-from protocol.dataset import MANIFEST_FILE, DatasetManifest, ShardInfo, dataset_hex, parse_manifest
-from protocol.messages import MAX_DATASET_FILES
+from protocol.dataset import (
+    MANIFEST_FILE,
+    MAX_DATASET_FILES,
+    DatasetManifest,
+    ShardInfo,
+    dataset_hex,
+    parse_manifest,
+)
 from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.dataset")

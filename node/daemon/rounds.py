@@ -37,7 +37,8 @@ from node.daemon.retry import Backoff
 from node.daemon.upload import submit
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
 from protocol.causes import cause
-from protocol.messages import Manifest, ManifestView, Mass, RoundReport, RoundState, RoundView
+from protocol.messages import Manifest, ManifestView, RoundState, RoundView
+from protocol.reports import Mass, RoundReport
 from protocol.signing import verify_manifest
 
 #: Attempts at a gather set that answer 404 (each with fresh URLs) before the round counts as

@@ -45,7 +45,7 @@ from node.errors import CoordinatorError, RetriesExhausted, TransferError
 from node.tools.checks import SKIPPED, Check, human_bytes, machine_checks, state_check
 from protocol.causes import cause
 from protocol.errors import SparseLoCoError
-from protocol.messages import StatusView
+from protocol.status import StatusView
 
 #: Fail fast: a doctor that hangs on a dead coordinator helps nobody.
 DOCTOR_POLICY = RetryPolicy(attempts=3, base_s=0.5, max_delay_s=2.0, budget_s=15.0)

@@ -59,8 +59,9 @@ from node.tools.hf import (
 from protocol.dataset import MANIFEST_FILE, TOKENIZER_FILE, dataset_hex, parse_manifest
 from protocol.errors import PayloadError
 from protocol.fingerprint import CheckedFile, digest_file
-from protocol.messages import CheckpointInfo, StatusView
+from protocol.messages import CheckpointInfo
 from protocol.runconfig import RunConfig
+from protocol.status import StatusView
 
 #: A tool answers quickly: a few tries, then it says the coordinator is not reachable.
 TOOL_POLICY = RetryPolicy(attempts=4, base_s=0.5, max_delay_s=2.0, budget_s=20.0)

@@ -34,8 +34,9 @@ from node.errors import CheckpointError
 from protocol.dataset import MANIFEST_FILE, TOKENIZER_FILE
 from protocol.errors import PayloadError
 from protocol.fingerprint import digest_file
-from protocol.messages import CheckpointInfo, RoundState, StatusView
+from protocol.messages import CheckpointInfo, RoundState
 from protocol.runconfig import RunConfig
+from protocol.status import StatusView
 
 log = logging.getLogger("sparseloco.up")
 

@@ -23,8 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.cluster.seaweed import EmbeddedStore
-from protocol.messages import RoundState, StatusView
+from protocol.messages import RoundState
 from protocol.runconfig import RunConfig, Timing
+from protocol.status import StatusView
 from support.cluster import Cluster, closed_count
 
 TIMING = Timing(first_round_s=120, min_round_s=60, max_round_s=120, heartbeat_timeout_s=30)

@@ -34,15 +34,9 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from protocol.errors import ManifestError
 from protocol.keys import checkpoint_key, latest_checkpoint_key, run_prefix
-from protocol.messages import (
-    CheckpointInfo,
-    Exclusion,
-    RoundState,
-    RoundSummary,
-    SignedManifest,
-    StatusView,
-)
+from protocol.messages import CheckpointInfo, Exclusion, RoundState, SignedManifest
 from protocol.signing import verify_manifest
+from protocol.status import RoundSummary, StatusView
 
 MASS_RTOL = 1e-4
 WRONG_BASE = Exclusion.WRONG_BASE.value

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from protocol.messages import StatusView
+from protocol.status import StatusView
 
 from .invariants import Failure, closed, reference_fingerprint
 from .scenario import Scenario, fault_entries

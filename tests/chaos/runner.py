@@ -26,7 +26,8 @@ from typing import Any
 
 from node.cluster.seaweed import EmbeddedStore
 from protocol.keys import manifest_key
-from protocol.messages import MemberState, RoundState, StatusView
+from protocol.messages import MemberState, RoundState
+from protocol.status import StatusView
 from support.cluster import Cluster
 
 from .invariants import (

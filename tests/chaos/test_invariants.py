@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protocol.messages import Mass, RoundReport, RoundState, RoundSummary, StatusView
+from protocol.messages import RoundState
+from protocol.reports import Mass, RoundReport
 from protocol.runconfig import RunConfig
+from protocol.status import RoundSummary, StatusView
 
 from .invariants import check_agreement, check_close_logs, check_mass, check_round_numbers
 from .table import render_markdown

@@ -12,8 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from protocol.messages import RoundReport, RoundState, RoundSummary, StatusView
+from protocol.messages import RoundState
+from protocol.reports import RoundReport
 from protocol.runconfig import RunConfig
+from protocol.status import RoundSummary, StatusView
 
 from .results import check_recovery, compare_to_baseline, rejoins, trajectory
 from .scenario import Scenario, at

@@ -23,9 +23,10 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from node.cluster.process import Process
 from node.cluster.seaweed import EmbeddedStore
 from node.cluster.up import coordinator_toml, fetch_status, start_coordinator, start_node
-from protocol.messages import RoundState, StatusView
+from protocol.messages import RoundState
 from protocol.runconfig import RunConfig
 from protocol.signing import public_key_hex
+from protocol.status import StatusView
 from support.hostile import start_hostile_node
 
 #: Safety net for any single wait; a healthy tiny run needs a small fraction of it.

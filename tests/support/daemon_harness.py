@@ -28,7 +28,8 @@ from node.daemon.faults import Faults
 from node.daemon.loop import NodeDaemon
 from node.daemon.settings import NodeSettings
 from protocol.codec import Payload
-from protocol.messages import Mass, RoundReport, SignedManifest
+from protocol.messages import SignedManifest
+from protocol.reports import Mass, RoundReport
 from protocol.runconfig import RunConfig, Timing
 from support.fake_coordinator import FakeCoordinator
 from support.fake_store import FakeClock, FakeStore

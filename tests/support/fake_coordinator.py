@@ -26,17 +26,15 @@ from coordinator.schema import DB_FILE
 from coordinator.signing import ManifestSigner
 from node.daemon.api import Heard
 from node.errors import CoordinatorError
+from protocol.dataset import DatasetFiles, DatasetView
 from protocol.keys import payload_key
 from protocol.messages import (
     CheckpointInfo,
     CheckpointUpload,
     CheckpointView,
-    DatasetFiles,
-    DatasetView,
     JoinResponse,
     ManifestView,
     NodeCondition,
-    RoundReport,
     RoundView,
     SignedManifest,
     SubmitRequest,
@@ -44,6 +42,7 @@ from protocol.messages import (
     UploadGrant,
 )
 from protocol.parts import PartPlan, UploadComplete, UploadDone
+from protocol.reports import RoundReport
 from protocol.runconfig import RunConfig
 from support.fake_store import FakeClock, FakeStore
 

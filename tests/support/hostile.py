@@ -49,17 +49,15 @@ from node.daemon.serve import http_seams
 from node.daemon.settings import NodeSettings
 from node.research.bench.hostile import KINDS, STALE_ROUNDS, hostile_tensors
 from protocol.codec import decode, encode
+from protocol.dataset import DatasetFiles, DatasetView
 from protocol.errors import ConfigError
 from protocol.messages import (
     CheckpointInfo,
     CheckpointUpload,
     CheckpointView,
-    DatasetFiles,
-    DatasetView,
     JoinResponse,
     ManifestView,
     NodeCondition,
-    RoundReport,
     RoundState,
     RoundView,
     SubmitRequest,
@@ -67,6 +65,7 @@ from protocol.messages import (
     UploadGrant,
 )
 from protocol.parts import CompletedPart, MultipartGrant, PartPlan, UploadComplete, UploadDone
+from protocol.reports import RoundReport
 
 #: The folder that holds ``support`` (tests/): on a hostile node process's ``PYTHONPATH``.
 TESTS = Path(__file__).resolve().parents[1]

@@ -41,7 +41,7 @@ from node.cluster.up import (
 from node.errors import UpError
 from node.research.wan.lab import WanLab
 from node.research.wan.profiles import LinkProfile
-from protocol.messages import StatusView
+from protocol.status import StatusView
 
 log = logging.getLogger("sparseloco.wan.cluster")
 
