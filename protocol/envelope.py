@@ -47,6 +47,7 @@ from protocol.payload_index import (
     STATS_SIZE,
     VERSION,
     Bytes,
+    PayloadHeader,
     PayloadIndex,
     RecordEntry,
     as_view,
@@ -137,15 +138,9 @@ class TensorRecord:
 
 
 @dataclass(frozen=True)
-class Envelope:
-    """A whole payload: who sent it, from which parameters, with which codec settings."""
+class Envelope(PayloadHeader):
+    """A whole payload: its header fields and every tensor's record."""
 
-    run_id: str
-    round: int
-    node_id: str
-    base: str  # fingerprint of the parameters the sender trained from
-    tile: int
-    topk: int
     tensors: tuple[TensorRecord, ...]
 
 

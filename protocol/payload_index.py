@@ -94,8 +94,9 @@ class RecordEntry:
 
 
 @dataclass(frozen=True)
-class PayloadIndex:
-    """A payload's header, structurally valid, with every record's absolute offset."""
+class PayloadHeader:
+    """The fields every payload's header carries: who sent it, from which parameters, with which
+    codec settings (``Envelope``, ``PayloadIndex`` and the read ``Payload`` all start with them)."""
 
     run_id: str
     round: int
@@ -103,6 +104,12 @@ class PayloadIndex:
     base: str  # fingerprint of the parameters the sender trained from
     tile: int
     topk: int
+
+
+@dataclass(frozen=True)
+class PayloadIndex(PayloadHeader):
+    """A payload's header, structurally valid, with every record's absolute offset."""
+
     entries: tuple[RecordEntry, ...]
     data_start: int  # 14 + L: where the first record begins
     total_size: int  # what the whole payload must measure exactly

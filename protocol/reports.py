@@ -34,6 +34,9 @@ Loss = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=MAX_LOS
 Seconds = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=MAX_SECONDS)]
 MassSum = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-MAX_MASS, le=MAX_MASS)]
 MassScale = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=MAX_MASS)]
+#: A node's training throughput (1e12 tokens/s is beyond any device), and a percentage (MFU).
+TokensPerSecond = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=1e12)]
+Percent = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=100)]
 PhaseName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
 Reason = Annotated[str, StringConstraints(max_length=256)]
 
@@ -76,20 +79,11 @@ class RoundReport(Message):
     retries: Count = Field(
         0, description="failed attempts at the coordinator or the store since the last report"
     )
-    tokens_per_s: float | None = Field(
-        None,
-        strict=True,
-        allow_inf_nan=False,
-        ge=0,
-        le=1e12,
-        description="tokens per second of the round's inner steps on this node",
+    tokens_per_s: TokensPerSecond | None = Field(
+        None, description="tokens per second of the round's inner steps on this node"
     )
-    mfu: float | None = Field(
+    mfu: Percent | None = Field(
         None,
-        strict=True,
-        allow_inf_nan=False,
-        ge=0,
-        le=100,
         description="model FLOPs utilisation of the inner steps (of the device's peak bf16"
         " FLOP/s); absent on the CPU or a device of unknown peak",
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.payload_index import PayloadHeader
 from protocol.quantize import count_codes
 from protocol.tiles import TileGeometry
 
@@ -66,7 +67,7 @@ class SparseTensor:
 
 
 @dataclass(frozen=True)
-class Payload:
+class Payload(PayloadHeader):
     """A validated payload: its header fields and the tensors that were read, sparse.
 
     ``tensors`` holds every tensor of the model, or exactly those a partial read asked for
@@ -75,10 +76,4 @@ class Payload:
     decoded tensor per payload at a time.
     """
 
-    run_id: str
-    round: int
-    node_id: str
-    base: str
-    tile: int
-    topk: int
     tensors: Mapping[str, SparseTensor]
