@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from dataclasses import KW_ONLY, dataclass, field
 
 from coordinator.db import Database
 from coordinator.errors import TRANSIENT
@@ -32,24 +33,20 @@ BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 
 
+@dataclass(eq=False)
 class ManifestPublisher:
-    def __init__(
-        self,
-        db: Database,
-        store: ObjectStore,
-        *,
-        prefix: str,
-        run_id: str,
-        metrics: CoordinatorMetrics | None = None,
-    ) -> None:
-        self.db = db
-        self.store = store
-        self.prefix = prefix
-        self.run_id = run_id
-        self.metrics = metrics
-        self._wake = asyncio.Event()
-        self._checkpoint_lock = asyncio.Lock()
-        self.published = asyncio.Event()  # set whenever nothing is left to publish
+    """The background task that publishes one run's closed rounds and committed checkpoints."""
+
+    db: Database
+    store: ObjectStore
+    _: KW_ONLY
+    prefix: str
+    run_id: str
+    metrics: CoordinatorMetrics | None = None
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    _checkpoint_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    #: Set whenever nothing is left to publish.
+    published: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def kick(self) -> None:
         """A round closed or a checkpoint was committed: publish soon."""

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 
 from coordinator.db import CheckpointRow, Database
 from coordinator.errors import TRANSIENT
@@ -83,31 +84,22 @@ def stale_checkpoints(rows: Sequence[CheckpointRow], keep: int) -> list[int]:
     ]
 
 
+@dataclass(eq=False)
 class Retention:
     """The background task that applies the retention rules to one run's keys."""
 
-    def __init__(
-        self,
-        db: Database,
-        store: ObjectStore,
-        run: RunConfig,
-        *,
-        prefix: str,
-        current_round: Callable[[], int],
-        metrics: CoordinatorMetrics | None = None,
-        parts: PartStore | None = None,
-        stale_upload_s: float = 1800.0,
-    ) -> None:
-        self.db = db
-        self.parts = parts
-        self.stale_upload_s = stale_upload_s
-        self.store = store
-        self.run = run
-        self.prefix = prefix
-        self.current_round = current_round
-        self.metrics = metrics
-        self._wake = asyncio.Event()
-        self.idle = asyncio.Event()  # set after each pass that finished without error
+    db: Database
+    store: ObjectStore
+    run: RunConfig
+    _: KW_ONLY
+    prefix: str
+    current_round: Callable[[], int]
+    metrics: CoordinatorMetrics | None = None
+    parts: PartStore | None = None
+    stale_upload_s: float = 1800.0
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    #: Set after each pass that finished without error.
+    idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def kick(self) -> None:
         """A round closed or a checkpoint was committed: look again soon."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -55,31 +56,25 @@ Compute = Callable[..., Awaitable[Any]]
 MAX_TRIED = 3
 
 
+@dataclass(eq=False)
 class CheckpointSync:
-    """Checkpoint traffic for one node; ``compute`` runs CPU work on the node's compute thread."""
+    """Checkpoint traffic for one node.
 
-    def __init__(
-        self,
-        api: CoordinatorApi,
-        transfers: Transfers,
-        node: Compute,
-        state_dir: Path,
-        *,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        stopped: Callable[[], bool] = lambda: False,
-    ) -> None:
-        """``node``: the node's compute (``node.daemon.ops.NodeCompute``); checkpoint files
-        pass through ``state_dir``; ``sleep`` pauses while the store is away, ``stopped`` says
-        a stop was requested (the pause then ends the wait)."""
-        self.api = api
-        self.transfers = transfers
-        self.node = node
-        self.state_dir = state_dir
-        self.sleep = sleep
-        self.stopped = stopped
-        #: Why the newest checkpoint was rejected at the last ``restore_latest``; None if it was
-        #: not (the daemon names it when it gives up resynchronising).
-        self.rejected: str | None = None
+    ``node``: the node's compute (``node.daemon.ops.NodeCompute``), which runs CPU work on the
+    node's compute thread; checkpoint files pass through ``state_dir``; ``sleep`` pauses while
+    the store is away, ``stopped`` says a stop was requested (the pause then ends the wait).
+    """
+
+    api: CoordinatorApi
+    transfers: Transfers
+    node: Compute
+    state_dir: Path
+    _: KW_ONLY
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    stopped: Callable[[], bool] = lambda: False
+    #: Why the newest checkpoint was rejected at the last ``restore_latest``; None if it was
+    #: not (the daemon names it when it gives up resynchronising).
+    rejected: str | None = field(default=None, init=False)
 
     async def offer(self, worker: Worker) -> CheckpointInfo | None:
         """Offer θ_{worker.round} if this round is a checkpoint round; the accepted info."""

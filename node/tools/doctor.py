@@ -33,6 +33,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -71,23 +72,19 @@ FIX_STORE_REACH = (
 )
 
 
+@dataclass(eq=False)
 class Doctor:
-    """Runs the checks against one coordinator, as one token holder."""
+    """Runs the checks against one coordinator, as one token holder (``ca_cert``: an extra CA
+    file to trust)."""
 
-    def __init__(
-        self,
-        coordinator: str,
-        token: str | None,
-        state_dir: Path | None,
-        *,
-        ca_cert: Path | None = None,
-    ) -> None:
-        self.coordinator = coordinator
-        self.token = token
-        self.state_dir = state_dir
-        self.ca_cert = ca_cert
-        self.checks: list[Check] = []
-        self.status: StatusView | None = None
+    coordinator: str
+    token: str | None
+    state_dir: Path | None
+    _: KW_ONLY
+    ca_cert: Path | None = None
+    checks: list[Check] = field(default_factory=list, init=False)
+    #: The coordinator's status, once it answered.
+    status: StatusView | None = field(default=None, init=False)
 
     def add(self, name: str, level: str, detail: str, fix: str = "") -> None:
         self.checks.append(Check(name, level, detail, fix))
