@@ -50,6 +50,7 @@ from protocol.payload_index import (
     PayloadHeader,
     PayloadIndex,
     RecordEntry,
+    TensorFields,
     as_view,
     bin_field,
     check,
@@ -94,7 +95,7 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame (RFC 8878), not a skippable fra
 
 
 @dataclass(frozen=True)
-class TensorRecord:
+class TensorRecord(TensorFields):
     """One tensor, encoded: its header fields and the three sections of its record.
 
     ``codes`` are as stored: the packed 2-bit codes, or with ``codes_zstd`` one zstd frame of
@@ -102,10 +103,6 @@ class TensorRecord:
     ``raw`` once the model has said how many bytes the codes are.
     """
 
-    name: str
-    shape: tuple[int, ...]
-    rice_bits: int
-    stats: bytes  # shift and four levels, 20 bytes of fp32
     codes: bytes
     unary: bytes
     remainders: bytes

@@ -67,13 +67,20 @@ Bytes = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
-class RecordEntry:
-    """One tensor's entry in the header: its codec fields and where its record lies."""
+class TensorFields:
+    """The codec fields of one tensor, which its record (``TensorRecord``) and its entry in the
+    header (``RecordEntry``) both start with."""
 
     name: str
     shape: tuple[int, ...]
     rice_bits: int
     stats: bytes  # shift and four levels, 20 bytes of fp32
+
+
+@dataclass(frozen=True)
+class RecordEntry(TensorFields):
+    """One tensor's entry in the header: its codec fields and where its record lies."""
+
     codes_len: int
     unary_len: int
     remainders_len: int
