@@ -42,12 +42,12 @@ from node.compute.group import Group
 from node.compute.inner import InnerLoop
 from node.compute.mass import abs_total, total
 from node.compute.model import build_model, get_preset, initial_tensors, model_shapes
-from node.compute.optim import InnerOptimConfig, make_adamw
+from node.compute.optim import InnerOptimConfig, adam_tensors, make_adamw, restore_adam
 from node.compute.outer import add_back, apply_aggregate, compress, feed_error
 from node.compute.placement import Placement, resolve_device
 from node.compute.sharding import assign
 from node.compute.shards import encode_tensors, node_fingerprint, node_payload
-from node.compute.state import NodeState, adam_tensors, restore_adam
+from node.compute.state import NodeState
 from node.compute.throughput import Meter, StepClock, Throughput
 from node.errors import RanksError
 from protocol.codec import Payload, read_payload, read_payload_file
