@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from node.compute.worker import Worker
@@ -26,6 +25,7 @@ from node.daemon.api import Clock, CoordinatorApi, Transfers
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.condition import Condition
 from node.daemon.faults import Faults
+from node.daemon.gather import Spool
 from node.daemon.pending import PendingRound
 from node.daemon.settings import NodeSettings
 from protocol.messages import JoinResponse
@@ -100,6 +100,5 @@ class RoundDaemon(Daemon, Protocol):
 
     def retries_since_last_report(self) -> int: ...
 
-    def spool(self, round_: int) -> Path | None: ...
-
-    def drop_spool(self, round_: int | None = None) -> None: ...
+    @property
+    def spool(self) -> Spool: ...
