@@ -43,20 +43,11 @@ class Compute(Protocol):
 class Daemon(Protocol):
     """What sending a payload needs (``node.daemon.upload``)."""
 
-    @property
-    def api(self) -> CoordinatorApi: ...
-
-    @property
-    def transfers(self) -> Transfers: ...
-
-    @property
-    def clock(self) -> Clock: ...
-
-    @property
-    def faults(self) -> Faults: ...
-
-    @property
-    def stopping(self) -> asyncio.Event: ...
+    api: CoordinatorApi
+    transfers: Transfers
+    clock: Clock
+    faults: Faults
+    stopping: asyncio.Event
 
     @property
     def node_id(self) -> str: ...
@@ -71,24 +62,17 @@ class RoundDaemon(Daemon, Protocol):
 
     #: The round trained and compressed but not yet applied; None between rounds.
     pending: PendingRound | None
-
-    @property
-    def settings(self) -> NodeSettings: ...
-
-    @property
-    def joined(self) -> JoinResponse | None: ...
+    settings: NodeSettings
+    joined: JoinResponse | None
+    sync: CheckpointSync
+    condition: Condition
+    spool: Spool
 
     @property
     def worker(self) -> Worker: ...
 
     @property
     def node(self) -> Compute: ...
-
-    @property
-    def sync(self) -> CheckpointSync: ...
-
-    @property
-    def condition(self) -> Condition: ...
 
     async def until_stopped(self, work: Awaitable[T]) -> T | None: ...
 
@@ -100,5 +84,3 @@ class RoundDaemon(Daemon, Protocol):
 
     def retries_since_last_report(self) -> int: ...
 
-    @property
-    def spool(self) -> Spool: ...
