@@ -44,7 +44,7 @@ from pathlib import Path
 import aiohttp
 
 from node.daemon.filestream import PartsSha, file_chunks, in_thread
-from node.daemon.multipart import put_file_parts, put_parts
+from node.daemon.multipart import PartUploads, all_or_none
 from node.daemon.ranged import (
     TransferCounts,
     check_status,
@@ -147,13 +147,7 @@ async def get_object(
                     link=link, bandwidth=bandwidth, counts=counts,
                 )  # fmt: skip
 
-        tasks = [asyncio.ensure_future(part(s)) for s in range(0, size, part_size)]
-        try:
-            data = b"".join(await asyncio.gather(*tasks))
-        finally:  # one part failed for good: the others stop, not left running
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        data = b"".join(await all_or_none([part(s) for s in range(0, size, part_size)]))
     if len(data) != size:
         raise DigestError(f"download: expected {size} bytes, got {len(data)}")
     actual = hashlib.sha256(data).hexdigest()
@@ -243,14 +237,8 @@ async def _parts_to_file(
             raise TransferError(f"download part: got {got} bytes of {end - start}")
         await sha.landed(index)
 
-    tasks = [asyncio.ensure_future(part(i)) for i in range(-(-size // part_size))]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        # On a failure the other parts stop, and have stopped, before the file is closed.
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    # On a failure the other parts stop, and have stopped, before the file is closed.
+    await all_or_none([part(i) for i in range(-(-size // part_size))])
     return sha.hexdigest()
 
 
@@ -313,21 +301,21 @@ class HttpTransfers:
     def _timeout_up(self, size: int) -> aiohttp.ClientTimeout:
         return self.timeouts.client_timeout(size, self.limits.upload)
 
+    @property
+    def _parts(self) -> PartUploads:
+        return PartUploads(
+            self.session, self._timeout_up, self.policy, self.link, self.limits.upload, self.counts
+        )
+
     async def put_parts(
         self, grant: MultipartGrant, data: bytes, done: dict[int, CompletedPart] | None = None
     ) -> list[CompletedPart]:
-        return await put_parts(
-            self.session, grant, data, timeout_for=self._timeout_up, policy=self.policy,
-            link=self.link, bandwidth=self.limits.upload, counts=self.counts, done=done,
-        )  # fmt: skip
+        return await self._parts.put_parts(grant, data, done)
 
     async def put_file_parts(
         self, grant: MultipartGrant, path: Path, *, size: int
     ) -> list[CompletedPart]:
-        return await put_file_parts(
-            self.session, grant, path, size, timeout_for=self._timeout_up, policy=self.policy,
-            link=self.link, bandwidth=self.limits.upload, counts=self.counts,
-        )  # fmt: skip
+        return await self._parts.put_file_parts(grant, path, size)
 
     async def put(self, url: str, headers: Mapping[str, str], data: bytes) -> bool:
         return await put_object(
