@@ -1,12 +1,12 @@
 """Uploads in parts, from the node's side: cut, upload each part alone, report what landed.
 
 An object of ``MULTIPART_THRESHOLD`` bytes or more goes to the store as an S3 multipart upload
-(``protocol.parts`` has the protocol): ``part_plan`` cuts it into parts of ``UPLOAD_PART_SIZE`` and
-hashes each; the coordinator answers a grant with one presigned URL per part, each bound to the
-part's length and sha256; ``PartUploads.put_parts`` (bytes in memory) and ``put_file_parts`` (a
-local file, read a piece at a time) send ``PARALLEL_UPLOADS`` parts at a time, each retried alone
-(``node.daemon.retry``: a reset costs that part, not the object). The ETags the store answers go
-back to the coordinator, which completes the upload write-once.
+(``protocol.parts`` has the protocol): ``part_plan`` cuts it into parts of ``UPLOAD_PART_SIZE``
+and hashes each; the coordinator answers a grant with one presigned URL per part, each bound to
+the part's length and sha256; ``put_parts`` (bytes in memory) and ``put_file_parts`` (a local
+file, read a piece at a time) send ``PARALLEL_UPLOADS`` parts at a time, each retried alone
+(``node.daemon.retry``: a reset costs that part, not the object). The ETags the store answers
+go back to the coordinator, which completes the upload write-once.
 
 Below the threshold an object goes as one presigned PUT, as it always has: one request instead
 of three, and nothing to clean up if the node dies half way.
@@ -28,7 +28,6 @@ import hashlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -101,6 +100,49 @@ def _sha_hex(part: PartUrl) -> str:
     raise TransferError(f"upload part {part.number}: the grant signs no sha256 for it")
 
 
+async def _send_parts(
+    grant: MultipartGrant,
+    size: int,
+    send: Callable[[PartUrl, int, int], Awaitable[str]],
+    *,
+    policy: RetryPolicy,
+    link: Link | None,
+    counts: TransferCounts | None,
+    done: dict[int, CompletedPart] | None,
+) -> list[CompletedPart]:
+    """Every part of ``grant`` through ``send(part, start, end) -> etag``, ``PARALLEL_UPLOADS``
+    at a time, each retried alone; the parts in order, as the completion lists them. Parts in
+    ``done`` (by number) are not sent again, and each part the store takes is added to it: a
+    caller whose upload failed part way sends only the rest with the same grant."""
+    done = {} if done is None else done
+    ranges = part_ranges(size, grant.part_size)
+    if [p.number for p in grant.parts] != list(range(1, len(ranges) + 1)):
+        raise TransferError(f"upload: the grant's parts do not cut {size} bytes")
+    gate = asyncio.Semaphore(PARALLEL_UPLOADS)
+
+    async def one(part: PartUrl, start: int, end: int) -> CompletedPart:
+        if part.number in done:
+            return done[part.number]
+        tries = 0
+
+        async def attempt() -> str:
+            nonlocal tries
+            tries += 1
+            if tries > 1:
+                if counts is not None:
+                    counts.retried_parts += 1
+                log.debug("event=part_retried number=%d attempt=%d", part.number, tries)
+            return await send(part, start, end)
+
+        async with gate:
+            etag = await retry(attempt, policy=policy, what="upload part", link=link)
+        done[part.number] = CompletedPart(number=part.number, etag=etag, sha256=_sha_hex(part))
+        return done[part.number]
+
+    parts = zip(grant.parts, ranges, strict=True)
+    return await all_or_none([one(part, s, e) for part, (s, e) in parts])
+
+
 async def all_or_none(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
     """Run ``coros`` at once; their results in order. When one fails for good the others are
     cancelled, and have stopped, before its error is raised (none is left running)."""
@@ -111,102 +153,6 @@ async def all_or_none(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-@dataclass(frozen=True)
-class PartUploads:
-    """How the parts of an upload go out: on ``session``, each attempt limited by
-    ``timeout_for(n)`` for its ``n`` bytes, retried under ``policy`` (``link`` told), at
-    ``bandwidth``'s pace when there is one, the parts sent again tallied in ``counts``."""
-
-    session: aiohttp.ClientSession
-    timeout_for: Callable[[int], aiohttp.ClientTimeout]
-    policy: RetryPolicy
-    link: Link | None = None
-    bandwidth: Bandwidth | None = None
-    counts: TransferCounts | None = None
-
-    async def put_parts(
-        self, grant: MultipartGrant, data: bytes, done: dict[int, CompletedPart] | None = None
-    ) -> list[CompletedPart]:
-        """Upload ``data`` through ``grant``'s part URLs (but those in ``done``); the parts
-        for the completion."""
-        view = memoryview(data)
-
-        async def send(part: PartUrl, start: int, end: int) -> str:
-            return await self._put_part(part, _pieces(view[start:end], self.bandwidth), end - start)
-
-        return await self._send_parts(grant, len(data), send, done)
-
-    async def put_file_parts(
-        self, grant: MultipartGrant, path: Path, size: int
-    ) -> list[CompletedPart]:
-        """Upload the ``size`` bytes of the file at ``path`` through ``grant``'s part URLs,
-        each part streamed from disk; the parts for the completion."""
-
-        async def send(part: PartUrl, start: int, end: int) -> str:
-            with open(path, "rb", buffering=0) as f:
-                f.seek(start)
-                body = file_chunks(f, end - start, self.bandwidth)
-                return await self._put_part(part, body, end - start)
-
-        return await self._send_parts(grant, size, send, None)
-
-    async def _send_parts(
-        self,
-        grant: MultipartGrant,
-        size: int,
-        send: Callable[[PartUrl, int, int], Awaitable[str]],
-        done: dict[int, CompletedPart] | None,
-    ) -> list[CompletedPart]:
-        """Every part of ``grant`` through ``send(part, start, end) -> etag``,
-        ``PARALLEL_UPLOADS`` at a time, each retried alone; the parts in order, as the
-        completion lists them. Parts in ``done`` (by number) are not sent again, and each part
-        the store takes is added to it: a caller whose upload failed part way sends only the
-        rest with the same grant."""
-        done = {} if done is None else done
-        ranges = part_ranges(size, grant.part_size)
-        if [p.number for p in grant.parts] != list(range(1, len(ranges) + 1)):
-            raise TransferError(f"upload: the grant's parts do not cut {size} bytes")
-        gate = asyncio.Semaphore(PARALLEL_UPLOADS)
-        counts = self.counts
-
-        async def one(part: PartUrl, start: int, end: int) -> CompletedPart:
-            if part.number in done:
-                return done[part.number]
-            tries = 0
-
-            async def attempt() -> str:
-                nonlocal tries
-                tries += 1
-                if tries > 1:
-                    if counts is not None:
-                        counts.retried_parts += 1
-                    log.debug("event=part_retried number=%d attempt=%d", part.number, tries)
-                return await send(part, start, end)
-
-            async with gate:
-                etag = await retry(attempt, policy=self.policy, what="upload part", link=self.link)
-            done[part.number] = CompletedPart(number=part.number, etag=etag, sha256=_sha_hex(part))
-            return done[part.number]
-
-        parts = zip(grant.parts, ranges, strict=True)
-        return await all_or_none([one(part, s, e) for part, (s, e) in parts])
-
-    async def _put_part(self, part: PartUrl, data: AsyncIterator[bytes], length: int) -> str:
-        """One ``UploadPart`` with exactly the signed headers (``data`` a stream: see
-        ``_pieces``); the ETag the store answers."""
-        sent: Mapping[str, str] = {**part.headers, "Content-Length": str(length)}
-        timeout = self.timeout_for(length)
-        async with self.session.put(
-            signed(part.url), data=data, headers=sent, timeout=timeout
-        ) as resp:
-            text = await resp.read()
-            check_status(resp.status, text, f"upload part {part.number}")
-            etag = resp.headers.get("ETag")
-        if not etag:
-            raise TransientError(f"upload part {part.number}: the store answered no ETag")
-        return etag
 
 
 async def _pieces(view: memoryview, bandwidth: Bandwidth | None) -> AsyncIterator[bytes]:
@@ -220,3 +166,71 @@ async def _pieces(view: memoryview, bandwidth: Bandwidth | None) -> AsyncIterato
         return
     for pos in range(0, len(view), WRITE_CHUNK):
         yield view[pos : pos + WRITE_CHUNK].tobytes()
+
+
+async def _put_part(
+    session: aiohttp.ClientSession,
+    part: PartUrl,
+    data: AsyncIterator[bytes],
+    length: int,
+    timeout: aiohttp.ClientTimeout,
+) -> str:
+    """One ``UploadPart`` with exactly the signed headers (``data`` a stream: see
+    ``_pieces``); the ETag the store answers."""
+    sent: Mapping[str, str] = {**part.headers, "Content-Length": str(length)}
+    async with session.put(signed(part.url), data=data, headers=sent, timeout=timeout) as resp:
+        text = await resp.read()
+        check_status(resp.status, text, f"upload part {part.number}")
+        etag = resp.headers.get("ETag")
+    if not etag:
+        raise TransientError(f"upload part {part.number}: the store answered no ETag")
+    return etag
+
+
+async def put_parts(
+    session: aiohttp.ClientSession,
+    grant: MultipartGrant,
+    data: bytes,
+    *,
+    timeout_for: Callable[[int], aiohttp.ClientTimeout],
+    policy: RetryPolicy,
+    link: Link | None = None,
+    bandwidth: Bandwidth | None = None,
+    counts: TransferCounts | None = None,
+    done: dict[int, CompletedPart] | None = None,
+) -> list[CompletedPart]:
+    """Upload ``data`` through ``grant``'s part URLs (but those in ``done``); the parts for
+    the completion. ``timeout_for(n)`` is the limit of one attempt of ``n`` bytes."""
+    view = memoryview(data)
+
+    async def send(part: PartUrl, start: int, end: int) -> str:
+        body = _pieces(view[start:end], bandwidth)
+        return await _put_part(session, part, body, end - start, timeout_for(end - start))
+
+    return await _send_parts(
+        grant, len(data), send, policy=policy, link=link, counts=counts, done=done
+    )
+
+
+async def put_file_parts(
+    session: aiohttp.ClientSession,
+    grant: MultipartGrant,
+    path: Path,
+    size: int,
+    *,
+    timeout_for: Callable[[int], aiohttp.ClientTimeout],
+    policy: RetryPolicy,
+    link: Link | None = None,
+    bandwidth: Bandwidth | None = None,
+    counts: TransferCounts | None = None,
+) -> list[CompletedPart]:
+    """Upload the ``size`` bytes of the file at ``path`` through ``grant``'s part URLs, each
+    part streamed from disk; the parts for the completion."""
+
+    async def send(part: PartUrl, start: int, end: int) -> str:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            body = file_chunks(f, end - start, bandwidth)
+            return await _put_part(session, part, body, end - start, timeout_for(end - start))
+
+    return await _send_parts(grant, size, send, policy=policy, link=link, counts=counts, done=None)
