@@ -187,7 +187,7 @@ def up(
                 name,
                 token,
                 url,
-                data=None if dataset is not None else cfg.data,
+                streamed=dataset is not None,
                 extra_env=node_env,
                 threads=node_threads[i] if node_threads else None,
                 ranks=cfg.node_ranks(i),
@@ -221,16 +221,18 @@ def start_run_node(
     token: str,
     url: str,
     *,
-    data: str | None,
+    streamed: bool = False,
     extra_env: dict[str, str] | None = None,
     threads: int | None = None,
     ranks: int = 1,
 ) -> Process:
     """Node ``i`` of a local run of ``cfg``: its state in ``run_dir/nodes/NAME``, its log in
-    ``run_dir/logs/NAME.log``, the run's transfer caps, node ``i``'s device, ``threads`` (by
+    ``run_dir/logs/NAME.log``, ``cfg.data`` to read unless the run ``streamed`` a prepared
+    dataset from the store, the run's transfer caps, node ``i``'s device, ``threads`` (by
     default ``cfg.threads``) and ``ranks`` processes."""
     return start_node(
-        name, url, token, run_dir / "nodes" / name, run_dir / "logs" / f"{name}.log", data,
+        name, url, token, run_dir / "nodes" / name, run_dir / "logs" / f"{name}.log",
+        None if streamed else cfg.data,
         extra_env=extra_env, limits=(cfg.upload_limit, cfg.download_limit),
         device=cfg.node_device(i), threads=cfg.threads if threads is None else threads,
         ranks=ranks,

@@ -95,21 +95,11 @@ def run_in_lab(
             lab.expose(store.s3_port, port)
             log.info("event=wan_started run_dir=%s coordinator=%s", run_dir, url)
             nodes = []
+            env = {**LAB_ENV, **(node_env or {})}
             for i, (name, token) in enumerate(tokens.items()):
                 host = lab.add_node(name, links[name], seed=i)
                 with host.entered():
-                    nodes.append(
-                        start_run_node(
-                            cfg,
-                            run_dir,
-                            i,
-                            name,
-                            token,
-                            url,
-                            data=cfg.data,
-                            extra_env={**LAB_ENV, **(node_env or {})},
-                        )
-                    )
+                    nodes.append(start_run_node(cfg, run_dir, i, name, token, url, extra_env=env))
             procs += nodes
             with lab.entered():
                 status = watch(url, nodes, on_status)
