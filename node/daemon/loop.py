@@ -61,12 +61,7 @@ from node.daemon.retry import Link
 from node.daemon.rounds import RoundFinisher
 from node.daemon.settings import NodeSettings
 from node.daemon.upload import submit
-from node.errors import (
-    Abandoned,
-    CoordinatorError,
-    Refused,
-    StateError,
-)
+from node.errors import Abandoned, CoordinatorError, Refused, StateError
 from protocol.errors import SparseLoCoError
 from protocol.messages import JoinResponse, RoundState, RoundView
 
