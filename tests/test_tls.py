@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.signing import ManifestSigner
+from node.cluster.launch import start_coordinator
 from node.cluster.seaweed import EmbeddedStore
-from node.cluster.up import start_coordinator
 from node.daemon.pinning import PIN_FILE
 from protocol.invite import decode_invite, key_fingerprint
 from protocol.messages import RoundState, StatusView

@@ -45,8 +45,9 @@ from typing import Any
 import aiohttp
 import uvloop
 
+from node.cluster.launch import coordinator_toml, start_coordinator
 from node.cluster.seaweed import EmbeddedStore
-from node.cluster.up import coordinator_toml, fetch_status, start_coordinator
+from node.cluster.status import fetch_status
 from node.daemon.condition import GAP_S
 from protocol.messages import (
     CONDITION_HEADER,

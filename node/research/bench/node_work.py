@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import torch
 
 import node.compute.inner as inner_module
-import node.compute.worker as worker_module
+import node.compute.share as share_module
 from node.compute.group import Group
 from node.compute.heap import return_large_blocks
 from node.compute.model import PRESETS, ModelConfig, get_preset, model_shapes
@@ -236,7 +236,7 @@ def _nothing() -> Iterator[None]:
 def _counting() -> Iterator[list[int]]:
     """Every fingerprint of θ the worker computes, counted (one per round is the design)."""
     calls: list[int] = []
-    plain, combined = worker_module.fingerprint, worker_module.node_fingerprint
+    plain, combined = share_module.fingerprint, share_module.node_fingerprint
 
     def count_plain(tensors: Any) -> str:
         calls.append(1)
@@ -246,13 +246,13 @@ def _counting() -> Iterator[list[int]]:
         calls.append(1)
         return combined(group, tensors)
 
-    worker_module.fingerprint = count_plain
-    worker_module.node_fingerprint = count_combined
+    share_module.fingerprint = count_plain
+    share_module.node_fingerprint = count_combined
     try:
         yield calls
     finally:
-        worker_module.fingerprint = plain
-        worker_module.node_fingerprint = combined
+        share_module.fingerprint = plain
+        share_module.node_fingerprint = combined
 
 
 def summarize(
