@@ -56,7 +56,7 @@ from node.daemon.lifetime import heartbeat, until_stopped, with_grace
 from node.daemon.merge import Handoff
 from node.daemon.ops import NodeCompute, RankContext
 from node.daemon.pending import PendingRound
-from node.daemon.resync import ResyncGuard
+from node.daemon.resync import ResyncGuard, resync
 from node.daemon.retry import Link
 from node.daemon.rounds import RoundFinisher
 from node.daemon.settings import NodeSettings
@@ -376,23 +376,8 @@ class NodeDaemon:
         await self.finisher.finish(r)
 
     async def resync(self) -> None:
-        """θ differs from the round's base: start again from the newest checkpoint (or θ_0).
-
-        A pending payload trained from the wrong θ goes back into the error buffer first, so
-        nothing this node computed is lost; the loop then replays the manifests since.
-
-        A resync that does not get the node past where the previous one began is counted
-        (``node.daemon.resync``): too many in a row stop the node with ``ResyncError``.
-        """
-        self.resyncs.count(self.worker.round, self.sync.rejected)
-        if self.pending is not None:
-            await self.give_back(self.pending.round)
-        self.pending = None
-        info = await self.sync.restore_latest(self.worker)
-        if info is None:
-            await self.node("reset_to_initial")
-        await self.save_idle()
-        self.log("resynced", source=f"checkpoint {info.round}" if info else "θ_0")
+        """θ differs from the round's base: start again (``node.daemon.resync``)."""
+        await resync(self, self.resyncs)
 
     def retries_since_last_report(self) -> int:
         """Failed attempts at the coordinator or the store since the previous report."""

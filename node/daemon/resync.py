@@ -1,4 +1,5 @@
-"""When resynchronising stops helping: the guard that ends a loop of resync, replay, diverge.
+"""Resynchronising: starting again from the newest checkpoint, and the guard that ends a loop
+of resync, replay, diverge.
 
 A node whose θ differs from a round's base resynchronises (``NodeDaemon.resync``): it starts
 again from the newest checkpoint (or θ_0) and replays the rounds since. A resync that is needed
@@ -10,6 +11,7 @@ what they applied. After ``MAX_RESYNCS`` of those in a row the node stops with `
 
 from __future__ import annotations
 
+from node.daemon.host import RoundDaemon
 from node.errors import ResyncError
 
 #: Resynchronisations in a row that may end where the previous one began (the node diverges
@@ -40,3 +42,21 @@ class ResyncGuard:
                 " applied), so it stopped instead of looping; its state is kept. Show the"
                 " operator the log (event=diverged, event=resynced)"
             )
+
+
+async def resync(d: RoundDaemon, guard: ResyncGuard) -> None:
+    """θ differs from the round's base: start again from the newest checkpoint (or θ_0).
+
+    A pending payload trained from the wrong θ goes back into the error buffer first, so
+    nothing this node computed is lost; the loop then replays the manifests since. A resync
+    that does not get the node past where the previous one began is counted by ``guard``.
+    """
+    guard.count(d.worker.round, d.sync.rejected)
+    if d.pending is not None:
+        await d.give_back(d.pending.round)
+    d.pending = None
+    info = await d.sync.restore_latest(d.worker)
+    if info is None:
+        await d.node("reset_to_initial")
+    await d.save_idle()
+    d.log("resynced", source=f"checkpoint {info.round}" if info else "θ_0")
