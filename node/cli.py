@@ -110,7 +110,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from node.research.progress import round_progress
-    from node.research.simulate import build_config, simulate, write_json
+    from node.research.report import publish
+    from node.research.simulate import build_config, simulate
 
     options = {
         k: getattr(args, k)
@@ -138,14 +139,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, **options)
     with round_progress(f"simulate {cfg.algo}", cfg.rounds) as progress:
         result = simulate(cfg, progress=progress)
-    print(
+    summary = (
         f"{cfg.algo}: final eval loss {result['final_eval_loss']:.4f} nats, "
         f"{result['bytes_per_round_per_worker']:,.0f} bytes/round/worker, "
         f"{result['wall_seconds']:.1f} s"
     )
-    if args.json_out:
-        write_json(result, args.json_out)
-        print(f"wrote {args.json_out}")
+    publish(summary, result, args.json_out)
     return 0
 
 

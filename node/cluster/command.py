@@ -117,7 +117,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     from node.cluster.up import UpConfig, up
     from node.cluster.view import UpView
-    from node.research.simulate import write_json
+    from node.research.report import write_json
 
     # Named now: the view's log file lives in it before the run starts.
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S"))

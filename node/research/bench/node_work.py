@@ -32,7 +32,6 @@ sample. Nothing here touches the network.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -40,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,8 +55,8 @@ from node.compute.sharding import balance
 from node.compute.worker import Worker
 from node.daemon.pending import Shard, save_applied, save_submitting
 from node.research.bench.codec_bench import error_buffer
-from node.research.bench.node_work_flags import add_flags
 from node.research.bench.spawn import spawn
+from node.research.report import publish
 from protocol.codec import encode
 from protocol.runconfig import RunConfig
 
@@ -335,10 +334,7 @@ def run(
         "balance": {str(w): balance(shapes, w).over_ideal for w in ranks},
         "nodes": nodes,
     }
-    print(markdown(report))
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2))
+    publish(markdown(report), report, json_out)
     return report
 
 
@@ -376,24 +372,10 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m node.research.bench.node_work", description=__doc__)
-    return run_args(add_flags(p).parse_args(argv))
+    """``python -m node.research.bench.node_work``: ``sparseloco bench node-work`` on its own."""
+    from node.research.bench.cli import bench_main
 
-
-def run_args(a: argparse.Namespace) -> int:
-    run(
-        preset=a.preset,
-        ranks=tuple(int(x) for x in str(a.ranks).split(",") if x),
-        rounds=a.rounds,
-        peers=a.peers,
-        train_steps=a.train_steps,
-        batch_size=a.batch_size,
-        ctx_len=a.ctx_len,
-        threads=a.threads,
-        state_dir=a.state_dir,
-        json_out=a.json_out,
-    )
-    return 0
+    return bench_main("node-work", "python -m node.research.bench.node_work", __doc__, argv)
 
 
 if __name__ == "__main__":
