@@ -96,218 +96,241 @@ class Bench:
         return 0
 
 
+CODEC_FLAGS = (
+    flag("--preset", default="base", help="model whose shapes are encoded"),
+    number("--peers", 16),
+    number("--repeat", 3),
+    number("--threads", help="torch threads for the timings (default: all)"),
+    json_out(),
+)
+
+QUALITY_FLAGS = (
+    flag("--preset", default="bench"),
+    number("--rounds"),
+    flag("--data"),
+    flag("--algos", default="sparseloco,diloco,ddp"),
+    flag("--out", default="bench-out/quality", help="folder for JSON and the plot"),
+)
+
+ROBUST_FLAGS = (
+    flag("--preset", default="tiny"),
+    number("--workers", 4),
+    number("--attackers", 1),
+    number("--rounds", 8),
+    json_out(),
+)
+
+ROUND_FLAGS = (
+    number("--nodes", 4),
+    number("--rounds", 8),
+    flag("--preset", default="tiny"),
+    run_dir("run folder (default: runs/up-<time>)"),
+    json_out(),
+)
+
+OVERLAP_FLAGS = (
+    number("--nodes", 3),
+    number("--rounds", 6),
+    flag("--preset", default="small"),
+    flag(
+        "--link-share",
+        type=float,
+        default=1.0,
+        help="a round's transfers take this times its training on the capped links",
+    ),
+    flag(
+        "--variant",
+        default="merge",
+        help="overlap schedules to run after plain, comma-separated: delayed, eager,"
+        " merge, merge:TAU (merge at inner step TAU); default merge at the run's"
+        " default τ",
+    ),
+    run_dir("keep the three runs' folders here"),
+    json_out(),
+)
+
+COORDINATOR_FLAGS = (
+    number("--nodes", 1000),
+    number("--rounds", 3),
+    flag("--train-s", type=float, default=2.0, help="every node's simulated training"),
+    flag("--spread-s", type=float, default=5.0, help="plus up to this, at random"),
+    flag("--apply-s", type=float, default=1.0, help="manifest to report, x0.5-1.5"),
+    flag("--join-s", type=float, default=20.0, help="joins spread over this long"),
+    number("--payload-bytes", 4096),
+    flag("--timeout-s", type=float, default=900.0, help="then stop, unfinished"),
+    run_dir("keep the store, database and logs here"),
+    json_out(),
+)
+
+PROJECT_FLAGS = (
+    flag("--sizes", help="parameter counts, comma-separated: 1B,8B,70B or 1e9,..."),
+    flag("--links", help="link rates in Mbit/s, comma-separated (default 100,1000)"),
+    flag(
+        "--link",
+        dest="lab_links",
+        metavar="PROFILES",
+        help="WAN lab profiles too, comma-separated: home, office, far, flaky (rates,"
+        " RTT, resets; README benchmark 17); alone, only those",
+    ),
+    number("--parallel-downloads", help="a node's parallel GETs (default 8)"),
+    flag(
+        "--resume-bytes",
+        type=float,
+        help="bytes a reset makes a transfer send again at most (default: as the node"
+        " does, 8 MiB parts from 64 MiB up, smaller objects whole)",
+    ),
+    flag("--mfu", type=float, help="model FLOPs utilisation (default 0.4)"),
+    number("--gpus", help="GPUs per node (default 8)"),
+    flag("--peak-tflops", type=float, help="one GPU's peak (default 989, H100 bf16)"),
+    number("--tokens-per-step", help="per node (default 262144)"),
+    flag("--inner-steps", "-H", type=int, help="H (default 30)"),
+    flag("--peers", "-G", type=int, help="G, payloads gathered (default 16)"),
+    flag("--bits-per-param", type=float, help="payload size (default 0.1445)"),
+    flag("--cpu-work-ns", type=float, help="node work, CPU path (default 28.5)"),
+    flag("--device-work-ns", type=float, help="device path (assumed 5.0)"),
+    flag(
+        "--shard-fixed-ns",
+        type=float,
+        help="per-rank work that does not shrink with ranks",
+    ),
+    flag("--shard-scaled-ns", type=float, help="per-rank work divided by the ranks"),
+    json_out("write inputs and rows here"),
+)
+
+SWEEP_FLAGS = (
+    flag("--model", default="llama_bpe4k_1m", help="model preset"),
+    flag("--data", help="a folder made by `sparseloco data prepare` (or text)"),
+    number("--workers", 2),
+    number("--batch-size", 8),
+    number("--steps", 180, "inner steps per worker, every point"),
+    flag("--hs", default="5,15,45", help="values of H (each must divide --steps)"),
+    flag("--topks", default="16,32,64,128", help="values of k per 64x64 tile"),
+    flag("--diloco", action="store_true", help="add DiLoCo at each H"),
+    number("--seed", 0),
+    flag("--out", default="bench-out/sweep", help="folder for sweep.json and the table"),
+)
+
+NODE_WORK_FLAGS = (
+    flag("--preset", help="model preset (default: the 81 M benchmark shape)"),
+    flag("--ranks", default="1,2,4", help="rank counts to measure (default 1,2,4)"),
+    number("--rounds", 3),
+    number("--peers", 16),
+    number("--train-steps", 0, "real inner steps a round (0: none)"),
+    number("--batch-size", 4, "the node's batch (>= every ranks)"),
+    number("--ctx-len", help="another context length for the model"),
+    number("--threads", 1, "torch threads per rank"),
+    flag("--state-dir", help="where the state files go (default: a temp dir)"),
+    json_out(),
+)
+
+SPEED_FLAGS = (
+    flag("--preset", default="llama_bpe"),
+    flag(
+        "--data",
+        help="a prepared dataset folder (default: the bundled corpus, prepared first)",
+    ),
+    number("--nodes", 2),
+    number("--rounds", 4),
+    number("--threads", 1, "torch threads per node and simulate"),
+    number("--numba-threads", help="the nodes' numba pool (default: every core)"),
+    run_dir("run folder (default: runs/speed-<time>)"),
+    json_out(),
+)
+
+WAN_FLAGS = (
+    flag(
+        "--profiles",
+        default="lan,home,office,far,flaky,flaky@5",
+        help="link profiles, every node on the same one (lan: the lab without delay;"
+        " NAME@S: that profile with a reset about every S seconds)",
+    ),
+    flag("--models", default="small,base", help="small (0.44 M), base (10.8 M)"),
+    flag("--schedules", default="plain,overlap", help="plain, overlap (eager)"),
+    number("--nodes", 3),
+    number("--rounds", 8, "steady rounds are 2 .. R-2"),
+    run_dir("run folders (default: runs/bench-wan)"),
+    json_out(),
+    flag(
+        "--from",
+        dest="from_json",
+        metavar="REPORT",
+        help="run nothing: compare a saved --json report's runs with the projection again",
+    ),
+)
+
+#: Every ``sparseloco bench`` command, in the order ``--help`` lists them.
 BENCHES = (
     Bench(
         "codec",
         "payload size, encode and decode+aggregate speed, memory",
         "codec_bench:run",
-        (
-            flag("--preset", default="base", help="model whose shapes are encoded"),
-            number("--peers", 16),
-            number("--repeat", 3),
-            number("--threads", help="torch threads for the timings (default: all)"),
-            json_out(),
-        ),
+        CODEC_FLAGS,
     ),
     Bench(
         "quality",
         "SparseLoCo vs DiLoCo vs DDP on the bench preset",
         "quality:run_quality",
-        (
-            flag("--preset", default="bench"),
-            number("--rounds"),
-            flag("--data"),
-            flag("--algos", default="sparseloco,diloco,ddp"),
-            flag("--out", default="bench-out/quality", help="folder for JSON and the plot"),
-        ),
+        QUALITY_FLAGS,
         convert={"algos": words},
     ),
     Bench(
         "robust",
         "hostile workers against robust aggregation (simulated)",
         "robust_bench:run_bench",
-        (
-            flag("--preset", default="tiny"),
-            number("--workers", 4),
-            number("--attackers", 1),
-            number("--rounds", 8),
-            json_out(),
-        ),
+        ROBUST_FLAGS,
     ),
     Bench(
         "round",
         "time of a networked round, phase by phase (runs up)",
         "round_bench:run",
-        (
-            number("--nodes", 4),
-            number("--rounds", 8),
-            flag("--preset", default="tiny"),
-            run_dir("run folder (default: runs/up-<time>)"),
-            json_out(),
-        ),
+        ROUND_FLAGS,
     ),
     Bench(
         "overlap",
         "utilisation on capped links, plain and overlapped (runs up 3 times)",
         "utilisation:run",
-        (
-            number("--nodes", 3),
-            number("--rounds", 6),
-            flag("--preset", default="small"),
-            flag(
-                "--link-share",
-                type=float,
-                default=1.0,
-                help="a round's transfers take this times its training on the capped links",
-            ),
-            flag(
-                "--variant",
-                default="merge",
-                help="overlap schedules to run after plain, comma-separated: delayed, eager,"
-                " merge, merge:TAU (merge at inner step TAU); default merge at the run's"
-                " default τ",
-            ),
-            run_dir("keep the three runs' folders here"),
-            json_out(),
-        ),
+        OVERLAP_FLAGS,
         rename={"variant": "overlap"},
     ),
     Bench(
         "coordinator",
         "the real coordinator under N simulated nodes doing full rounds",
         "coordinator_load:run",
-        (
-            number("--nodes", 1000),
-            number("--rounds", 3),
-            flag("--train-s", type=float, default=2.0, help="every node's simulated training"),
-            flag("--spread-s", type=float, default=5.0, help="plus up to this, at random"),
-            flag("--apply-s", type=float, default=1.0, help="manifest to report, x0.5-1.5"),
-            flag("--join-s", type=float, default=20.0, help="joins spread over this long"),
-            number("--payload-bytes", 4096),
-            flag("--timeout-s", type=float, default=900.0, help="then stop, unfinished"),
-            run_dir("keep the store, database and logs here"),
-            json_out(),
-        ),
+        COORDINATOR_FLAGS,
         rename={"run_dir": "root"},
     ),
     Bench(
         "project",
         "round time and utilisation at 1-70 B, projected",
         "projection_report:run",
-        (
-            flag("--sizes", help="parameter counts, comma-separated: 1B,8B,70B or 1e9,..."),
-            flag("--links", help="link rates in Mbit/s, comma-separated (default 100,1000)"),
-            flag(
-                "--link",
-                dest="lab_links",
-                metavar="PROFILES",
-                help="WAN lab profiles too, comma-separated: home, office, far, flaky (rates,"
-                " RTT, resets; README benchmark 17); alone, only those",
-            ),
-            number("--parallel-downloads", help="a node's parallel GETs (default 8)"),
-            flag(
-                "--resume-bytes",
-                type=float,
-                help="bytes a reset makes a transfer send again at most (default: as the node"
-                " does, 8 MiB parts from 64 MiB up, smaller objects whole)",
-            ),
-            flag("--mfu", type=float, help="model FLOPs utilisation (default 0.4)"),
-            number("--gpus", help="GPUs per node (default 8)"),
-            flag("--peak-tflops", type=float, help="one GPU's peak (default 989, H100 bf16)"),
-            number("--tokens-per-step", help="per node (default 262144)"),
-            flag("--inner-steps", "-H", type=int, help="H (default 30)"),
-            flag("--peers", "-G", type=int, help="G, payloads gathered (default 16)"),
-            flag("--bits-per-param", type=float, help="payload size (default 0.1445)"),
-            flag("--cpu-work-ns", type=float, help="node work, CPU path (default 28.5)"),
-            flag("--device-work-ns", type=float, help="device path (assumed 5.0)"),
-            flag(
-                "--shard-fixed-ns",
-                type=float,
-                help="per-rank work that does not shrink with ranks",
-            ),
-            flag("--shard-scaled-ns", type=float, help="per-rank work divided by the ranks"),
-            json_out("write inputs and rows here"),
-        ),
+        PROJECT_FLAGS,
     ),
     Bench(
         "sweep",
         "SparseLoCo's loss over H and k at equal tokens",
         "sweep:run_sweep",
-        (
-            flag("--model", default="llama_bpe4k_1m", help="model preset"),
-            flag("--data", help="a folder made by `sparseloco data prepare` (or text)"),
-            number("--workers", 2),
-            number("--batch-size", 8),
-            number("--steps", 180, "inner steps per worker, every point"),
-            flag("--hs", default="5,15,45", help="values of H (each must divide --steps)"),
-            flag("--topks", default="16,32,64,128", help="values of k per 64x64 tile"),
-            flag("--diloco", action="store_true", help="add DiLoCo at each H"),
-            number("--seed", 0),
-            flag("--out", default="bench-out/sweep", help="folder for sweep.json and the table"),
-        ),
+        SWEEP_FLAGS,
         convert={"hs": ints, "topks": ints},
     ),
     Bench(
         "node-work",
         "the node's own work per round and rank, memory per rank (1, 2, 4 ranks)",
         "node_work:run",
-        (
-            flag("--preset", help="model preset (default: the 81 M benchmark shape)"),
-            flag("--ranks", default="1,2,4", help="rank counts to measure (default 1,2,4)"),
-            number("--rounds", 3),
-            number("--peers", 16),
-            number("--train-steps", 0, "real inner steps a round (0: none)"),
-            number("--batch-size", 4, "the node's batch (>= every ranks)"),
-            number("--ctx-len", help="another context length for the model"),
-            number("--threads", 1, "torch threads per rank"),
-            flag("--state-dir", help="where the state files go (default: a temp dir)"),
-            json_out(),
-        ),
+        NODE_WORK_FLAGS,
         convert={"ranks": ints},
     ),
     Bench(
         "speed",
         "the node's tokens/s round by round beside simulate's (runs up, simulate)",
         "speed:run",
-        (
-            flag("--preset", default="llama_bpe"),
-            flag(
-                "--data",
-                help="a prepared dataset folder (default: the bundled corpus, prepared first)",
-            ),
-            number("--nodes", 2),
-            number("--rounds", 4),
-            number("--threads", 1, "torch threads per node and simulate"),
-            number("--numba-threads", help="the nodes' numba pool (default: every core)"),
-            run_dir("run folder (default: runs/speed-<time>)"),
-            json_out(),
-        ),
+        SPEED_FLAGS,
     ),
     Bench(
         "wan",
         "round time and utilisation across the emulated WAN (root: network namespaces),"
         " plain and overlapped, beside bench project's prediction for the same link",
         "wan:run",
-        (
-            flag(
-                "--profiles",
-                default="lan,home,office,far,flaky,flaky@5",
-                help="link profiles, every node on the same one (lan: the lab without delay;"
-                " NAME@S: that profile with a reset about every S seconds)",
-            ),
-            flag("--models", default="small,base", help="small (0.44 M), base (10.8 M)"),
-            flag("--schedules", default="plain,overlap", help="plain, overlap (eager)"),
-            number("--nodes", 3),
-            number("--rounds", 8, "steady rounds are 2 .. R-2"),
-            run_dir("run folders (default: runs/bench-wan)"),
-            json_out(),
-            flag(
-                "--from",
-                dest="from_json",
-                metavar="REPORT",
-                help="run nothing: compare a saved --json report's runs with the projection again",
-            ),
-        ),
+        WAN_FLAGS,
         rename={"profiles": "profile_names"},
         convert={"profiles": words, "models": words, "schedules": words},
     ),
