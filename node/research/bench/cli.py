@@ -28,12 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-#: One flag: ``add_argument``'s names and keywords.
-Flag = tuple[tuple[str, ...], dict[str, Any]]
-
-
-def flag(*names: str, **options: Any) -> Flag:
-    return names, options
+from node.subcommand import Flag, add_flags, flag
 
 
 def number(name: str, default: int | None = None, help: str | None = None) -> Flag:
@@ -79,8 +74,7 @@ class Bench:
 
     def add_to(self, p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add the flags to ``p``; running the command runs the bench."""
-        dests = tuple(p.add_argument(*names, **options).dest for names, options in self.flags)
-        p.set_defaults(func=functools.partial(self.run, dests))
+        p.set_defaults(func=functools.partial(self.run, add_flags(p, self.flags)))
         return p
 
     def run(self, dests: Sequence[str], args: argparse.Namespace) -> int:

@@ -285,7 +285,7 @@ def summarize(
 def run(
     *,
     preset: str | None = None,
-    ranks: tuple[int, ...] = (1, 2, 4),
+    ranks: Sequence[int] = (1, 2, 4),
     rounds: int = 3,
     peers: int = 16,
     train_steps: int = 0,
@@ -338,6 +338,15 @@ def run(
     return report
 
 
+#: Rows of the table that show each node's busiest or largest rank: label, key, digits.
+_BUSIEST_ROWS = (
+    ("CPU time of the busiest rank (writes behind too)", "cpu_ns_per_param_per_rank", 1),
+    ("peak RSS above idle, largest rank (MB)", "peak_rss_above_idle_mb", 0),
+    ("largest rank's share of θ and e", "theta_share", 3),
+    ("largest rank's FSDP chunk (params, AdamW)", "fsdp_share", 3),
+)
+
+
 def markdown(report: dict[str, Any]) -> str:
     """Per part, ns/param on the node's path for each rank count; then memory and shares."""
     nodes = report["nodes"]
@@ -349,14 +358,9 @@ def markdown(report: dict[str, Any]) -> str:
         rows.append(f"| {part.replace('_', ' ')} | {cells} |")
     cells = " | ".join(f"**{n['total_ns_per_param']:.1f}**" for n in nodes)
     rows.append(f"| **total on the node's path** | {cells} |")
-    cells = " | ".join(f"{max(n['cpu_ns_per_param_per_rank']):.1f}" for n in nodes)
-    rows.append(f"| CPU time of the busiest rank (writes behind too) | {cells} |")
-    cells = " | ".join(f"{max(n['peak_rss_above_idle_mb']):.0f}" for n in nodes)
-    rows.append(f"| peak RSS above idle, largest rank (MB) | {cells} |")
-    cells = " | ".join(f"{max(n['theta_share']):.3f}" for n in nodes)
-    rows.append(f"| largest rank's share of θ and e | {cells} |")
-    cells = " | ".join(f"{max(n['fsdp_share']):.3f}" for n in nodes)
-    rows.append(f"| largest rank's FSDP chunk (params, AdamW) | {cells} |")
+    for label, key, digits in _BUSIEST_ROWS:
+        cells = " | ".join(f"{max(n[key]):.{digits}f}" for n in nodes)
+        rows.append(f"| {label} | {cells} |")
     rows += ["", "CPU ns/param of each part, busiest rank (every thread of its process):", ""]
     rows += head
     for part in nodes[0]["cpu_ns_per_param_by_part"]:
