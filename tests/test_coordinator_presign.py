@@ -1,4 +1,4 @@
-"""The SigV4 presigner (``coordinator.presign``): boto3's URLs, character for character, and a
+"""The SigV4 presigner (``coordinator.store.presign``): boto3's URLs, character for character, and a
 store that really accepts them.
 
 - for endpoints of several shapes (SeaweedFS on a port, AWS, R2, a default port, a base path)
@@ -22,9 +22,9 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from coordinator import storage
-from coordinator.presign import SigV4Presigner, matches_botocore, signed_at
-from coordinator.storage import S3Store, sha256_b64
+from coordinator.store import storage
+from coordinator.store.presign import SigV4Presigner, matches_botocore, signed_at
+from coordinator.store.storage import S3Store, sha256_b64
 from node.cluster.seaweed import EmbeddedStore
 
 ENDPOINTS = [
