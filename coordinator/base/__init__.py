@@ -1,4 +1,6 @@
-"""What every room of the coordinator stands on; it imports no other room.
+"""What every room of the coordinator stands on.
+
+The bottom room: it imports no other.
 
     errors.py       the coordinator's exception tree (and which errors are transient)
     config.py       the config tree (TOML + env + flags) and its readable errors
