@@ -23,8 +23,9 @@ import pytest
 from botocore.config import Config
 
 from coordinator.store import storage
-from coordinator.store.presign import SigV4Presigner, matches_botocore, signed_at
-from coordinator.store.storage import S3Store, sha256_b64
+from coordinator.store.object_store import sha256_b64
+from coordinator.store.presign import BucketAccess, SigV4Presigner, matches_botocore, signed_at
+from coordinator.store.storage import S3Store
 from node.cluster.seaweed import EmbeddedStore
 
 ENDPOINTS = [
@@ -53,11 +54,13 @@ def boto_client(endpoint: str, region: str) -> Any:
 def test_presigner_gives_boto3s_urls(endpoint: str, region: str, key: str) -> None:
     client = boto_client(endpoint, region)
     signer = SigV4Presigner(
-        endpoint_url=endpoint,
-        bucket="sparseloco",
-        access_key="AKIDEXAMPLE/1",
-        secret_key="wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
-        region=region,
+        BucketAccess(
+            endpoint_url=endpoint,
+            bucket="sparseloco",
+            access_key="AKIDEXAMPLE/1",
+            secret_key="wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
+            region=region,
+        )
     )
     checksum = sha256_b64(hashlib.sha256(b"payload").hexdigest())
     put = client.generate_presigned_url(

@@ -26,7 +26,8 @@ from botocore.exceptions import ClientError
 from yarl import URL
 
 from coordinator.base.errors import StorageError
-from coordinator.store.storage import S3Store, sha256_b64
+from coordinator.store.object_store import sha256_b64
+from coordinator.store.storage import S3Store
 from node.daemon import multipart
 from node.daemon.transfer import HttpTransfers
 from protocol.runconfig import RunConfig

@@ -44,9 +44,10 @@ from coordinator.state.schema import DB_FILE
 from coordinator.state.signing import ManifestSigner
 from coordinator.store.datasets import DatasetBook
 from coordinator.store.multipart import PartStore, S3Parts
+from coordinator.store.object_store import ObjectStore
 from coordinator.store.publisher import ManifestPublisher
 from coordinator.store.retention import Retention
-from coordinator.store.storage import ObjectStore, S3Store
+from coordinator.store.storage import S3Store
 from coordinator.store.storewatch import StoreWatch, WatchedStore
 from coordinator.store.verify import CheckpointVerifier
 from protocol.keys import run_prefix

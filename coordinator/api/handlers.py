@@ -29,6 +29,7 @@ from coordinator.api.handling import (
     query_value,
     read_body,
     round_of,
+    round_request,
 )
 from coordinator.api.openapi import openapi_document
 from coordinator.api.service import COORDINATOR
@@ -43,7 +44,7 @@ from coordinator.api.uploads import (
 from coordinator.base.errors import ApiError, BadCheckpoint, Conflict
 from coordinator.monitoring.metrics import CONTENT_TYPE
 from coordinator.monitoring.status import build_status
-from coordinator.store.storage import ObjectInfo, sha256_b64
+from coordinator.store.object_store import ObjectInfo, sha256_b64
 from protocol.dataset import MANIFEST_FILE
 from protocol.keys import probe_key
 from protocol.messages import (
@@ -129,10 +130,7 @@ async def current_round(request: web.Request) -> web.Response:
 
 
 async def submit(request: web.Request) -> web.Response:
-    coord = request.app[COORDINATOR]
-    node_id = node_of(request)
-    round_ = round_of(request)
-    req = await read_body(request, SubmitRequest)
+    coord, node_id, round_, req = await round_request(request, SubmitRequest)
     check_size(coord, req.size)
     prior = coord.machine.previous_submission(node_id, round_, req)
     if prior is not None:
@@ -163,10 +161,7 @@ async def manifest(request: web.Request) -> web.Response:
 
 
 async def report(request: web.Request) -> web.Response:
-    coord = request.app[COORDINATOR]
-    node_id = node_of(request)
-    round_ = round_of(request)
-    body = await read_body(request, RoundReport)
+    coord, node_id, round_, body = await round_request(request, RoundReport)
     if coord.machine.report(node_id, round_, body):
         coord.metrics.nodes.observe(node_id, round_, body)
     return ok(coord.machine.round_view(node_id))  # the node's next question, answered now
@@ -190,10 +185,7 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def checkpoint_upload(request: web.Request) -> web.Response:
-    coord = request.app[COORDINATOR]
-    node_id = node_of(request)
-    round_ = round_of(request)
-    offer = await read_body(request, CheckpointUpload)
+    coord, node_id, round_, offer = await round_request(request, CheckpointUpload)
     key = coord.checkpoints.grant(node_id, round_, offer)
     # An expired grant (another node's, or this node's for other bytes) may have left an object
     # behind; the key is write-once, so it must go unless it surely holds exactly these bytes
@@ -220,10 +212,7 @@ async def checkpoint_commit(request: web.Request) -> web.Response:
     is recorded, the answer is 503: the publisher keeps retrying in the background, and a retried
     commit (idempotent) answers once everything is written.
     """
-    coord = request.app[COORDINATOR]
-    node_id = node_of(request)
-    round_ = round_of(request)
-    offer = await read_body(request, CheckpointUpload)
+    coord, node_id, round_, offer = await round_request(request, CheckpointUpload)
     book = coord.checkpoints
     info = book.committed(node_id, round_, offer)
     if info is None:

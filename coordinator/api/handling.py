@@ -35,7 +35,7 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from coordinator.api.service import COORDINATOR
+from coordinator.api.service import COORDINATOR, Coordinator
 from coordinator.base.errors import (
     ApiError,
     RateLimited,
@@ -287,3 +287,11 @@ def query_value(request: web.Request, name: str, spec: Query, default: float) ->
             name,
         )  # fmt: skip
     return value
+
+
+async def round_request(request: web.Request, model: type[M]) -> tuple[Coordinator, str, int, M]:
+    """What a node's request about one round carries, checked in this order: the caller
+    (``node_of``), the round in the path, the body validated as ``model``; with the service."""
+    coord = request.app[COORDINATOR]
+    node_id = node_of(request)
+    return coord, node_id, round_of(request), await read_body(request, model)

@@ -28,9 +28,9 @@ from coordinator.state.durability import GroupSync
 from coordinator.state.signing import ManifestSigner
 from coordinator.store.datasets import DatasetBook
 from coordinator.store.multipart import PartStore
+from coordinator.store.object_store import ObjectStore
 from coordinator.store.publisher import ManifestPublisher
 from coordinator.store.retention import Retention
-from coordinator.store.storage import ObjectStore
 from coordinator.store.storewatch import StoreWatch
 from coordinator.store.verify import CheckpointVerifier
 from protocol.messages import ManifestView, RoundState, SignedManifest

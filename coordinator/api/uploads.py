@@ -23,8 +23,8 @@ import logging
 
 from aiohttp import web
 
-from coordinator.api.handling import node_of, ok, read_body, round_of
-from coordinator.api.service import COORDINATOR, Coordinator
+from coordinator.api.handling import ok, round_request
+from coordinator.api.service import Coordinator
 from coordinator.base.errors import ApiError, Conflict, StorageError
 from protocol.keys import payload_key
 from protocol.messages import UploadGrant, UploadRequest
@@ -76,10 +76,7 @@ def own_payload_key(coord: Coordinator, node_id: str, round_: int) -> str:
 
 
 async def upload(request: web.Request) -> web.Response:
-    coord = request.app[COORDINATOR]
-    node_id = node_of(request)
-    round_ = round_of(request)
-    req = await read_body(request, UploadRequest)
+    coord, node_id, round_, req = await round_request(request, UploadRequest)
     check_size(coord, req.size)
     key = own_payload_key(coord, node_id, round_)
     granted = await grant(coord, key, req.size, req.sha256, req.parts)
@@ -93,10 +90,7 @@ async def upload(request: web.Request) -> web.Response:
 async def checkpoint_complete(request: web.Request) -> web.Response:
     """Complete the grant holder's multipart upload of a checkpoint, write-once; the commit
     then verifies the file as it does any checkpoint."""
-    coord = request.app[COORDINATOR]
-    node_id = node_of(request)
-    round_ = round_of(request)
-    req = await read_body(request, UploadComplete)
+    coord, node_id, round_, req = await round_request(request, UploadComplete)
     coord.checkpoints.check_holder(node_id, round_)
     created = await _complete(coord, coord.checkpoints.key(round_), req)
     log.info(
@@ -116,10 +110,7 @@ async def _complete(coord: Coordinator, key: str, req: UploadComplete) -> bool:
 
 async def upload_complete(request: web.Request) -> web.Response:
     """Complete the caller's multipart upload of its payload, write-once."""
-    coord = request.app[COORDINATOR]
-    node_id = node_of(request)
-    round_ = round_of(request)
-    req = await read_body(request, UploadComplete)
+    coord, node_id, round_, req = await round_request(request, UploadComplete)
     key = own_payload_key(coord, node_id, round_)
     created = await _complete(coord, key, req)
     log.info(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
@@ -35,57 +36,47 @@ from pydantic import ValidationError
 from coordinator.state.db import Database
 from protocol.messages import RoundReport
 
+#: A per-node series: a gauge of the newest report, or a counter over the run.
+S = TypeVar("S", Gauge, Counter)
+
+#: Each series' help text, by its name after ``sparseloco_node_``.
+HELP = {
+    "train_loss": "Mean training loss of the node's newest round",
+    "eval_loss": "Held-out loss after the node's newest round",
+    "step_seconds": "Seconds per inner step in the node's newest round",
+    "phase_seconds": "Seconds per phase of the node's newest round",
+    "transfer_bytes_per_second": (
+        "Payload bytes per second of the node's newest upload and download"
+    ),
+    "tokens_per_second": "Tokens per second of the inner steps in the node's newest round",
+    "mfu": "Model FLOPs utilisation of the inner steps in the node's newest round",
+    "last_round": "The newest round the node reported",
+    "bytes": "Payload bytes the node moved over the run",
+    "retries": "Failed attempts at the coordinator or the store the node reported",
+}
+
 
 class NodeMetrics:
     """Per-node series in ``registry``; ``observe`` one report at a time, in round order."""
 
     def __init__(self, registry: CollectorRegistry, inner_steps: int) -> None:
         self.inner_steps = max(1, inner_steps)
-        labels = ["node"]
-        self.train_loss = Gauge(
-            "sparseloco_node_train_loss", "Mean training loss of the node's newest round",
-            labels, registry=registry,
-        )  # fmt: skip
-        self.eval_loss = Gauge(
-            "sparseloco_node_eval_loss", "Held-out loss after the node's newest round",
-            labels, registry=registry,
-        )  # fmt: skip
-        self.step_seconds = Gauge(
-            "sparseloco_node_step_seconds", "Seconds per inner step in the node's newest round",
-            labels, registry=registry,
-        )  # fmt: skip
-        self.phase_seconds = Gauge(
-            "sparseloco_node_phase_seconds", "Seconds per phase of the node's newest round",
-            ["node", "phase"], registry=registry,
-        )  # fmt: skip
-        self.rate = Gauge(
-            "sparseloco_node_transfer_bytes_per_second",
-            "Payload bytes per second of the node's newest upload and download",
-            ["node", "direction"], registry=registry,
-        )  # fmt: skip
-        self.tokens_per_s = Gauge(
-            "sparseloco_node_tokens_per_second",
-            "Tokens per second of the inner steps in the node's newest round",
-            labels, registry=registry,
-        )  # fmt: skip
-        self.mfu = Gauge(
-            "sparseloco_node_mfu",
-            "Model FLOPs utilisation of the inner steps in the node's newest round",
-            labels, registry=registry,
-        )  # fmt: skip
-        self.last_round = Gauge(
-            "sparseloco_node_last_round", "The newest round the node reported", labels,
-            registry=registry,
-        )  # fmt: skip
-        self.bytes = Counter(
-            "sparseloco_node_bytes", "Payload bytes the node moved over the run",
-            ["node", "direction"], registry=registry,
-        )  # fmt: skip
-        self.retries = Counter(
-            "sparseloco_node_retries",
-            "Failed attempts at the coordinator or the store the node reported",
-            labels, registry=registry,
-        )  # fmt: skip
+
+        # Every series is labelled by ``node``; some also by a ``phase`` or a ``direction``.
+        def series(kind: type[S], name: str, *labels: str) -> S:
+            full = f"sparseloco_node_{name}"
+            return kind(full, HELP[name], ["node", *labels], registry=registry)
+
+        self.train_loss = series(Gauge, "train_loss")
+        self.eval_loss = series(Gauge, "eval_loss")
+        self.step_seconds = series(Gauge, "step_seconds")
+        self.phase_seconds = series(Gauge, "phase_seconds", "phase")
+        self.rate = series(Gauge, "transfer_bytes_per_second", "direction")
+        self.tokens_per_s = series(Gauge, "tokens_per_second")
+        self.mfu = series(Gauge, "mfu")
+        self.last_round = series(Gauge, "last_round")
+        self.bytes = series(Counter, "bytes", "direction")
+        self.retries = series(Counter, "retries")
         #: Each node's phases with a ``phase_seconds`` series (so ``forget`` can remove them).
         self._phases: dict[str, set[str]] = {}
 

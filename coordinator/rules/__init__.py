@@ -10,6 +10,8 @@ May import ``base`` and ``state``.
     progress.py     the open round's submitters and missing members in memory (the close check)
     votes.py        the nodes' reports of closed rounds: only a round's participants vote
     machine.py      the round state machine over the database (synchronous, injected clock)
+    submissions.py  who may submit to which round, the answer to a retry, a submission's verdict
+    closing.py      what opening and closing a round do: decide, sign, store, start the next
     tokens.py       node tokens: sha256 digests in the database, seeding rule, checked on every
                     request, reloaded when the operator changes them
     checkpoints.py  who uploads θ_R as a checkpoint (members only), and when it is committed

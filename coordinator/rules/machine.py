@@ -2,26 +2,20 @@
 
 This is the coordinator's core, synchronous and free of HTTP: every method reads the database,
 applies the rules of ``coordinator.rules.rounds`` and commits one transaction. The clock is
-injected, so tests drive time by hand. Methods that may close rounds return the newly closed rounds'
-signed manifests; the caller wakes waiters, counts metrics and hands them to the publisher. Who is a
-member, and who fell silent, is ``coordinator.rules.membership``; the machine decides what a join,
-a leave or a timeout does to the rounds.
+injected, so tests drive time by hand. Methods that may close rounds return the newly closed
+rounds' signed manifests; the caller wakes waiters, counts metrics and hands them to the publisher.
 
 Round life: ``waiting`` (fewer active members than ``min_nodes``) -> ``open`` (with a deadline)
--> ``closed`` (manifest signed, stored). Closing round r creates r+1, open at once if enough
-members are active; closing the run's last round finishes the run, and every active member with
-it (``finished``, never ``timed out``).
+-> ``closed`` (manifest signed, stored); closing the run's last round finishes the run, and every
+active member with it (``finished``, never ``timed out``). Rounds are numbered from 0 everywhere.
 
-Rounds are numbered from 0 everywhere (API, keys, logs); ``round_closed`` logs the round's
-number and ``done=N/R``, how many of the run's R rounds are closed with it.
-
-Who may vote on θ after a round is ``coordinator.rules.votes``: only the round's participants. Who a
-round waits for: its expected members less those silent for ``timing.silent_rounds``
-rounds in a row (``rounds.waited_set``); how long the next round may take is learnt from when
-each round's last valid submission arrived (``rounds.settled_at``). A deadline that would close a
-round with nothing to aggregate is held, and paused while the store is down
-(``coordinator.rules.deadlines``): the run's ``rounds`` are rounds that aggregated something.
-The close check is incremental (``coordinator.rules.progress``): O(N) per round, not O(N²).
+The machine decides when; a helper per concern, each in ``coordinator.rules``, holds the rest:
+who is a member and who fell silent (``membership``), what a submission may be
+(``submissions``), what a close does (``closing``), who votes on θ after a round (``votes``:
+only its participants), when a deadline closes a round (``deadlines``: held while nothing came,
+paused while the store is down), and whether everyone waited for is in (``progress``: O(N) per
+round, not O(N²)). A round waits for its expected members less those silent for
+``timing.silent_rounds`` rounds in a row (``rounds.waited_set``).
 """
 
 from __future__ import annotations
@@ -30,20 +24,17 @@ import logging
 import time
 from collections.abc import Callable
 
-from coordinator.base.errors import Conflict, UnknownRound
+from coordinator.base.errors import UnknownRound
 from coordinator.rules import rounds
+from coordinator.rules.closing import RoundCloser
 from coordinator.rules.deadlines import Deadlines
 from coordinator.rules.membership import Membership
 from coordinator.rules.progress import RoundProgress
+from coordinator.rules.submissions import SubmissionRules
 from coordinator.rules.votes import Votes
-from coordinator.state.db import Database, RoundRow, SubmissionRow
+from coordinator.state.db import Database, RoundRow
 from coordinator.state.signing import ManifestSigner
-from protocol.errors import ConfigError
-from protocol.keys import payload_key
 from protocol.messages import (
-    Exclusion,
-    Manifest,
-    ManifestEntry,
     NodeCondition,
     RoundReport,
     RoundState,
@@ -85,6 +76,8 @@ class RoundMachine:
             db, self.waited, lambda: self.members.version, self.members.is_expected, run.timing
         )
         self.deadlines = Deadlines(db, self.members, run.timing)
+        self.submissions = SubmissionRules(db, run, self.members, self.progress, self.votes)
+        self.closer = RoundCloser(db, run, signer, self.members, self.votes, prefix=prefix)
         cur = self._current()
         if cur.state == RoundState.CLOSED:
             # A database written before members finished with the run may still list them as
@@ -94,19 +87,8 @@ class RoundMachine:
 
     def _open_run(self) -> None:
         """Create the run in an empty database; refuse a database of another run."""
-        stored = self.db.get_meta("run_id")
-        if stored is not None and stored != self.run_id:
-            raise ConfigError(
-                f"state dir {self.db.path.parent} belongs to run {stored}, not {self.run_id}"
-                " (another config, or a run of another sparseloco protocol version, which"
-                " cannot be continued); use a new --state-dir or the same config"
-            )
-        with self.db.tx():
-            if stored is None:
-                self.db.set_meta("run_id", self.run_id)
-                self.db.set_meta("run_config", self.run.canonical().decode())
-                self.db.insert_round(0, RoundState.WAITING, None, None)
-                log.info("event=run_created run=%s", self.run_id)
+        if self.db.claim_run(self.run_id, self.run.canonical().decode()):
+            log.info("event=run_created run=%s", self.run_id)
 
     # ---- queries -------------------------------------------------------------------------
     def _current(self) -> RoundRow:
@@ -234,46 +216,21 @@ class RoundMachine:
             self._maybe_open(now)
         return self._maybe_close(now)
 
-    # ---- submissions ---------------------------------------------------------------------
+    # ---- submissions (the rules: coordinator.rules.submissions) ---------------------------
     def check_submittable(self, node_id: str, round_: int) -> None:
         """Raise unless ``node_id`` may upload to / submit for ``round_`` now."""
-        cur = self._current()
-        if round_ > cur.round or (cur.state == RoundState.CLOSED and round_ >= self.run.rounds):
-            raise UnknownRound(round_)
-        if round_ < cur.round or cur.state != RoundState.OPEN:
-            self.progress.note_late(round_, node_id)
-            raise Conflict("round_closed", f"round {round_} is not open for submissions")
-        if not self.members.is_expected(node_id, round_):
-            raise Conflict("not_expected", f"{node_id} is not expected in round {round_}")
+        self.submissions.check(self._current(), node_id, round_)
 
     def previous_submission(
         self, node_id: str, round_: int, req: SubmitRequest
     ) -> SubmitResponse | None:
-        """The answer already given to this submission (a retry), or ``None`` if it is new.
-
-        A retry is answered even after the round closed (the first answer may have been lost).
-        A different submission is refused: ``round_closed`` if the round is over, else
-        ``already_submitted`` (payloads are write-once).
-        """
-        prior = self.db.submission(round_, node_id)
-        if prior is None:
-            return None
-        same = (prior.size, prior.sha256, prior.base_fingerprint) == (
-            req.size,
-            req.sha256,
-            req.base_fingerprint,
-        )
-        if not same:
-            self.check_submittable(node_id, round_)  # a closed round says so first
-            raise Conflict(
-                "already_submitted", f"{node_id} already submitted a different payload to {round_}"
-            )
-        return _response(prior)
+        """The answer already given to this submission (a retry, answered even after the round
+        closed), or ``None`` if it is new; a different one is refused."""
+        return self.submissions.previous(self._current(), node_id, round_, req)
 
     def expected_base(self, round_: int) -> str | None:
         """The base fingerprint round ``round_`` must use, if the reports already settle it."""
-        voted = self.run.base_round(round_)
-        return None if voted is None else self.votes.majority(voted)
+        return self.submissions.expected_base(round_)
 
     def submit(
         self, node_id: str, round_: int, req: SubmitRequest, digest_ok: bool
@@ -284,12 +241,7 @@ class RoundMachine:
             if prior is not None:
                 return prior, []
             self.check_submittable(node_id, round_)
-            rejected: Exclusion | None = None
-            base = self.expected_base(round_)
-            if not digest_ok:
-                rejected = Exclusion.BAD_DIGEST
-            elif base is not None and req.base_fingerprint != base:
-                rejected = Exclusion.WRONG_BASE
+            rejected = self.submissions.verdict(round_, req, digest_ok)
             seq = self.db.add_submission(
                 round_, node_id, req.size, req.sha256, req.base_fingerprint, rejected, self.clock()
             )
@@ -307,17 +259,9 @@ class RoundMachine:
         reason = None if rejected is None else rejected.value
         return SubmitResponse(accepted=accepted, reason=reason), self._maybe_close(self.clock())
 
-    # ---- opening and closing -------------------------------------------------------------
-    def _deadline_length(self) -> float:
-        durations = self.db.closed_durations(rounds.DEADLINE_HISTORY)
-        return rounds.deadline_length(durations, self.run.timing)
-
+    # ---- opening and closing (what a close does: coordinator.rules.closing) ---------------
     def _maybe_open(self, now: float) -> None:
-        cur = self._current()
-        if cur.state == RoundState.WAITING and self.members.active_count() >= self.run.min_nodes:
-            length = self._deadline_length()
-            self.db.open_round(cur.round, now, now + length)
-            log.info("event=round_opened round=%d deadline_s=%.1f", cur.round, length)
+        self.closer.open_if_ready(self._current(), now)
 
     def _maybe_close(self, now: float) -> list[SignedManifest]:
         closed: list[SignedManifest] = []
@@ -338,65 +282,7 @@ class RoundMachine:
 
     def close(self, round_: int, now: float) -> SignedManifest:
         """Close open round ``round_`` in one transaction: decide, sign, store, start the next."""
-        with self.db.tx():
-            row = self.db.get_round(round_)
-            if row is None or row.state != RoundState.OPEN or row.started_at is None:
-                raise Conflict("round_closed", f"round {round_} is not open; it cannot close")
-            rows = self.db.submissions(round_)
-            subs = [_submission(s) for s in rows]
-            voted = self.run.base_round(round_)
-            reported = [] if voted is None else self.votes.reported(voted)
-            decision = rounds.decide_close(
-                subs, self.members.members(), round_, reported, self.run.gather_size
-            )
-            manifest = Manifest(
-                run_id=self.run_id,
-                round=round_,
-                base_fingerprint=decision.base_fingerprint,
-                gather=[
-                    ManifestEntry(
-                        node_id=s.node_id,
-                        key=payload_key(self.prefix, self.run_id, round_, s.node_id),
-                        sha256=s.sha256,
-                        size=s.size,
-                    )
-                    for s in decision.gather
-                ],
-                excluded={node: reason.value for node, reason in decision.excluded.items()},
-                opened_at=row.started_at,
-                closed_at=now,
-            )
-            signed = self.signer.sign(manifest)
-            settled = rounds.settled_at(decision, {s.node_id: s.at for s in rows}, now)
-            if not self.db.close_round(
-                round_, now, decision.base_fingerprint, signed.model_dump_json(), settled
-            ):
-                raise Conflict("round_closed", f"round {round_} closed concurrently")
-            nxt = round_ + 1
-            finished = 0
-            if nxt < self.run.rounds:
-                if self.members.active_count() >= self.run.min_nodes:
-                    length = self._deadline_length()
-                    self.db.insert_round(nxt, RoundState.OPEN, now, now + length)
-                else:
-                    self.db.insert_round(nxt, RoundState.WAITING, None, None)
-            else:
-                finished = self.members.finish(round_)
-        log.info(
-            "event=round_closed round=%d done=%d/%d gather=%d excluded=%d duration_s=%.2f"
-            " settled_s=%.2f finished=%s",
-            round_,
-            nxt,
-            self.run.rounds,
-            len(decision.gather),
-            len(decision.excluded),
-            now - row.started_at,
-            settled - row.started_at,
-            nxt >= self.run.rounds,
-        )
-        if nxt >= self.run.rounds:
-            log.info("event=run_finished rounds=%d members_finished=%d", nxt, finished)
-        return signed
+        return self.closer.close(round_, now)
 
     # ---- manifests and reports -----------------------------------------------------------
     def manifest(self, round_: int) -> SignedManifest | None:
@@ -412,15 +298,3 @@ class RoundMachine:
         """Record a participant's report of closed ``round_`` (``Votes.record``); True if it is
         its first for it."""
         return self.votes.record(node_id, round_, report)
-
-
-def _submission(row: SubmissionRow) -> rounds.Submission:
-    return rounds.Submission(
-        row.node_id, row.seq, row.sha256, row.size, row.base_fingerprint, row.rejected
-    )
-
-
-def _response(row: SubmissionRow) -> SubmitResponse:
-    if row.rejected is None:
-        return SubmitResponse(accepted=True)
-    return SubmitResponse(accepted=False, reason=row.rejected.value)

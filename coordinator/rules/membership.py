@@ -89,6 +89,15 @@ class Membership:
         self._put(dataclasses.replace(row, state=state, joined_round=joined, gone_in_round=gone))
         self.version += 1
 
+    def _end(self, node_id: str, state: MemberState, joined: int, gone: int | None) -> None:
+        """``node_id`` takes no more part (left, timed out, revoked, finished): the change in one
+        transaction, then its heartbeat, condition and their times forgotten."""
+        with self.db.tx():
+            self._set(node_id, state, joined, gone)
+        self.last_seen.pop(node_id, None)
+        self.conditions.pop(node_id, None)
+        self.said_at.pop(node_id, None)
+
     def row(self, node_id: str) -> MemberRow | None:
         """The members row of ``node_id``, from memory."""
         return self._rows.get(node_id)
@@ -231,11 +240,7 @@ class Membership:
             raise Conflict("not_member", f"{node_id} never joined")
         if member.state == MemberState.FINISHED:
             return
-        with self.db.tx():
-            self._set(node_id, MemberState.LEFT, member.joined_round, current)
-        self.last_seen.pop(node_id, None)
-        self.conditions.pop(node_id, None)
-        self.said_at.pop(node_id, None)
+        self._end(node_id, MemberState.LEFT, member.joined_round, current)
         log.info("event=left node=%s round=%d", node_id, current)
 
     def time_out(self, current: int, now: float) -> None:
@@ -247,11 +252,7 @@ class Membership:
             seen = self.last_seen.setdefault(member.node_id, now)
             if seen >= limit:
                 continue
-            with self.db.tx():
-                self._set(member.node_id, MemberState.TIMED_OUT, member.joined_round, current)
-            self.last_seen.pop(member.node_id, None)
-            self.conditions.pop(member.node_id, None)
-            self.said_at.pop(member.node_id, None)
+            self._end(member.node_id, MemberState.TIMED_OUT, member.joined_round, current)
             log.warning(
                 "event=timed_out node=%s round=%d silent_s=%.1f",
                 member.node_id,
@@ -269,11 +270,7 @@ class Membership:
         if member is None or member.state in (MemberState.REVOKED, MemberState.FINISHED):
             return False
         gone = current if member.state == MemberState.ACTIVE else member.gone_in_round
-        with self.db.tx():
-            self._set(node_id, MemberState.REVOKED, member.joined_round, gone)
-        self.last_seen.pop(node_id, None)
-        self.conditions.pop(node_id, None)
-        self.said_at.pop(node_id, None)
+        self._end(node_id, MemberState.REVOKED, member.joined_round, gone)
         log.warning("event=revoked node=%s round=%d was=%s", node_id, current, member.state)
         return True
 
@@ -283,11 +280,7 @@ class Membership:
         for member in list(self._rows.values()):
             if member.state != MemberState.ACTIVE:
                 continue
-            with self.db.tx():
-                self._set(member.node_id, MemberState.FINISHED, member.joined_round, last_round)
-            self.last_seen.pop(member.node_id, None)
-            self.conditions.pop(member.node_id, None)
-            self.said_at.pop(member.node_id, None)
+            self._end(member.node_id, MemberState.FINISHED, member.joined_round, last_round)
             finished += 1
         return finished
 

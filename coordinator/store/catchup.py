@@ -28,7 +28,7 @@ from coordinator.base.errors import TRANSIENT, StartupError
 from coordinator.state.db import Database
 from coordinator.state.schema import DB_FILE
 from coordinator.state.signing import KEY_FILE, ManifestSigner
-from coordinator.store.storage import ObjectStore
+from coordinator.store.object_store import ObjectStore
 from protocol.errors import ManifestError
 from protocol.keys import manifest_key
 from protocol.messages import RoundState, SignedManifest

@@ -20,7 +20,7 @@ import hashlib
 import logging
 
 from coordinator.base.errors import ApiError, StartupError, StorageError
-from coordinator.store.storage import ObjectStore
+from coordinator.store.object_store import ObjectStore
 from protocol.dataset import (
     MANIFEST_FILE,
     MAX_MANIFEST_BYTES,

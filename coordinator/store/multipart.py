@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 from coordinator.base.errors import Conflict, StorageError
-from coordinator.store.storage import NOT_FOUND, sha256_b64
+from coordinator.store.object_store import sha256_b64, unless_missing
 from protocol.parts import CompletedPart, PartPlan, PartUrl, part_ranges
 
 log = logging.getLogger("sparseloco.coordinator.multipart")
@@ -156,16 +156,8 @@ class S3Parts:
         return True
 
     async def _exists(self, key: str) -> bool:
-        try:
-            await self.run(
-                f"head {key}",
-                functools.partial(self.client.head_object, Bucket=self.bucket, Key=key),
-            )
-        except StorageError as exc:
-            if exc.code in NOT_FOUND:
-                return False
-            raise
-        return True
+        head = functools.partial(self.client.head_object, Bucket=self.bucket, Key=key)
+        return await unless_missing(self.run(f"head {key}", head)) is not None
 
     async def abort_stale(self, prefix: str, older_than_s: float) -> int:
         def list_stale() -> list[tuple[str, str]]:

@@ -28,7 +28,7 @@ import hashlib
 import hmac
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
@@ -48,19 +48,22 @@ def _encode(text: str, safe: str = "-_.~") -> str:
     return quote(text, safe=safe)
 
 
+@dataclass(frozen=True)
+class BucketAccess:
+    """Where a bucket is and the key that signs for it: what both of the store's signers need."""
+
+    endpoint_url: str
+    bucket: str
+    access_key: str
+    secret_key: str = field(repr=False)
+    region: str = "us-east-1"
+
+
 class SigV4Presigner:
     """Presigns S3 requests for one bucket with one access key, path-style."""
 
-    def __init__(
-        self,
-        *,
-        endpoint_url: str,
-        bucket: str,
-        access_key: str,
-        secret_key: str,
-        region: str,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, access: BucketAccess, *, clock: Callable[[], float] = time.time) -> None:
+        endpoint_url, bucket = access.endpoint_url, access.bucket
         parts = urlsplit(endpoint_url)
         host = parts.hostname or ""
         if parts.port is not None and parts.port != DEFAULT_PORTS.get(parts.scheme):
@@ -70,9 +73,9 @@ class SigV4Presigner:
         #: Everything before the key: scheme, authority as given, base path and bucket.
         self.base = f"{endpoint_url.rstrip('/')}/{_encode(bucket, safe='/~')}"
         self._path = f"{parts.path.rstrip('/')}/{_encode(bucket, safe='/~')}"
-        self.access_key = access_key
-        self._secret = f"AWS4{secret_key}".encode()
-        self.region = region
+        self.access_key = access.access_key
+        self._secret = f"AWS4{access.secret_key}".encode()
+        self.region = access.region
         self.clock = clock
         #: (yyyymmdd, the signing key of that day)
         self._key: tuple[str, bytes] = ("", b"")

@@ -22,7 +22,7 @@ import random
 from coordinator.base.errors import TRANSIENT
 from coordinator.monitoring.metrics import CoordinatorMetrics
 from coordinator.state.db import Database
-from coordinator.store.storage import ObjectStore, retry_logged
+from coordinator.store.object_store import ObjectStore, retry_logged
 from protocol.keys import latest_checkpoint_key, manifest_key, sidecar_key
 
 log = logging.getLogger("sparseloco.coordinator.publisher")

@@ -38,7 +38,7 @@ from coordinator.base.errors import TRANSIENT
 from coordinator.monitoring.metrics import CoordinatorMetrics
 from coordinator.state.db import CheckpointRow, Database
 from coordinator.store.multipart import PartStore
-from coordinator.store.storage import ObjectStore, retry_logged
+from coordinator.store.object_store import ObjectStore, retry_logged
 from protocol.keys import round_prefix, run_prefix, sidecar_key
 from protocol.runconfig import RunConfig
 

@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from coordinator.base.errors import StorageError
 from coordinator.rules.machine import RoundMachine
-from coordinator.store.storage import READ_CHUNK, ObjectInfo, ObjectStore
+from coordinator.store.object_store import READ_CHUNK, Consumer, ObjectInfo, ObjectStore
 
 log = logging.getLogger("sparseloco.coordinator.storewatch")
 
@@ -139,12 +139,7 @@ class WatchedStore:
         return await self.watch.watched(f"get {key}", self.inner.get_bytes(key, max_size))
 
     async def read_chunks(
-        self,
-        key: str,
-        max_size: int,
-        consume: Callable[[bytes], None],
-        *,
-        chunk_bytes: int = READ_CHUNK,
+        self, key: str, max_size: int, consume: Consumer, *, chunk_bytes: int = READ_CHUNK
     ) -> bool:
         read = self.inner.read_chunks(key, max_size, consume, chunk_bytes=chunk_bytes)
         return await self.watch.watched(f"read {key}", read)

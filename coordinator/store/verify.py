@@ -28,7 +28,7 @@ import asyncio
 import hashlib
 
 from coordinator.base.errors import BadCheckpoint, Conflict, TooLarge
-from coordinator.store.storage import ObjectStore
+from coordinator.store.object_store import ObjectStore
 from protocol.errors import PayloadError
 from protocol.fingerprint import CheckedFile, SafetensorsDigest
 from protocol.messages import CheckpointUpload
