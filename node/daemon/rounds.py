@@ -177,7 +177,7 @@ class RoundFinisher:
         After ``submit`` the coordinator either holds the submission or closed the round; a
         round still open that expects this node and holds nothing from it means the coordinator
         lost it: it was restored from a backup taken before the submission
-        (``coordinator.catchup``). The payload is still in hand, so the round need not go on
+        (``coordinator.store.catchup``). The payload is still in hand, so the round need not go on
         without it.
         """
         d = self.d
