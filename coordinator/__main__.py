@@ -7,9 +7,9 @@ the fix); 1 when a start-up check fails (port in use, store unreachable, wrong c
 missing bucket). No message or log line shows a secret.
 
 ``python -m coordinator token add|list|revoke ...`` manages the node tokens in the state
-directory, also while the coordinator runs (``coordinator.admin``; ``token --help``).
+directory, also while the coordinator runs (``coordinator.ops.admin``; ``token --help``).
 ``python -m coordinator backup|restore ...`` copies the state directory into one file, also while
-the coordinator runs, and back into a new state directory (``coordinator.backup_cli``).
+the coordinator runs, and back into a new state directory (``coordinator.ops.backup_cli``).
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["token"]:
-        from coordinator.admin import main as token_main
+        from coordinator.ops.admin import main as token_main
 
         return token_main(args_in[1:], prog=f"{prog()} token")
     if args_in[:1] in (["backup"], ["restore"]):
-        from coordinator.backup_cli import main as backup_main
+        from coordinator.ops.backup_cli import main as backup_main
 
         return backup_main(args_in[0], args_in[1:], prog=f"{prog()} {args_in[0]}")
     args = parse_args(args_in)
@@ -65,10 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # need none of them, and they take seconds to import on a busy machine.
     import uvloop
 
-    from coordinator.config import load_config
-    from coordinator.errors import StartupError
-    from coordinator.redact import install, scrub
-    from coordinator.server import serve
+    from coordinator.base.config import load_config
+    from coordinator.base.errors import StartupError
+    from coordinator.base.redact import install, scrub
+    from coordinator.ops.server import serve
     from protocol.errors import ConfigError
 
     logging.basicConfig(

@@ -13,7 +13,8 @@
                 processes on this machine, with a live view.
     tools/      commands beside the daemon: ``store`` (the embedded store for a real run),
                 ``doctor`` (can this machine take part?) and ``export`` (the verified model).
-    cli.py      the ``sparseloco`` command; ``errors.py`` the node's exception tree;
+    cli.py      the ``sparseloco`` command; ``subcommand.py`` a subcommand as data (flags, help,
+                what it runs); ``errors.py`` the node's exception tree;
     corpus/     the bundled demo corpus (public-domain plays).
 
 Layering: ``compute`` imports only ``protocol``; ``daemon`` builds on ``compute``; ``research``,

@@ -15,7 +15,8 @@ Subcommands:
 - ``simulate``: SparseLoCo, DiLoCo and DDP in one process;
 - ``bench``: the benchmarks (``node.research.bench.cli``).
 
-Each subcommand parses its flags into a validated config; bad values fail at start with a
+Each subcommand is a ``Command`` row (``node.subcommand``): its flags as data and the function
+that runs it. It parses its flags into a validated config; bad values fail at start with a
 message naming the flag, before anything heavy (torch) is imported.
 """
 
@@ -26,16 +27,17 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from node.cluster.command import add_up, table_names
+from node.cluster.command import UP, table_names
 from node.compute.modelconfig import PRESETS as MODEL_PRESETS
 from node.compute.presets import PRESETS as RUN_PRESETS
 from node.research.bench.cli import add_bench
+from node.subcommand import Command, flag, values
 from node.tools.commands import (
+    CONNECTION_FLAGS,
+    DOCTOR,
+    EXPORT,
+    STORE,
     add_data,
-    add_doctor,
-    add_export,
-    add_store,
-    connection_flags,
     connection_values,
 )
 from protocol.errors import SparseLoCoError
@@ -44,156 +46,55 @@ from protocol.version import version_line
 log = logging.getLogger("sparseloco")
 
 
-def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "simulate",
-        help="run SparseLoCo, DiLoCo or DDP with N workers in one process",
-        description="Train N workers in one process on equal token budgets and write JSON.",
-    )
-    p.add_argument("--algo", required=True, choices=["sparseloco", "diloco", "ddp"])
-    p.add_argument(
-        "--preset", help=f"run preset (node/compute/presets.py): {table_names(RUN_PRESETS)}"
-    )
-    p.add_argument(
-        "--model",
-        help=f"model preset (node/compute/modelconfig.py), overriding the run preset's:"
-        f" {table_names(MODEL_PRESETS)}",
-    )
-    p.add_argument("--workers", type=int)
-    p.add_argument("--inner-steps", type=int, help="H, inner steps per round")
-    p.add_argument("--rounds", type=int)
-    p.add_argument("--batch-size", type=int, help="sequences per inner step per worker")
-    p.add_argument(
-        "--data",
-        help="text file, directory or glob, or a folder made by `sparseloco data prepare`"
-        " (default: bundled demo corpus)",
-    )
-    p.add_argument("--topk", type=int, help="kept entries per 64x64 tile (default 64)")
-    p.add_argument("--tile", type=int, help="tile edge (default 64)")
-    p.add_argument("--beta", type=float, help="error-feedback decay (default 0.95)")
-    p.add_argument("--alpha", type=float, help="SparseLoCo outer learning rate (default 1.0)")
-    p.add_argument(
-        "--no-clip",
-        dest="clip",
-        action="store_false",
-        default=None,
-        help="disable median-norm clipping of peers",
-    )
-    p.add_argument(
-        "--overlap",
-        nargs="?",
-        const="merge",
-        choices=("off", "delayed", "eager", "merge"),
-        default=None,
-        help="SparseLoCo: let each round's transfers overlap the next round's training; 'merge'"
-        " (the default with the flag) merges the aggregate into that training at inner step"
-        " --overlap-tau; 'delayed' applies it one round late, 'eager' too but starts that"
-        " training with an estimate of it applied (README benchmark 12)",
-    )
-    p.add_argument(
-        "--overlap-tau",
-        type=int,
-        help="with --overlap merge: the inner step (1..H) at which the aggregate in flight is"
-        " merged (default: the run's, README benchmark 12)",
-    )
-    p.add_argument("--inner-lr", type=float, help="inner AdamW lr (default by algorithm)")
-    p.add_argument("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)")
-    p.add_argument("--seed", type=int)
-    p.add_argument(
-        "--device",
-        help="where the workers' inner steps run: cpu (default), auto or cuda:N; θ, the codec"
-        " and the outer steps stay on the CPU",
-    )
-    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the result here")
-    p.set_defaults(func=_cmd_simulate)
+#: Flags whose dest is the ``SimConfig`` field they set (all but ``--preset`` and ``--json``).
+_SIM_FIELDS = (
+    "algo",
+    "model",
+    "workers",
+    "inner_steps",
+    "rounds",
+    "batch_size",
+    "data",
+    "topk",
+    "tile",
+    "beta",
+    "alpha",
+    "clip",
+    "overlap",
+    "overlap_tau",
+    "inner_lr",
+    "outer_lr",
+    "seed",
+    "device",
+)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from node.research.progress import round_progress
-    from node.research.simulate import build_config, simulate, write_json
+    from node.research.report import publish
+    from node.research.simulate import build_config, simulate
 
-    options = {
-        k: getattr(args, k)
-        for k in (
-            "algo",
-            "model",
-            "workers",
-            "inner_steps",
-            "rounds",
-            "batch_size",
-            "data",
-            "topk",
-            "tile",
-            "beta",
-            "alpha",
-            "clip",
-            "overlap",
-            "overlap_tau",
-            "inner_lr",
-            "outer_lr",
-            "seed",
-            "device",
-        )
-    }
-    cfg = build_config(args.preset, **options)
+    cfg = build_config(args.preset, **values(args, *_SIM_FIELDS))
     with round_progress(f"simulate {cfg.algo}", cfg.rounds) as progress:
         result = simulate(cfg, progress=progress)
-    print(
+    summary = (
         f"{cfg.algo}: final eval loss {result['final_eval_loss']:.4f} nats, "
         f"{result['bytes_per_round_per_worker']:,.0f} bytes/round/worker, "
         f"{result['wall_seconds']:.1f} s"
     )
-    if args.json_out:
-        write_json(result, args.json_out)
-        print(f"wrote {args.json_out}")
+    publish(summary, result, args.json_out)
     return 0
 
 
-def _add_node(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "node",
-        help="run a node: join a coordinator and train until the run ends",
-        description="The node daemon. The invite (or the token) may also come from the"
-        " environment: SPARSELOCO_NODE_INVITE, SPARSELOCO_NODE_TOKEN. At its first join it pins"
-        " the run's manifest key in --state-dir (checked against the invite's fingerprint when"
-        " there is one) and refuses any other key from then on.",
-    )
-    connection_flags(p)
-    p.add_argument("--state-dir", help="local state folder (or SPARSELOCO_NODE_STATE_DIR)")
-    p.add_argument(
-        "--data",
-        help="text file, directory or glob; for a run that names a dataset, that dataset's"
-        " folder made by `sparseloco data prepare`, read here instead of downloaded (default:"
-        " the bundled corpus, or the run's dataset streamed from the store)",
-    )
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument(
-        "--device",
-        help="where the inner steps run: auto (the first GPU if there is one, else the CPU;"
-        " the default), cpu or cuda:N (or SPARSELOCO_NODE_DEVICE); θ stays on the CPU",
-    )
-    for way in ("upload", "download"):
-        p.add_argument(
-            f"--{way}-limit",
-            help=f"cap this node's {way}s to the store, e.g. 100Mbit or 12.5MB (per second;"
-            f" or SPARSELOCO_NODE_{way.upper()}_LIMIT)",
-        )
-    p.set_defaults(func=_cmd_node)
+#: ``node``'s flags besides the connection's: keywords of ``load_settings`` of the same names.
+_NODE_FIELDS = ("state_dir", "data", "threads", "device", "upload_limit", "download_limit")
 
 
 def _cmd_node(args: argparse.Namespace) -> int:
     from node.daemon.settings import load_settings
 
     # Settings first: a missing flag is an error in a moment, not after torch has loaded.
-    settings = load_settings(
-        **connection_values(args),
-        state_dir=args.state_dir,
-        data=args.data,
-        threads=args.threads,
-        device=args.device,
-        upload_limit=args.upload_limit,
-        download_limit=args.download_limit,
-    )
+    settings = load_settings(**connection_values(args), **values(args, *_NODE_FIELDS))
     from node.compute.placement import resolve_device
 
     device = resolve_device(settings.device)  # DeviceError now, not after joining
@@ -225,6 +126,103 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
+SIMULATE = Command(
+    "simulate",
+    help="run SparseLoCo, DiLoCo or DDP with N workers in one process",
+    description="Train N workers in one process on equal token budgets and write JSON.",
+    run=_cmd_simulate,
+    flags=(
+        flag("--algo", required=True, choices=["sparseloco", "diloco", "ddp"]),
+        flag("--preset", help=f"run preset (node/compute/presets.py): {table_names(RUN_PRESETS)}"),
+        flag(
+            "--model",
+            help=f"model preset (node/compute/modelconfig.py), overriding the run preset's:"
+            f" {table_names(MODEL_PRESETS)}",
+        ),
+        flag("--workers", type=int),
+        flag("--inner-steps", type=int, help="H, inner steps per round"),
+        flag("--rounds", type=int),
+        flag("--batch-size", type=int, help="sequences per inner step per worker"),
+        flag(
+            "--data",
+            help="text file, directory or glob, or a folder made by `sparseloco data prepare`"
+            " (default: bundled demo corpus)",
+        ),
+        flag("--topk", type=int, help="kept entries per 64x64 tile (default 64)"),
+        flag("--tile", type=int, help="tile edge (default 64)"),
+        flag("--beta", type=float, help="error-feedback decay (default 0.95)"),
+        flag("--alpha", type=float, help="SparseLoCo outer learning rate (default 1.0)"),
+        flag(
+            "--no-clip",
+            dest="clip",
+            action="store_false",
+            default=None,
+            help="disable median-norm clipping of peers",
+        ),
+        flag(
+            "--overlap",
+            nargs="?",
+            const="merge",
+            choices=("off", "delayed", "eager", "merge"),
+            default=None,
+            help="SparseLoCo: let each round's transfers overlap the next round's training; 'merge'"
+            " (the default with the flag) merges the aggregate into that training at inner step"
+            " --overlap-tau; 'delayed' applies it one round late, 'eager' too but starts that"
+            " training with an estimate of it applied (README benchmark 12)",
+        ),
+        flag(
+            "--overlap-tau",
+            type=int,
+            help="with --overlap merge: the inner step (1..H) at which the aggregate in flight is"
+            " merged (default: the run's, README benchmark 12)",
+        ),
+        flag("--inner-lr", type=float, help="inner AdamW lr (default by algorithm)"),
+        flag("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)"),
+        flag("--seed", type=int),
+        flag(
+            "--device",
+            help="where the workers' inner steps run: cpu (default), auto or cuda:N; θ, the codec"
+            " and the outer steps stay on the CPU",
+        ),
+        flag("--json", dest="json_out", metavar="OUT", help="write the result here"),
+    ),
+)
+
+NODE = Command(
+    "node",
+    help="run a node: join a coordinator and train until the run ends",
+    description="The node daemon. The invite (or the token) may also come from the"
+    " environment: SPARSELOCO_NODE_INVITE, SPARSELOCO_NODE_TOKEN. At its first join it pins"
+    " the run's manifest key in --state-dir (checked against the invite's fingerprint when"
+    " there is one) and refuses any other key from then on.",
+    run=_cmd_node,
+    flags=(
+        *CONNECTION_FLAGS,
+        flag("--state-dir", help="local state folder (or SPARSELOCO_NODE_STATE_DIR)"),
+        flag(
+            "--data",
+            help="text file, directory or glob; for a run that names a dataset, that dataset's"
+            " folder made by `sparseloco data prepare`, read here instead of downloaded (default:"
+            " the bundled corpus, or the run's dataset streamed from the store)",
+        ),
+        flag("--threads", type=int, help="torch threads (default: torch's choice)"),
+        flag(
+            "--device",
+            help="where the inner steps run: auto (the first GPU if there is one, else the CPU;"
+            " the default), cpu or cuda:N (or SPARSELOCO_NODE_DEVICE); θ stays on the CPU",
+        ),
+        *(
+            flag(
+                f"--{way}-limit",
+                help=f"cap this node's {way}s to the store, e.g. 100Mbit or 12.5MB (per second;"
+                f" or SPARSELOCO_NODE_{way.upper()}_LIMIT)",
+            )
+            for way in ("upload", "download")
+        ),
+    ),
+)
+
+
 def _add_coordinator(sub: argparse._SubParsersAction) -> None:
     # No flags of its own, not even --help: ``main`` hands every argument after the word
     # ``coordinator`` to ``python -m coordinator`` (argparse.REMAINDER would drop leading flags).
@@ -254,14 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=version_line("sparseloco"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_up(sub)
-    _add_node(sub)
+    for command in (UP, NODE):
+        command.add_to(sub)
     _add_coordinator(sub)
-    add_store(sub)
-    add_doctor(sub)
-    add_export(sub)
+    for command in (STORE, DOCTOR, EXPORT):
+        command.add_to(sub)
     add_data(sub)
-    _add_simulate(sub)
+    SIMULATE.add_to(sub)
     add_bench(sub)
     return parser
 

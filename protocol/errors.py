@@ -10,7 +10,7 @@ Every error we raise on purpose is one of these; library errors are translated a
     └── ConfigError (ValueError)       a configuration value is invalid; the message names the fix
 
 Each class also inherits the matching builtin, so code that only knows ``ValueError`` still
-catches it. The node (``node/errors.py``) and the coordinator (``coordinator/errors.py``) grow
+catches it. The node (``node/errors.py``) and the coordinator (``coordinator/base/errors.py``) grow
 their own branches from ``SparseLoCoError``.
 
 ``config_error`` is the one formatter of pydantic validation errors: every config tree (node

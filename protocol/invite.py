@@ -10,7 +10,7 @@ the node check it (``node.daemon.pinning``). An invite carries all three::
 
 ``FP`` is ``sha256:`` and the hex SHA-256 of the raw 32-byte public key (``key_fingerprint``).
 The token is the only secret inside; treat an invite like a token. ``sparseloco coordinator
-token add NODE --invite`` makes one (``coordinator.invite``), ``sparseloco node --invite``,
+token add NODE --invite`` makes one (``coordinator.ops.invite``), ``sparseloco node --invite``,
 ``doctor --invite`` and ``export --invite`` read it (``node.daemon.settings``). This module is
 the one place either side builds or reads the format, so they cannot drift apart.
 """

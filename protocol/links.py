@@ -4,7 +4,7 @@ when it is back (``Link``).
 Every retry of a call to the coordinator or the object store reports its outcome to the
 service's link; an outage of any length then reads as two lines in the log, with its cause in
 a few words (``protocol.causes``), however many attempts it cost. The node keeps one link per
-service (``node.daemon.retry``), the coordinator one for its store (``coordinator.storage``).
+service (``node.daemon.retry``), the coordinator one for its store (``coordinator.store.storage``).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class NodeCondition(StrEnum):
     """What a node is doing, as its heartbeats say (``HeartbeatRequest``).
 
     The coordinator keeps a round that nobody has submitted to open past its deadline while a
-    member is ``training`` or ``store_unreachable`` (``coordinator.rounds.held``): closing it
+    member is ``training`` or ``store_unreachable`` (``coordinator.rules.rounds.held``): closing it
     would aggregate nothing and spend one of the run's rounds.
     """
 

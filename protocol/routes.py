@@ -5,8 +5,8 @@ has a name, a method, a path (``{round}`` stands for a round number), its reques
 models, whether it needs the bearer token, its query parameters and the error statuses it may
 answer. Three users read it and none re-types a path:
 
-- the coordinator registers one handler per entry, by ``name`` (``coordinator/app.py``);
-- the coordinator's OpenAPI document is generated from it (``coordinator/openapi.py``);
+- the coordinator registers one handler per entry, by ``name`` (``coordinator/api/app.py``);
+- the coordinator's OpenAPI document is generated from it (``coordinator/api/openapi.py``);
 - the node's client builds every request from it (``node/daemon/client.py``).
 
 Every authenticated endpoint may also answer 401 ``token_revoked`` (the operator revoked the

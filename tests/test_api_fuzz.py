@@ -44,9 +44,9 @@ from schemathesis.checks import (
 )
 from schemathesis.core.result import Err
 
-from coordinator.app import create_app
-from coordinator.config import CoordinatorConfig
-from coordinator.limits import server_settings
+from coordinator.api.app import create_app
+from coordinator.base.config import CoordinatorConfig
+from coordinator.base.limits import server_settings
 from node.cluster.seaweed import EmbeddedStore
 from node.tools.shards import prepare as prepare_dataset
 from node.tools.shards import upload

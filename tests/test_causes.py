@@ -15,7 +15,7 @@ import pytest
 from botocore.exceptions import EndpointConnectionError
 from yarl import URL
 
-from coordinator.errors import StorageError
+from coordinator.base.errors import StorageError
 from node.cluster.seaweed import free_ports
 from node.daemon.retry import RetryPolicy, retry
 from node.errors import RetriesExhausted, TransferError, TransientError

@@ -88,7 +88,7 @@ def _subcommands(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -
 def test_every_command_of_the_help_is_in_the_readme() -> None:
     """The other direction: whatever ``--help`` offers (``sparseloco`` and ``coordinator
     token``) has a line in README's Commands block."""
-    from coordinator.admin import build_parser as token_parser
+    from coordinator.ops.admin import build_parser as token_parser
     from node.cli import build_parser
 
     offered = _subcommands(build_parser()) | {
@@ -285,9 +285,9 @@ def test_coordinator_starts_serves_tokens_and_stops(store: EmbeddedStore, tmp_pa
 def _coordinator_state(state: Path) -> str:
     """A coordinator state directory as a first start leaves it (database, signing key); the
     manifest public key (hex)."""
-    from coordinator.db import Database
-    from coordinator.schema import DB_FILE
-    from coordinator.signing import ManifestSigner
+    from coordinator.state.db import Database
+    from coordinator.state.schema import DB_FILE
+    from coordinator.state.signing import ManifestSigner
 
     state.mkdir(parents=True)
     Database(state / DB_FILE).close()

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.backup import DB_FILE, KEY_FILE, restore_backup, take_backup
-from coordinator.backup_cli import main as backup_main
-from coordinator.catchup import learn_closed_rounds
-from coordinator.config import CoordinatorConfig
-from coordinator.db import Database
-from coordinator.errors import BackupError, StartupError
-from coordinator.machine import RoundMachine
-from coordinator.signing import ManifestSigner
+from coordinator.base.config import CoordinatorConfig
+from coordinator.base.errors import BackupError, StartupError
+from coordinator.ops.backup_cli import main as backup_main
+from coordinator.rules.machine import RoundMachine
+from coordinator.state.backup import DB_FILE, KEY_FILE, restore_backup, take_backup
+from coordinator.state.db import Database
+from coordinator.state.signing import ManifestSigner
+from coordinator.store.catchup import learn_closed_rounds
 from protocol.keys import manifest_key
 from protocol.messages import RoundState, SignedManifest, SubmitRequest
 from protocol.runconfig import RunConfig, Timing

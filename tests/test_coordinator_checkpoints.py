@@ -5,8 +5,8 @@ Nodes run small rounds (presigned uploads, submits, reports) in-process through 
 through the grants exactly as a node sends them, and what the coordinator writes or deletes is
 checked by listing the bucket. Checkpoint files are real safetensors files of one θ
 (``support.theta_files``): the coordinator verifies what it commits, streaming the object back
-in chunks (``coordinator.verify``), which one test drives directly with chunks far smaller than
-the file.
+in chunks (``coordinator.store.verify``), which one test drives directly with chunks far smaller
+than the file.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import torch
 from aiohttp import ClientSession
 from yarl import URL
 
-from coordinator.db import Database
-from coordinator.errors import BadCheckpoint, Conflict
-from coordinator.retention import payload_rounds
-from coordinator.schema import DB_FILE
-from coordinator.storage import S3Store
-from coordinator.verify import CheckpointVerifier
+from coordinator.base.errors import BadCheckpoint, Conflict
+from coordinator.state.db import Database
+from coordinator.state.schema import DB_FILE
+from coordinator.store.retention import payload_rounds
+from coordinator.store.storage import S3Store
+from coordinator.store.verify import CheckpointVerifier
 from node.cluster.seaweed import EmbeddedStore
 from protocol.fingerprint import fingerprint
 from protocol.keys import checkpoint_key, latest_checkpoint_key, run_prefix

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config import load_config
-from coordinator.config_file import state_dir_of
-from coordinator.server import ANNOUNCE_FILE
+from coordinator.base.config import load_config
+from coordinator.base.config_file import state_dir_of
+from coordinator.ops.server import ANNOUNCE_FILE
 from protocol.errors import ConfigError
 from protocol.runconfig import RunConfig
 

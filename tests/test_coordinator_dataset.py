@@ -1,6 +1,6 @@
 """The coordinator's dataset endpoints against the real store (SeaweedFS): it presigns the files
 the run's dataset manifest lists and nothing else, refuses to start without the dataset, and
-refuses a manifest that is not the one the run names (``coordinator/datasets.py``)."""
+refuses a manifest that is not the one the run names (``coordinator/store/datasets.py``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from coordinator.datasets import DatasetBook, check_dataset
-from coordinator.errors import StartupError
+from coordinator.base.errors import StartupError
+from coordinator.store.datasets import DatasetBook, check_dataset
 from node.cluster.seaweed import EmbeddedStore
 from node.tools.shards import prepare, upload
 from protocol.dataset import DatasetManifest, dataset_key
@@ -99,7 +99,7 @@ async def test_a_manifest_that_is_not_the_runs_dataset_is_refused(
     store.client().put_object(
         Bucket=store.endpoint.bucket, Key=key, Body=forged.model_dump_json().encode()
     )
-    from coordinator.app import s3_store
+    from coordinator.api.app import s3_store
     from support.api import make_config
 
     config = make_config(

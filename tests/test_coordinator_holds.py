@@ -24,12 +24,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator import rounds
-from coordinator.db import Database
-from coordinator.errors import StorageError
-from coordinator.machine import RoundMachine
-from coordinator.signing import ManifestSigner
-from coordinator.storewatch import StoreWatch, WatchedStore, unavailable
+from coordinator.base.errors import StorageError
+from coordinator.rules import rounds
+from coordinator.rules.machine import RoundMachine
+from coordinator.state.db import Database
+from coordinator.state.signing import ManifestSigner
+from coordinator.store.storewatch import StoreWatch, WatchedStore, unavailable
 from protocol.messages import Exclusion, NodeCondition, RoundState, SubmitRequest
 from protocol.runconfig import RunConfig, Timing
 from support.api import ApiFactory

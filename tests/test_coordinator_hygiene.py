@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.db import Database
-from coordinator.schema import DB_FILE
+from coordinator.state.db import Database
+from coordinator.state.schema import DB_FILE
 from protocol.messages import MAX_OBJECT_BYTES
 from protocol.runconfig import RunConfig
 from support.api import FP_A, Api, ApiFactory, token

@@ -21,11 +21,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator import rounds
-from coordinator.db import Database
-from coordinator.errors import Conflict
-from coordinator.machine import RoundMachine
-from coordinator.signing import ManifestSigner
+from coordinator.base.errors import Conflict
+from coordinator.rules import rounds
+from coordinator.rules.machine import RoundMachine
+from coordinator.state.db import Database
+from coordinator.state.signing import ManifestSigner
 from protocol.messages import Exclusion, MemberState, NodeCondition, RoundState, SubmitRequest
 from protocol.reports import RoundReport
 from protocol.runconfig import RunConfig, Timing

@@ -1,4 +1,4 @@
-"""The SigV4 presigner (``coordinator.presign``): boto3's URLs, character for character, and a
+"""The SigV4 presigner (``coordinator.store.presign``): boto3's URLs, character for character, and a
 store that really accepts them.
 
 - for endpoints of several shapes (SeaweedFS on a port, AWS, R2, a default port, a base path)
@@ -22,9 +22,10 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from coordinator import storage
-from coordinator.presign import SigV4Presigner, matches_botocore, signed_at
-from coordinator.storage import S3Store, sha256_b64
+from coordinator.store import storage
+from coordinator.store.object_store import sha256_b64
+from coordinator.store.presign import BucketAccess, SigV4Presigner, matches_botocore, signed_at
+from coordinator.store.storage import S3Store
 from node.cluster.seaweed import EmbeddedStore
 
 ENDPOINTS = [
@@ -53,11 +54,13 @@ def boto_client(endpoint: str, region: str) -> Any:
 def test_presigner_gives_boto3s_urls(endpoint: str, region: str, key: str) -> None:
     client = boto_client(endpoint, region)
     signer = SigV4Presigner(
-        endpoint_url=endpoint,
-        bucket="sparseloco",
-        access_key="AKIDEXAMPLE/1",
-        secret_key="wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
-        region=region,
+        BucketAccess(
+            endpoint_url=endpoint,
+            bucket="sparseloco",
+            access_key="AKIDEXAMPLE/1",
+            secret_key="wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
+            region=region,
+        )
     )
     checksum = sha256_b64(hashlib.sha256(b"payload").hexdigest())
     put = client.generate_presigned_url(

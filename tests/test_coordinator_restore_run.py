@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from node.cluster.up import start_coordinator
+from node.cluster.launch import start_coordinator
 from protocol.messages import RoundState
 from protocol.runconfig import RunConfig, Timing
 from support.cluster import WAIT_S, Cluster

@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator import rounds
-from coordinator.db import Database
-from coordinator.errors import Conflict, RoundError
-from coordinator.machine import RoundMachine
-from coordinator.signing import ManifestSigner
+from coordinator.base.errors import Conflict, RoundError
+from coordinator.rules import rounds
+from coordinator.rules.machine import RoundMachine
+from coordinator.state.db import Database
+from coordinator.state.signing import ManifestSigner
 from protocol.messages import Exclusion, MemberState, RoundState, SignedManifest, SubmitRequest
 from protocol.runconfig import RunConfig, Timing
 from protocol.signing import verify_manifest

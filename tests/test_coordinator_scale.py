@@ -25,13 +25,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from coordinator import durability
-from coordinator.db import Database
-from coordinator.durability import GroupSync
-from coordinator.machine import RoundMachine
-from coordinator.schema import DB_FILE
-from coordinator.signing import ManifestSigner
-from coordinator.tokens import TokenBook, TokenTable
+from coordinator.rules.machine import RoundMachine
+from coordinator.rules.tokens import TokenBook, TokenTable
+from coordinator.state import durability
+from coordinator.state.db import Database
+from coordinator.state.durability import GroupSync
+from coordinator.state.schema import DB_FILE
+from coordinator.state.signing import ManifestSigner
 from node.daemon.client import ClientTimeouts, CoordinatorClient
 from node.daemon.retry import RetryPolicy
 from protocol.messages import RoundState, SubmitRequest

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.errors import StartupError
-from coordinator.preflight import check_store, listen_socket
-from coordinator.redact import SecretFilter
-from coordinator.storage import S3Store
+from coordinator.base.errors import StartupError
+from coordinator.base.redact import SecretFilter
+from coordinator.ops.preflight import check_store, listen_socket
+from coordinator.store.storage import S3Store
 from node.cluster.seaweed import EmbeddedStore, StoreEndpoint
 from protocol.runconfig import RunConfig
 from support.harness import REPO_ROOT, write_coordinator_config

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from coordinator import admin
-from coordinator.db import Database
-from coordinator.errors import ApiError, TokenAdminError
-from coordinator.schema import DB_FILE, SCHEMA_VERSION
-from coordinator.tokens import TokenBook, TokenSource, TokenState, TokenTable, digest
+from coordinator.base.errors import ApiError, TokenAdminError
+from coordinator.ops import admin
+from coordinator.rules.tokens import TokenBook, TokenSource, TokenState, TokenTable, digest
+from coordinator.state.db import Database
+from coordinator.state.schema import DB_FILE, SCHEMA_VERSION
 from protocol.errors import ConfigError
 from protocol.runconfig import RunConfig
 from support.api import FP_A, ApiFactory, token

@@ -26,14 +26,14 @@ import torch
 from aiohttp import ClientSession
 from yarl import URL
 
-from coordinator.db import CheckpointRow, Database
-from coordinator.retention import (
+from coordinator.state.db import CheckpointRow, Database
+from coordinator.state.schema import DB_FILE, SCHEMA_VERSION
+from coordinator.store.retention import (
     newest_verified,
     payload_rounds,
     replay_anchor,
     stale_checkpoints,
 )
-from coordinator.schema import DB_FILE, SCHEMA_VERSION
 from protocol.messages import CheckpointInfo
 from protocol.runconfig import RunConfig, Timing
 from support.api import Api, ApiFactory

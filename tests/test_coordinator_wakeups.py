@@ -1,4 +1,4 @@
-"""Long-polls released in batches (``coordinator.wakeups``), and the secret filter's quick test.
+"""Long-polls released in batches (``coordinator.api.wakeups``), and the secret filter's quick test.
 
 - a release wakes the first batch at once and one more batch per turn of the event loop, in
   the order the waiters came, so other work runs between batches; every waiter is woken;
@@ -15,8 +15,8 @@ import logging
 
 import pytest
 
-from coordinator.redact import SecretFilter
-from coordinator.wakeups import Wakeups
+from coordinator.api.wakeups import Wakeups
+from coordinator.base.redact import SecretFilter
 
 
 @pytest.mark.asyncio

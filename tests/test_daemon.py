@@ -17,7 +17,7 @@ import signal
 
 import pytest
 
-from node.compute.state import load_state
+from node.compute.stateread import load_state
 from node.daemon.faults import Faults
 from protocol.keys import payload_key
 from protocol.messages import Exclusion, MemberState

@@ -14,7 +14,7 @@ import logging
 
 import pytest
 
-from node.compute.state import load_state
+from node.compute.stateread import load_state
 from node.errors import Refused
 from support.daemon_harness import (
     HANG_S,

@@ -16,7 +16,7 @@ import signal
 
 import pytest
 
-from node.compute.state import load_state
+from node.compute.stateread import load_state
 from node.daemon.faults import Faults
 from protocol.messages import Exclusion, MemberState, RoundState, RoundView
 from support.daemon_harness import (

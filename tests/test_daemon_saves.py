@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.compute.state import load_state
+from node.compute.stateread import load_state
 from support.daemon_harness import Crash, crash_at, run_config, worker
 from test_daemon import assert_mass_balanced
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from node.compute.state import load_state
+from node.compute.stateread import load_state
 from node.daemon.api import Transfers
 from node.daemon.gather import fetch_gather
 from node.daemon.transfer import HttpTransfers

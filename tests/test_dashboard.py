@@ -30,8 +30,8 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 from selenium.webdriver.chrome.webdriver import WebDriver
 
-from coordinator.handlers import HANDLERS
-from coordinator.openapi import openapi_document
+from coordinator.api.handlers import HANDLERS
+from coordinator.api.openapi import openapi_document
 from node.cluster.seaweed import EmbeddedStore
 from protocol.routes import ROUTES
 from protocol.runconfig import RunConfig, Timing

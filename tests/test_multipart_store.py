@@ -25,8 +25,9 @@ import pytest
 from botocore.exceptions import ClientError
 from yarl import URL
 
-from coordinator.errors import StorageError
-from coordinator.storage import S3Store, sha256_b64
+from coordinator.base.errors import StorageError
+from coordinator.store.object_store import sha256_b64
+from coordinator.store.storage import S3Store
 from node.daemon import multipart
 from node.daemon.transfer import HttpTransfers
 from protocol.runconfig import RunConfig

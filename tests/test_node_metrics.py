@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import admin
-from coordinator.db import Database
-from coordinator.schema import DB_FILE
-from coordinator.tokens import TokenTable
+from coordinator.ops import admin
+from coordinator.rules.tokens import TokenTable
+from coordinator.state.db import Database
+from coordinator.state.schema import DB_FILE
 from protocol.runconfig import RunConfig
 from support.api import FP_A, ApiFactory
 

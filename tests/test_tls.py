@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.signing import ManifestSigner
+from coordinator.state.signing import ManifestSigner
+from node.cluster.launch import start_coordinator
 from node.cluster.seaweed import EmbeddedStore
-from node.cluster.up import start_coordinator
 from node.daemon.pinning import PIN_FILE
 from protocol.invite import decode_invite, key_fingerprint
 from protocol.messages import RoundState
@@ -126,7 +126,7 @@ def test_a_bad_certificate_file_stops_the_coordinator_with_exit_2(
     assert proc.returncode == 2, proc.stderr
     assert "server.tls_cert/tls_key: cannot load" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "state" / "coordinator.db").exists()  # nothing written
+    assert not (tmp_path / "state" / "coordinator.state.db").exists()  # nothing written
 
 
 @pytest.mark.parametrize("half", ["tls_cert", "tls_key"])

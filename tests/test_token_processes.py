@@ -30,9 +30,9 @@ from typing import TypeVar
 
 import pytest
 
+from node.cluster.launch import start_node
 from node.cluster.process import Process
 from node.cluster.seaweed import EmbeddedStore
-from node.cluster.up import start_node
 from protocol.messages import Exclusion, MemberState, RoundState
 from protocol.runconfig import RunConfig, Timing
 from support.cluster import Cluster

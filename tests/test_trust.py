@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from node.compute.state import load_state
+from node.compute.stateread import load_state
 from node.daemon.faults import Faults
 from node.daemon.pinning import PIN_FILE, trusted_key
 from node.daemon.settings import load_connection, load_settings

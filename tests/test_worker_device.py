@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from node.compute.model import PRESETS
+from node.compute.optim import adam_tensors
 from node.compute.placement import Placement, resolve_device
-from node.compute.state import adam_tensors
 from node.compute.throughput import PEAK_ENV, Meter, flops_per_token, peak_flops
 from node.compute.worker import Worker
 from node.daemon.settings import check_device_spec, load_settings

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.compute.state import adam_tensors, load_state, save_adam, save_state, save_theta
+from node.compute.optim import adam_tensors
+from node.compute.state import save_adam, save_state, save_theta
+from node.compute.stateread import load_state
 from node.compute.worker import Worker, check_payload_header
 from node.errors import StateError
 from protocol.errors import PayloadError

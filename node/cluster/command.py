@@ -15,86 +15,13 @@ from typing import Any
 
 from node.compute.presets import PRESETS as RUN_PRESETS
 from node.errors import UpError
+from node.subcommand import Command, flag, values
 from protocol.errors import ConfigError, Problem, config_error
 
 
 def table_names(table: dict[str, Any]) -> str:
     """A table's names for a help text, in the table's order."""
     return ", ".join(table)
-
-
-def add_up(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "up",
-        help="a whole local run: object store, coordinator and N nodes on this machine",
-        description="Start SeaweedFS, a coordinator and N node processes on loopback, train"
-        " on the bundled corpus, show progress, and stop everything at the end. Everything"
-        " (store, database, node states, logs, the final model) stays in the run folder.",
-    )
-    p.add_argument("--nodes", type=int, default=3, help="node processes (default: %(default)s)")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=5,
-        help="rounds of the run (default: %(default)s)",
-    )
-    p.add_argument(
-        "--preset",
-        default="tiny",
-        help="run shape (node/compute/presets.py; default %(default)s):"
-        f" {table_names(RUN_PRESETS)}",
-    )
-    p.add_argument(
-        "--data",
-        help="text file, directory or glob, or a folder made by `sparseloco data prepare`"
-        " (uploaded to the run's store; the nodes stream it) (default: bundled corpus)",
-    )
-    p.add_argument("--dir", dest="run_dir", help="run folder (default: runs/up-<time>)")
-    p.add_argument(
-        "--round-timeout",
-        type=float,
-        default=120.0,
-        help="seconds the first round may take before it closes without the missing nodes;"
-        " later deadlines are learnt from the nodes' arrivals, at most this long"
-        " (default: %(default)s)",
-    )
-    p.add_argument(
-        "--overlap",
-        nargs="?",
-        const="merge",
-        choices=("off", "delayed", "eager", "merge"),
-        help="train each round while the previous one's payloads travel (the run's overlap;"
-        " merge with the flag alone: their aggregate is merged at inner step --overlap-tau)",
-    )
-    p.add_argument(
-        "--overlap-tau",
-        type=int,
-        help="with --overlap merge: the inner step (1..H) the aggregate in flight is merged at"
-        " (default: the run config's, README benchmark 12)",
-    )
-    p.add_argument("--upload-limit", help="cap every node's uploads, e.g. 100Mbit (per second)")
-    p.add_argument("--download-limit", help="cap every node's downloads, e.g. 100Mbit")
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="where the nodes' inner steps run: cpu (the default), auto or cuda:N for all, or a"
-        " list the nodes take in turn, e.g. cuda:0,cuda:0,cpu",
-    )
-    p.add_argument(
-        "--ranks",
-        default="1",
-        help="processes per node, under torchrun (default 1): one count for all, or a list the"
-        " nodes take in turn, e.g. 1,2,4; each node shards its model state over its processes",
-    )
-    p.add_argument(
-        "--export",
-        metavar="DIR",
-        help="at the end, export the final model here, as `sparseloco export` does (for a"
-        " LLaMA-style model a transformers model); the run folder keeps it anyway (final/),"
-        " for `sparseloco export --run RUN_DIR` later",
-    )
-    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the summary here")
-    p.set_defaults(func=_cmd_up)
 
 
 def _check_ranks(cfg: Any) -> None:
@@ -117,24 +44,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     from node.cluster.up import UpConfig, up
     from node.cluster.view import UpView
-    from node.research.simulate import write_json
+    from node.research.report import write_json
 
     # Named now: the view's log file lives in it before the run starts.
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S"))
     try:
         cfg = UpConfig(
-            nodes=args.nodes,
-            rounds=args.rounds,
-            preset=args.preset,
             run_dir=run_dir,
-            data=args.data,
             round_timeout_s=args.round_timeout,
-            overlap=args.overlap,
-            overlap_tau=args.overlap_tau,
-            upload_limit=args.upload_limit,
-            download_limit=args.download_limit,
-            device=args.device,
-            ranks=args.ranks,
+            **values(args, *_UP_FIELDS),
         )
     except ValidationError as exc:
         raise config_error(exc, _flag) from exc
@@ -160,6 +78,96 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return 0 if result["fingerprints_agree"] else 1
 
 
+#: Flags whose dest is the ``UpConfig`` field they set.
+_UP_FIELDS = (
+    "nodes",
+    "rounds",
+    "preset",
+    "data",
+    "overlap",
+    "overlap_tau",
+    "upload_limit",
+    "download_limit",
+    "device",
+    "ranks",
+)
+
+
 def _flag(problem: Problem) -> str:
     """A failed field as the flag that sets it: ``--round-timeout: ...``."""
     return f"--{problem.dotted.replace('_', '-')}: {problem.message}"
+
+
+UP = Command(
+    "up",
+    help="a whole local run: object store, coordinator and N nodes on this machine",
+    description="Start SeaweedFS, a coordinator and N node processes on loopback, train"
+    " on the bundled corpus, show progress, and stop everything at the end. Everything"
+    " (store, database, node states, logs, the final model) stays in the run folder.",
+    run=_cmd_up,
+    flags=(
+        flag("--nodes", type=int, default=3, help="node processes (default: %(default)s)"),
+        flag(
+            "--rounds",
+            type=int,
+            default=5,
+            help="rounds of the run (default: %(default)s)",
+        ),
+        flag(
+            "--preset",
+            default="tiny",
+            help="run shape (node/compute/presets.py; default %(default)s):"
+            f" {table_names(RUN_PRESETS)}",
+        ),
+        flag(
+            "--data",
+            help="text file, directory or glob, or a folder made by `sparseloco data prepare`"
+            " (uploaded to the run's store; the nodes stream it) (default: bundled corpus)",
+        ),
+        flag("--dir", dest="run_dir", help="run folder (default: runs/up-<time>)"),
+        flag(
+            "--round-timeout",
+            type=float,
+            default=120.0,
+            help="seconds the first round may take before it closes without the missing nodes;"
+            " later deadlines are learnt from the nodes' arrivals, at most this long"
+            " (default: %(default)s)",
+        ),
+        flag(
+            "--overlap",
+            nargs="?",
+            const="merge",
+            choices=("off", "delayed", "eager", "merge"),
+            help="train each round while the previous one's payloads travel (the run's overlap;"
+            " merge with the flag alone: their aggregate is merged at inner step --overlap-tau)",
+        ),
+        flag(
+            "--overlap-tau",
+            type=int,
+            help="with --overlap merge: the inner step (1..H) the aggregate in flight is merged at"
+            " (default: the run config's, README benchmark 12)",
+        ),
+        flag("--upload-limit", help="cap every node's uploads, e.g. 100Mbit (per second)"),
+        flag("--download-limit", help="cap every node's downloads, e.g. 100Mbit"),
+        flag(
+            "--device",
+            default="cpu",
+            help="where the nodes' inner steps run: cpu (the default), auto or cuda:N for all, or a"
+            " list the nodes take in turn, e.g. cuda:0,cuda:0,cpu",
+        ),
+        flag(
+            "--ranks",
+            default="1",
+            help="processes per node, under torchrun (default 1): one count for all, or a list the"
+            " nodes take in turn, e.g. 1,2,4; each node shards its model state over its processes",
+        ),
+        flag(
+            "--export",
+            metavar="DIR",
+            help="at the end, export the final model here, as `sparseloco export` does (for a"
+            " LLaMA-style model a transformers model); the run folder keeps it anyway (final/),"
+            " for `sparseloco export --run RUN_DIR` later",
+        ),
+        flag("--json", dest="json_out", metavar="OUT", help="write the summary here"),
+    ),
+)

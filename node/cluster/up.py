@@ -10,29 +10,27 @@ and stops everything again in reverse order, on success, on error and on Ctrl-C.
 the final model (``final/``: θ after the last round, the agreed fingerprint and the run
 config, ``node.tools.offline``), which ``sparseloco export --run`` exports with nothing running.
 
-The result (``--json``) has ``run_id``, ``final_eval_loss`` and per round the gather set,
-exclusions and every node's reported fingerprint, plus whether they all agreed. A round's
-``eval_loss`` is None where the run's evaluation schedule (``RunConfig.eval_every``) skipped it.
+The result (``--json``, ``node.cluster.status.summarize``) has ``run_id``, ``final_eval_loss``
+and per round the gather set, exclusions and every node's reported fingerprint, plus whether
+they all agreed. A round's ``eval_loss`` is None where the run's evaluation schedule
+(``RunConfig.eval_every``) skipped it. The processes are started by ``node.cluster.launch``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import secrets
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from node.cluster.launch import coordinator_toml, start_coordinator, start_node
 from node.cluster.process import Process
-from node.cluster.seaweed import EmbeddedStore, StoreEndpoint
+from node.cluster.seaweed import EmbeddedStore
+from node.cluster.status import summarize, watch
 from node.compute.data import check_vocabulary
 from node.compute.model import get_preset
 from node.compute.presets import get_run_preset
@@ -42,15 +40,10 @@ from node.errors import DataError, UpError
 from node.tools.offline import keep_agreed
 from node.tools.shards import upload
 from protocol.dataset import MANIFEST_FILE, DatasetManifest, parse_manifest
-from protocol.messages import RoundState
-from protocol.routes import MAX_STATUS_ROUNDS
 from protocol.runconfig import RunConfig, Timing
 from protocol.status import StatusView
 
 log = logging.getLogger("sparseloco.up")
-
-#: Seconds for the coordinator to write its address file after start.
-COORDINATOR_START_S = 60.0
 
 
 class UpConfig(BaseModel):
@@ -109,189 +102,6 @@ class UpConfig(BaseModel):
         if value is not None:
             parse_rate(value)  # ConfigError is a ValueError: refused before anything starts
         return value
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(str(value))
-
-
-def _toml_table(name: str, values: dict[str, Any]) -> list[str]:
-    lines = [f"[{name}]"]
-    nested = []
-    for key, value in values.items():
-        if isinstance(value, dict):
-            nested.append((f"{name}.{key}", value))
-        elif value is not None:
-            lines.append(f"{json.dumps(key)} = {_toml_value(value)}")
-    lines.append("")
-    for sub, sub_values in nested:
-        lines += _toml_table(sub, sub_values)
-    return lines
-
-
-def coordinator_toml(
-    run: RunConfig,
-    endpoint: StoreEndpoint,
-    tokens: dict[str, str],
-    state_dir: Path,
-    *,
-    prefix: str = "",
-    server: dict[str, Any] | None = None,
-) -> str:
-    """The coordinator's config file for a local run (see ``deploy/run.example.toml``).
-
-    ``server`` adds to or overrides the ``[server]`` table (loopback, any free port).
-    """
-    lines = _toml_table("run", run.model_dump(mode="json"))
-    server_table = {"host": "127.0.0.1", "port": 0, "state_dir": str(state_dir), **(server or {})}
-    lines += _toml_table("server", server_table)
-    lines += _toml_table(
-        "storage",
-        {
-            "endpoint_url": endpoint.endpoint_url,
-            "bucket": endpoint.bucket,
-            "prefix": prefix,
-            "region": endpoint.region,
-            "access_key": endpoint.access_key,
-            "secret_key": endpoint.secret_key,
-        },
-    )
-    lines += _toml_table("tokens", tokens)
-    return "\n".join(lines)
-
-
-def _quiet_env(threads: int = 1) -> dict[str, str]:
-    """Few compute threads per process (one by default): N nodes share a few cores."""
-    n = str(threads)
-    return dict(os.environ, OMP_NUM_THREADS=n, NUMBA_NUM_THREADS=n, PYTHONUNBUFFERED="1")
-
-
-def start_coordinator(
-    config_path: Path,
-    state_dir: Path,
-    log_path: Path,
-    *,
-    port: int = 0,
-    extra_args: list[str] | None = None,
-) -> tuple[Process, str]:
-    """Start ``python -m coordinator`` and return it with its URL once it listens.
-
-    ``port`` 0 picks a free port; a restart passes the previous one so nodes find it again.
-    The URL comes from the ``coordinator.json`` this very process announces in ``state_dir``.
-    """
-    address = state_dir / "coordinator.json"
-    address.unlink(missing_ok=True)  # a stale file from a killed run must not be read
-    args = [sys.executable, "-m", "coordinator", "--config", str(config_path), "--port", str(port)]
-    proc = Process("coordinator", args + (extra_args or []), log_path, env=_quiet_env())
-    deadline = time.monotonic() + COORDINATOR_START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise UpError(f"the coordinator exited with code {proc.poll()}:\n{proc.tail()}")
-        if address.exists():
-            try:
-                announced = json.loads(address.read_text())
-            except ValueError:
-                announced = {}  # written atomically, but read defensively
-            if announced.get("pid") == proc.pid and "url" in announced:
-                return proc, str(announced["url"])
-        time.sleep(0.1)
-    proc.stop()
-    raise UpError(
-        f"the coordinator did not start within {COORDINATOR_START_S:.0f} s:\n{proc.tail()}"
-    )
-
-
-def start_node(
-    name: str,
-    url: str,
-    token: str,
-    state_dir: Path,
-    log_path: Path,
-    data: str | None,
-    extra_env: dict[str, str] | None = None,
-    limits: tuple[str | None, str | None] = (None, None),
-    device: str = "cpu",
-    threads: int = 1,
-    ranks: int = 1,
-) -> Process:
-    """A node process; with ``ranks`` > 1 one node of that many processes under torchrun
-    (``node.daemon.ranks``)."""
-    args = [sys.executable, "-m", "node", "node", "--coordinator", url]
-    if ranks > 1:
-        # The README's command: torchrun (the script next to this Python), N copies of the node.
-        torchrun = Path(sys.executable).with_name("torchrun")
-        launch = (
-            [str(torchrun)]
-            if torchrun.exists()
-            else [sys.executable, "-m", "torch.distributed.run"]
-        )
-        args = [*launch, "--standalone", f"--nproc-per-node={ranks}", *args[1:]]
-    args += ["--state-dir", str(state_dir), "--threads", str(threads), "--device", device]
-    if data:
-        args += ["--data", data]
-    for way, limit in zip(("upload", "download"), limits, strict=True):
-        if limit is not None:
-            args += [f"--{way}-limit", limit]
-    env = _quiet_env(threads)
-    env.pop("SPARSELOCO_FAULTS", None)
-    env.update(extra_env or {})
-    env["SPARSELOCO_NODE_TOKEN"] = token
-    return Process(name, args, log_path, env=env)
-
-
-def fetch_status(url: str, rounds: int = MAX_STATUS_ROUNDS, timeout: float = 10.0) -> StatusView:
-    with urllib.request.urlopen(f"{url}/v1/status?rounds={rounds}", timeout=timeout) as resp:
-        return StatusView.model_validate_json(resp.read())
-
-
-def summarize(status: StatusView) -> dict[str, Any]:
-    """The ``--json`` result from the coordinator's final status."""
-    rounds = []
-    agree = True
-    for summary in status.rounds:
-        if summary.state != RoundState.CLOSED:
-            continue
-        fps = dict(summary.fingerprints)
-        agree = agree and len(set(fps.values())) <= 1
-        rounds.append(
-            {
-                "round": summary.round,
-                "gather": summary.gather,
-                "excluded": summary.excluded,
-                "fingerprints": fps,
-                "eval_loss": _mean([r.eval_loss for r in summary.reports.values()]),
-                "train_loss": _mean([r.train_loss for r in summary.reports.values()]),
-                "bytes_up": sum(r.bytes_up for r in summary.reports.values()),
-                "bytes_down": sum(r.bytes_down for r in summary.reports.values()),
-                "duration_s": summary.duration_s,
-                "timings": {n: r.timings for n, r in summary.reports.items() if r.timings},
-                "throughput": {
-                    n: {"tokens_per_s": r.tokens_per_s, "mfu": r.mfu}
-                    for n, r in summary.reports.items()
-                    if r.tokens_per_s is not None
-                },
-            }
-        )
-    # Nodes evaluate on the run's schedule (``RunConfig.eval_every``; the last round always):
-    # the final loss is the newest one measured.
-    evaluated = [entry["eval_loss"] for entry in rounds if entry["eval_loss"] is not None]
-    final = evaluated[-1] if evaluated else None
-    return {
-        "run_id": status.run_id,
-        "run": status.run.model_dump(mode="json"),
-        "final_eval_loss": final,
-        "fingerprints_agree": agree,
-        "rounds": rounds,
-    }
-
-
-def _mean(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return sum(present) / len(present) if present else None
 
 
 def run_config(
@@ -370,17 +180,16 @@ def up(
             endpoint.endpoint_url,
         )
         nodes = [
-            start_node(
+            start_run_node(
+                cfg,
+                run_dir,
+                i,
                 name,
-                url,
                 token,
-                run_dir / "nodes" / name,
-                run_dir / "logs" / f"{name}.log",
-                None if dataset is not None else cfg.data,
+                url,
+                streamed=dataset is not None,
                 extra_env=node_env,
-                limits=(cfg.upload_limit, cfg.download_limit),
-                device=cfg.node_device(i),
-                threads=node_threads[i] if node_threads else cfg.threads,
+                threads=node_threads[i] if node_threads else None,
                 ranks=cfg.node_ranks(i),
             )
             for i, (name, token) in enumerate(tokens.items())
@@ -404,6 +213,32 @@ def up(
         store.stop()
 
 
+def start_run_node(
+    cfg: UpConfig,
+    run_dir: Path,
+    i: int,
+    name: str,
+    token: str,
+    url: str,
+    *,
+    streamed: bool = False,
+    extra_env: dict[str, str] | None = None,
+    threads: int | None = None,
+    ranks: int = 1,
+) -> Process:
+    """Node ``i`` of a local run of ``cfg``: its state in ``run_dir/nodes/NAME``, its log in
+    ``run_dir/logs/NAME.log``, ``cfg.data`` to read unless the run ``streamed`` a prepared
+    dataset from the store, the run's transfer caps, node ``i``'s device, ``threads`` (by
+    default ``cfg.threads``) and ``ranks`` processes."""
+    return start_node(
+        name, url, token, run_dir / "nodes" / name, run_dir / "logs" / f"{name}.log",
+        None if streamed else cfg.data,
+        extra_env=extra_env, limits=(cfg.upload_limit, cfg.download_limit),
+        device=cfg.node_device(i), threads=cfg.threads if threads is None else threads,
+        ranks=ranks,
+    )  # fmt: skip
+
+
 def prepared_dataset(data: str | None, model: str) -> DatasetManifest | None:
     """The manifest of ``data`` when it is a folder made by ``sparseloco data prepare`` (the
     run then names it, and the nodes stream it from the store), checked against ``model``'s
@@ -420,27 +255,3 @@ def prepared_dataset(data: str | None, model: str) -> DatasetManifest | None:
     except DataError as exc:
         raise UpError(f"{exc}; e.g. --preset llama_bpe") from exc
     return manifest
-
-
-def watch(
-    url: str, nodes: list[Process], on_status: Callable[[StatusView], None] | None
-) -> StatusView:
-    """Poll the coordinator until the run finishes and every node has exited."""
-    exited: set[str] = set()
-    while True:
-        try:
-            status = fetch_status(url)
-        except (urllib.error.URLError, OSError) as exc:
-            raise UpError(f"the coordinator stopped answering: {exc}") from exc
-        if on_status:
-            on_status(status)
-        for node in nodes:
-            code = node.poll()
-            if code not in (None, 0):
-                raise UpError(f"{node.name} exited with code {code}:\n{node.tail()}")
-            if code == 0 and node.name not in exited:
-                exited.add(node.name)
-                log.info("event=node_exited node=%s code=0 round=%d", node.name, status.round)
-        if status.state == RoundState.FINISHED and all(n.poll() is not None for n in nodes):
-            return status
-        time.sleep(0.5)

@@ -83,10 +83,7 @@ def load_checkpoint_file(worker: Worker, path: Path, *, round_: int, expected: s
         raise CheckpointError(
             f"checkpoint of round {round_} has fingerprint {actual}, expected {expected}"
         )
-    worker._reset_to(tensors, actual)
-    worker.round = round_
-    worker.previous_fingerprint = None
-    worker.last_step = None
+    worker.start_at(tensors, round_, actual)
 
 
 def _read(path: Path, worker: Worker, round_: int) -> dict[str, torch.Tensor]:

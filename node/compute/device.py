@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from node.compute.outer import _bands, _clip_scales
+from node.compute.outer import _bands, _clip_scales, screen
 from node.compute.robust import Screening, value_bound
 from protocol.codec import Payload, _check_header, _LazyTensors
 from protocol.envelope import Envelope, TensorRecord, pack_envelope
@@ -318,19 +318,12 @@ def apply_aggregate(
     ``payloads`` come from ``read_payload(..., lazy=True)``. Returns the same ``Screening``.
     ``combine``: on a rank of a node, sums the screening's counts over the ranks (exact).
     """
-    names = sorted(payloads)
-    peers = [payloads[node] for node in names]
-    screening = Screening(names)
-    if not peers:
+    screening, peers = screen(
+        params, payloads, robust=robust, combine=combine,
+        each=lambda name, peers: [p.tensors[name] for p in peers],
+    )  # fmt: skip
+    if not payloads:
         return screening
-    if robust and screening.active:
-        for name in params:
-            screening.add([p.tensors[name] for p in peers])
-        if combine is not None:
-            screening.agree = combine(screening.agree)
-            screening.shared = combine(screening.shared)
-        keep = screening.decide()
-        peers = [p for p, kept in zip(peers, keep, strict=True) if kept]
     with torch.no_grad():
         for name, theta in params.items():
             if theta.dtype != torch.float32 or not theta.is_contiguous():

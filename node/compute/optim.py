@@ -8,12 +8,15 @@ decay to 0.1x.
 The schedule is indexed by the **global** inner step (round x H + local step), never by a per-round
 or per-process counter: a node that joins late or restarts must land on the same learning rate as
 everyone else (schedule drift after restarts was a recurring bug in the production system).
+
+The moments themselves go to the node's state files as a flat name -> tensor map
+(``adam_tensors``, ``restore_adam``), the same on any device and under FSDP.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -140,3 +143,44 @@ def inner_step(
     opt.step()
     opt.zero_grad(set_to_none=True)
     return value
+
+
+def adam_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's AdamW moments and step counts as a flat name -> tensor mapping, on the CPU.
+
+    An optimiser on a GPU has its state copied over (so a state file is the same whatever the
+    device, and a write behind never reads memory the next round's steps change); on the CPU
+    the tensors are the optimiser's own, as before (the next training waits for their write).
+    Under FSDP each moment is a DTensor: its local chunk is what this rank saves.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for i, entry in opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            local = getattr(t, "to_local", None)
+            if local is not None:
+                t = local()
+            out[f"{i}.{key}"] = t.detach().cpu()
+    return out
+
+
+def restore_adam(opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Load moments saved by ``adam_tensors`` into ``opt`` (same parameter layout); torch puts
+    each on its parameter's device (CPU files into a GPU optimiser, and back). Under FSDP each
+    saved chunk becomes a DTensor laid out like its parameter."""
+    from torch.distributed.tensor import DTensor
+
+    state_dict = opt.state_dict()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    restored: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        index, name = key.split(".", 1)
+        p = params[int(index)]
+        if isinstance(p, DTensor) and name != "step":
+            t = DTensor.from_local(
+                t.to(p.to_local().device), p.device_mesh, p.placements,
+                run_check=False, shape=p.shape, stride=p.stride(),
+            )  # fmt: skip
+        restored.setdefault(int(index), {})[name] = t
+    state_dict["state"] = restored
+    opt.load_state_dict(state_dict)

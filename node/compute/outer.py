@@ -26,7 +26,8 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numba
 import numpy as np
@@ -282,6 +283,32 @@ def _decoded(name: str, payload: Payload) -> tuple[SparseTensor, float]:
     return part, math.sqrt(part.sq_norm())
 
 
+def screen(
+    names: Iterable[str],
+    payloads: Mapping[str, Payload],
+    *,
+    robust: bool,
+    combine: Callable[[np.ndarray], np.ndarray] | None,
+    each: Callable[[str, list[Payload]], list[Any]],
+) -> tuple[Screening, list[Payload]]:
+    """The screening of ``payloads`` and the peers it keeps, in canonical order (all of them
+    without ``robust``). A first pass over the tensors ``names`` takes every tensor's pairwise
+    sign agreement (``each(name, peers)``: the peers' records of the tensor, each decoded once
+    more when the payloads are lazy), then one verdict per peer for the whole payload;
+    ``combine`` adds the counts over a node's ranks first."""
+    peers = ordered(payloads)
+    screening = Screening(sorted(payloads))
+    if not peers or not (robust and screening.active):
+        return screening, peers
+    for name in names:
+        screening.add(each(name, peers))
+    if combine is not None:
+        screening.agree = combine(screening.agree)
+        screening.shared = combine(screening.shared)
+    keep = screening.decide()
+    return screening, [p for p, kept in zip(peers, keep, strict=True) if kept]
+
+
 def apply_aggregate(
     params: Mapping[str, torch.Tensor],
     payloads: Mapping[str, Payload],
@@ -304,21 +331,13 @@ def apply_aggregate(
     ``combine`` adds the screening's integer counts over the ranks (``Group.sum_ints``, exact)
     before the verdicts, so every rank screens out the same peers.
     """
-    names = sorted(payloads)
-    peers = [payloads[node] for node in names]
-    screening = Screening(names)
-    if not peers:
+    # Each tensor of the peers decoded side by side (nogil kernels) for the screening.
+    screening, peers = screen(
+        params, payloads, robust=robust, combine=combine,
+        each=lambda name, peers: kernels.map_threads(lambda p: p.tensors[name], peers),
+    )  # fmt: skip
+    if not payloads:
         return screening
-    if robust and screening.active:
-        # First pass: every tensor's pairwise sign agreement (each decoded once more when the
-        # payloads are lazy), then one verdict per peer for the whole payload.
-        for name in params:
-            screening.add(kernels.map_threads(lambda p: p.tensors[name], peers))  # noqa: B023
-        if combine is not None:
-            screening.agree = combine(screening.agree)
-            screening.shared = combine(screening.shared)
-        keep = screening.decide()
-        peers = [p for p, kept in zip(peers, keep, strict=True) if kept]
     with torch.no_grad():
         for name, theta in params.items():
             # Lazily read payloads decode here, the peers side by side (nogil kernels).

@@ -19,11 +19,7 @@ wait again, and only then does each delete its files of older commits; a crash a
 the previous commit and every file it names. A node of one process writes exactly one file per
 kind, with no rank suffix.
 
-**A different rank count.** The header names the world that wrote it. A node restarted with
-another number of ranks *reshards*: each rank reads the tensors it owns now from whichever of
-the old files holds them (safetensors reads one tensor at a time), so θ and e carry over bit for
-bit. AdamW's moments are FSDP's chunks of the old layout: they are not carried over; the node
-starts them fresh with the run's re-warm-up, as a joiner does, and logs it.
+Reading a state back, under the same rank count or another, is ``node.compute.stateread``.
 
 Phases:
 
@@ -46,9 +42,8 @@ is written whole when the node did not train (catch-up, a resync, a checkpoint, 
 from __future__ import annotations
 
 import json
-import logging
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -58,9 +53,6 @@ from safetensors import safe_open
 
 from node.compute.files import fsync_write, write_safetensors
 from node.compute.group import Group
-from node.errors import StateError
-
-log = logging.getLogger("sparseloco.state")
 
 STATE_FILE = "state.safetensors"
 #: The payload of a round being submitted: ``pending-{round}.slc``.
@@ -133,7 +125,7 @@ def clear_pending(state_dir: Path, keep: int | None = None) -> None:
             path.unlink(missing_ok=True)
 
 
-def _numbered(state_dir: Path, pattern: str, rank: int, world: int) -> dict[int, Path]:
+def numbered_files(state_dir: Path, pattern: str, rank: int, world: int) -> dict[int, Path]:
     """This rank's files of ``pattern`` in ``state_dir`` by their number."""
     prefix = pattern.split("{}")[0]
     suffix = shard_file(pattern, "", rank, world)[len(prefix) :]
@@ -171,7 +163,7 @@ def save_adam(
     state_dir.mkdir(parents=True, exist_ok=True)
     meta = {"round": str(round_), "local_steps": str(local_steps), "world": str(world)}
     write_safetensors(state_dir / shard_file(ADAM_PATTERN, round_, rank, world), adam, meta)
-    for r, path in _numbered(state_dir, ADAM_PATTERN, rank, world).items():
+    for r, path in numbered_files(state_dir, ADAM_PATTERN, rank, world).items():
         if r != round_:
             path.unlink(missing_ok=True)
 
@@ -212,11 +204,11 @@ def commit_state(state_dir: Path, state: NodeState, group: Group | None = None) 
         error = {"error." + name: t for name, t in state.error.items()}
         write_safetensors(state_dir / STATE_FILE, error, {"sparseloco": json.dumps(header)})
     group.barrier("committing the state")
-    for r, path in _numbered(state_dir, THETA_PATTERN, rank, world).items():
+    for r, path in numbered_files(state_dir, THETA_PATTERN, rank, world).items():
         if r != state.round:
             path.unlink(missing_ok=True)
     if rank > 0:
-        for s, path in _numbered(state_dir, ERROR_PATTERN, rank, world).items():
+        for s, path in numbered_files(state_dir, ERROR_PATTERN, rank, world).items():
             if s != state.seq:
                 path.unlink(missing_ok=True)
     else:
@@ -248,171 +240,3 @@ def save_state(state_dir: Path, state: NodeState, group: Group | None = None) ->
     if state.adam:
         save_adam(state_dir, state.round, state.adam, state.local_steps, group.rank, group.world)
     commit_state(state_dir, state, group)
-
-
-def read_header(state_dir: Path) -> dict[str, Any] | None:
-    """The committed header, or None without a state. ``StateError`` if it is unusable."""
-    path = state_dir / STATE_FILE
-    if not path.exists():
-        return None
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = json.loads((f.metadata() or {})["sparseloco"])
-    except Exception as exc:  # safetensors raises several types for a damaged file
-        raise StateError(
-            f"{path}: unreadable state file ({exc}); move it away to start over"
-        ) from exc
-    if header.get("version") != STATE_VERSION:
-        raise StateError(
-            f"{path}: state version {header.get('version')} is not {STATE_VERSION} (written by"
-            " an earlier sparseloco); the node recovers from the run's checkpoints instead"
-        )
-    return dict(header)
-
-
-class _Tensors:
-    """Tensors of several safetensors files, read one at a time by name."""
-
-    def __init__(self, files: list[Path], prefix: str = "") -> None:
-        self.prefix = prefix
-        self.where: dict[str, Path] = {}
-        self.meta: dict[Path, dict[str, str]] = {}
-        for path in files:
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    self.meta[path] = dict(f.metadata() or {})
-                    for key in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
-                        if key.startswith(prefix):
-                            self.where[key[len(prefix) :]] = path
-            except Exception as exc:
-                raise StateError(f"{path}: unreadable state file ({exc})") from exc
-
-    def load(self, names: Mapping[str, tuple[int, ...]], what: str) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, shape in names.items():
-            path = self.where.get(name)
-            if path is None:
-                raise StateError(f"the saved {what} does not match this run's model (no {name!r})")
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    t = f.get_tensor(self.prefix + name)
-            except Exception as exc:
-                raise StateError(f"{path}: unreadable state file ({exc})") from exc
-            if tuple(t.shape) != tuple(shape):
-                raise StateError(f"{path}: {what} does not match this run's model ({name})")
-            out[name] = t
-        return out
-
-
-def load_state(
-    state_dir: Path,
-    shapes: Mapping[str, tuple[int, ...]],
-    rank: int = 0,
-    world: int = 1,
-    every: Collection[str] | None = None,
-) -> NodeState | None:
-    """This rank's share of the saved state (``shapes``: the tensors it owns; ``every``: all
-    of the model's, by default ``shapes``'), or None if there is none. ``StateError`` if it is
-    unusable. Reshards when another rank count saved it."""
-    header = read_header(state_dir)
-    if header is None:
-        return None
-    round_, seq = int(header["round"]), int(header["seq"])
-    saved_world = int(header["world"])
-    local_steps = int(header["local_steps"])
-    thetas = [
-        state_dir / shard_file(THETA_PATTERN, round_, k, saved_world) for k in range(saved_world)
-    ]
-    theta_files = _Tensors(thetas)
-    for path, meta in theta_files.meta.items():
-        if meta.get("fingerprint") != header["fingerprint"]:
-            raise StateError(f"{path}: not the θ the state file was saved with")
-    errors = [state_dir / STATE_FILE] + [
-        state_dir / shard_file(ERROR_PATTERN, seq, k, saved_world) for k in range(1, saved_world)
-    ]
-    if set(theta_files.where) != set(shapes if every is None else every):
-        raise StateError(f"{state_dir}: the saved θ does not match this run's model")
-    theta = theta_files.load(shapes, "θ")
-    error = _Tensors(errors, "error.").load(shapes, "e")
-    adam: dict[str, torch.Tensor] = {}
-    if saved_world == world:
-        older = {
-            r: p for r, p in _numbered(state_dir, ADAM_PATTERN, rank, world).items() if r <= round_
-        }
-        if older:
-            meta, adam = _read_all(older[max(older)])
-            if max(older) != round_:  # killed before this round's moments were written
-                local_steps = int(meta["local_steps"])
-    else:
-        local_steps = 0
-        if rank == 0:
-            log.info(
-                "event=state_resharded from_world=%d to_world=%d round=%d (AdamW starts fresh)",
-                saved_world, world, round_,
-            )  # fmt: skip
-    return NodeState(
-        run_id=header["run_id"],
-        node_id=header["node_id"],
-        round=round_,
-        theta=theta,
-        error=error,
-        adam=adam,
-        local_steps=local_steps,
-        phase=header["phase"],
-        fingerprint=header["fingerprint"],
-        extra=header.get("extra", {}),
-        world=world,
-        seq=seq,
-    )
-
-
-def _read_all(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            return meta, {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    except Exception as exc:
-        raise StateError(
-            f"{path}: unreadable state file ({exc}); move it away to start over"
-        ) from exc
-
-
-def adam_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """This rank's AdamW moments and step counts as a flat name -> tensor mapping, on the CPU.
-
-    An optimiser on a GPU has its state copied over (so a state file is the same whatever the
-    device, and a write behind never reads memory the next round's steps change); on the CPU
-    the tensors are the optimiser's own, as before (the next training waits for their write).
-    Under FSDP each moment is a DTensor: its local chunk is what this rank saves.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for i, entry in opt.state_dict()["state"].items():
-        for key, value in entry.items():
-            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            local = getattr(t, "to_local", None)
-            if local is not None:
-                t = local()
-            out[f"{i}.{key}"] = t.detach().cpu()
-    return out
-
-
-def restore_adam(opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Load moments saved by ``adam_tensors`` into ``opt`` (same parameter layout); torch puts
-    each on its parameter's device (CPU files into a GPU optimiser, and back). Under FSDP each
-    saved chunk becomes a DTensor laid out like its parameter."""
-    from torch.distributed.tensor import DTensor
-
-    state_dict = opt.state_dict()
-    params = [p for group in opt.param_groups for p in group["params"]]
-    restored: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        index, name = key.split(".", 1)
-        p = params[int(index)]
-        if isinstance(p, DTensor) and name != "step":
-            t = DTensor.from_local(
-                t.to(p.to_local().device), p.device_mesh, p.placements,
-                run_check=False, shape=p.shape, stride=p.stride(),
-            )  # fmt: skip
-        restored.setdefault(int(index), {})[name] = t
-    state_dict["state"] = restored
-    opt.load_state_dict(state_dict)

@@ -1,7 +1,8 @@
 """The networked node: DESIGN.md's round loop against a real coordinator and object store.
 
-``loop`` is the daemon (``NodeDaemon``; ``serve.run_node`` runs it over HTTP): it drives a
-``compute.worker.Worker`` through the rounds, talking to the coordinator through the
+``loop`` is the daemon (``NodeDaemon``; ``serve.run_node`` runs it over HTTP; ``lifetime``: its
+heartbeat and how a stop ends its work; ``resync``: when resynchronising stops helping): it
+drives a ``compute.worker.Worker`` through the rounds, talking to the coordinator through the
 ``api.CoordinatorApi`` seam (``client`` is the HTTP implementation) and to the object store
 through the ``api.Transfers`` seam (``transfer``: presigned PUT/GET with aiohttp; ``ranged``:
 a byte range resumed after a reset; ``multipart``: uploads in parts; ``filestream``: their disk

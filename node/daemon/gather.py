@@ -19,6 +19,8 @@ caller can start over with fresh URLs at once.
 from __future__ import annotations
 
 import asyncio
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from node.daemon.api import Transfers
@@ -28,6 +30,28 @@ from protocol.messages import Manifest, ManifestView
 
 #: A gathered payload: its bytes, or the path of the file it was downloaded to.
 Blobs = dict[str, bytes | str]
+
+
+@dataclass(frozen=True)
+class Spool:
+    """Where a node of ``world`` processes downloads each round's payloads: a folder per round
+    under ``state_dir/spool``; a node of one process has none (it keeps them in memory)."""
+
+    state_dir: Path
+    world: int
+
+    def folder(self, round_: int) -> Path | None:
+        """Round ``round_``'s folder (None: one process keeps the payloads in memory)."""
+        if self.world == 1:
+            return None
+        return self.state_dir / "spool" / f"{round_:08d}"
+
+    def drop(self, round_: int | None = None) -> None:
+        """Delete round ``round_``'s downloaded payloads (every round's when None)."""
+        if self.world == 1:
+            return
+        spool = self.state_dir / "spool"
+        shutil.rmtree(spool if round_ is None else spool / f"{round_:08d}", ignore_errors=True)
 
 
 async def fetch_gather(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from node.compute.worker import Worker
@@ -26,6 +25,7 @@ from node.daemon.api import Clock, CoordinatorApi, Transfers
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.condition import Condition
 from node.daemon.faults import Faults
+from node.daemon.gather import Spool
 from node.daemon.pending import PendingRound
 from node.daemon.settings import NodeSettings
 from protocol.messages import JoinResponse
@@ -43,20 +43,11 @@ class Compute(Protocol):
 class Daemon(Protocol):
     """What sending a payload needs (``node.daemon.upload``)."""
 
-    @property
-    def api(self) -> CoordinatorApi: ...
-
-    @property
-    def transfers(self) -> Transfers: ...
-
-    @property
-    def clock(self) -> Clock: ...
-
-    @property
-    def faults(self) -> Faults: ...
-
-    @property
-    def stopping(self) -> asyncio.Event: ...
+    api: CoordinatorApi
+    transfers: Transfers
+    clock: Clock
+    faults: Faults
+    stopping: asyncio.Event
 
     @property
     def node_id(self) -> str: ...
@@ -71,24 +62,17 @@ class RoundDaemon(Daemon, Protocol):
 
     #: The round trained and compressed but not yet applied; None between rounds.
     pending: PendingRound | None
-
-    @property
-    def settings(self) -> NodeSettings: ...
-
-    @property
-    def joined(self) -> JoinResponse | None: ...
+    settings: NodeSettings
+    joined: JoinResponse | None
+    sync: CheckpointSync
+    condition: Condition
+    spool: Spool
 
     @property
     def worker(self) -> Worker: ...
 
     @property
     def node(self) -> Compute: ...
-
-    @property
-    def sync(self) -> CheckpointSync: ...
-
-    @property
-    def condition(self) -> Condition: ...
 
     async def until_stopped(self, work: Awaitable[T]) -> T | None: ...
 
@@ -99,7 +83,3 @@ class RoundDaemon(Daemon, Protocol):
     async def give_back(self, round_: int) -> None: ...
 
     def retries_since_last_report(self) -> int: ...
-
-    def spool(self, round_: int) -> Path | None: ...
-
-    def drop_spool(self, round_: int | None = None) -> None: ...

@@ -21,12 +21,10 @@ A round, for round r with θ_r in the model:
 
 SIGTERM or Ctrl-C sets a stop flag: training is abandoned between inner steps (θ and e are
 untouched), a round already submitted stays pending in the saved state, the node leaves and
-exits 0. A restart resumes from the saved state and re-sends a pending payload unchanged.
-
-A token the coordinator stops accepting (the operator revoked it: 401 ``token_revoked``) ends
-the node within one heartbeat interval, whatever it is doing: the heartbeat learns it, the round
-in hand is abandoned at once (training between inner steps, θ and e untouched), and ``run``
-raises ``Refused`` (exit status 2, one line saying why and what to do).
+exits 0. A restart resumes from the saved state and re-sends a pending payload unchanged. A
+token the coordinator stops accepting (revoked: 401 ``token_revoked``) is learnt by the
+heartbeat within one interval (``node.daemon.lifetime``): the round in hand is abandoned at once
+and ``run`` raises ``Refused`` (exit status 2, one line saying why and what to do).
 """
 
 from __future__ import annotations
@@ -35,12 +33,10 @@ import asyncio
 import contextlib
 import functools
 import logging
-import shutil
 import signal
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
@@ -54,22 +50,18 @@ from node.daemon.checkpoints import CheckpointSync
 from node.daemon.condition import Condition
 from node.daemon.dataset import open_waiting
 from node.daemon.faults import Faults
-from node.daemon.join import join, refusal, rejoin
+from node.daemon.gather import Spool
+from node.daemon.join import join, refusal
+from node.daemon.lifetime import heartbeat, until_stopped, with_grace
 from node.daemon.merge import Handoff
 from node.daemon.ops import NodeCompute, RankContext
 from node.daemon.pending import PendingRound
+from node.daemon.resync import ResyncGuard, resync
 from node.daemon.retry import Link
 from node.daemon.rounds import RoundFinisher
 from node.daemon.settings import NodeSettings
 from node.daemon.upload import submit
-from node.errors import (
-    Abandoned,
-    CoordinatorError,
-    Refused,
-    ResyncError,
-    StateError,
-)
-from protocol.causes import cause
+from node.errors import Abandoned, CoordinatorError, Refused, StateError
 from protocol.errors import SparseLoCoError
 from protocol.messages import JoinResponse, RoundState, RoundView
 
@@ -79,9 +71,6 @@ T = TypeVar("T")
 
 #: Seconds between polls of a round that waits for enough members.
 WAITING_POLL_S = 0.25
-#: Resynchronisations in a row that may end where the previous one began (the node diverges
-#: again at the same round or before it) before the node stops instead of looping.
-MAX_RESYNCS = 3
 
 
 class NodeDaemon:
@@ -110,6 +99,8 @@ class NodeDaemon:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.joined: JoinResponse | None = None
         self.ctx = RankContext(settings, group or Group.solo())
+        #: Where a node of several processes downloads a round's payloads.
+        self.spool = Spool(settings.state_dir, self.ctx.group.world)
         #: The node's compute, one op at a time on the compute thread (and every other rank).
         self.node = NodeCompute(self.ctx, self.executor)
         #: The round trained and compressed but not yet applied; None between rounds.
@@ -126,9 +117,7 @@ class NodeDaemon:
         self.links = tuple(links)
         self._retries_reported = 0
         self.finisher = RoundFinisher(self)
-        #: The furthest round a resync started from, and how many in a row did not get past it.
-        self._resync_from = -1
-        self._resyncs = 0
+        self.resyncs = ResyncGuard()
         #: Why the coordinator stopped accepting this node mid-run (``refuse``); None while it
         #: accepts it.
         self.refused: Refused | None = None
@@ -191,17 +180,7 @@ class NodeDaemon:
 
     async def until_stopped(self, work: Awaitable[T]) -> T | None:
         """``work``'s result, or None (``work`` cancelled) if a stop is requested first."""
-        task = asyncio.ensure_future(work)
-        stop = asyncio.ensure_future(self.stopping.wait())
-        try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        return task.result() if not task.cancelled() else None
+        return await until_stopped(self.stopping, work)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -282,70 +261,35 @@ class NodeDaemon:
         except Abandoned:  # stopped while the dataset, eval shards or checkpoint came
             self.log("stopped", before="training")
             return False
-        self.drop_spool()  # what a killed predecessor downloaded
+        self.spool.drop()  # what a killed predecessor downloaded
         self.log("joined", run=joined.run_id, slot=joined.slot, ranks=self.group.world)
         return True
 
     async def _rounds_until_stopped(self) -> bool:
-        """The round loop: True when the run finished, False after a stop request.
-
-        A stop lets the round in hand finish for ``stop_grace_s`` (training stops between
-        inner steps at once), then cuts it: everything on disk is consistent at any point, and
-        a restart continues from there.
-        """
-        rounds = asyncio.create_task(self._loop(), name="rounds")
-        stop = asyncio.ensure_future(self.stopping.wait())
-        try:
-            await asyncio.wait({rounds, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not rounds.done() and self.refused is None:
-                await asyncio.wait({rounds}, timeout=self.settings.stop_grace_s)
-            if not rounds.done():
-                if self.refused is None:  # a refused node's one line is its refusal
-                    self.log("stop_cut_round", grace_s=self.settings.stop_grace_s)
-                rounds.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await rounds
-                return False
-            try:
-                return rounds.result()
-            except Abandoned:  # stopped while it waited for the store (a checkpoint)
-                return False
-        finally:
-            stop.cancel()
-            if not rounds.done():
-                rounds.cancel()
+        """The round loop: True when the run finished, False after a stop request (which
+        leaves the round in hand ``stop_grace_s``, ``lifetime.with_grace``)."""
+        grace_s = self.settings.stop_grace_s
+        return await with_grace(
+            self._loop(), self.stopping, grace_s,
+            refused=lambda: self.refused is not None,
+            on_cut=lambda: self.log("stop_cut_round", grace_s=grace_s),
+        )  # fmt: skip
 
     async def save_idle(self) -> str:
         """θ, e and AdamW to disk with nothing pending, all of it now; θ's fingerprint."""
         return str(await self.node("save_idle"))
 
     async def _heartbeat(self) -> None:
-        """Beat into the silences: ``heartbeat_interval_s`` after the last request the
-        coordinator counted as one, and soon after the condition changed unless a request has
-        said the new one already. A revoked token is therefore learnt within one interval."""
+        """Beat into the silences (``lifetime.heartbeat``): a revoked token is learnt within
+        one interval and refuses the node."""
         if self.joined is None:
             raise RuntimeError("the node has not joined yet")
-        interval = self.joined.heartbeat_interval_s
-        wait = interval
-        while True:
-            await self.condition.due(self.clock, wait)
-            heard = self.api.heard()
-            if heard and heard.age_s < interval and heard.condition == self.condition.now():
-                wait = interval - heard.age_s  # a request said it all: beat into the silence
-                continue
-            wait = interval
-            try:
-                await self.api.heartbeat(self.condition.now())
-            except CoordinatorError as exc:
-                if exc.status == 401 or exc.error == "token_in_use":
-                    self.refuse(refusal(exc))  # revoked: out within one heartbeat interval
-                    return
-                if exc.error == "not_member" and not self.stopping.is_set():
-                    self.log("rejoin")
-                    with contextlib.suppress(SparseLoCoError):
-                        await rejoin(self.api, self.joined.manifest_public_key)
-            except SparseLoCoError as exc:
-                self.log("heartbeat_failed", cause=repr(cause(exc)))
+        await heartbeat(
+            self.api, self.condition, self.clock,
+            interval=self.joined.heartbeat_interval_s,
+            manifest_key=self.joined.manifest_public_key,
+            stopping=self.stopping, refuse=self.refuse, log=self.log,
+        )  # fmt: skip
 
     # -- the round loop ------------------------------------------------------------------------
 
@@ -432,58 +376,14 @@ class NodeDaemon:
         await self.finisher.finish(r)
 
     async def resync(self) -> None:
-        """θ differs from the round's base: start again from the newest checkpoint (or θ_0).
-
-        A pending payload trained from the wrong θ goes back into the error buffer first, so
-        nothing this node computed is lost; the loop then replays the manifests since.
-
-        A resync that is needed again at the round the previous one started from, or before it,
-        did not help (the node computes differently from its peers, the checkpoint it loads is
-        rejected, what it downloads is not what they applied): after ``MAX_RESYNCS`` of those
-        in a row the node stops with ``ResyncError`` rather than loop resync, replay, diverge.
-        """
-        r = self.worker.round
-        self._resyncs = self._resyncs + 1 if r <= self._resync_from else 1
-        self._resync_from = max(self._resync_from, r)
-        if self._resyncs > MAX_RESYNCS:
-            rejected = self.sync.rejected
-            raise ResyncError(
-                f"θ diverged from its peers at round {r} again right after resynchronising"
-                f" ({MAX_RESYNCS} times in a row"
-                + (f"; the newest checkpoint was rejected: {rejected}" if rejected else "")
-                + "). This node cannot follow the run (its arithmetic differs from its peers',"
-                " e.g. another torch build or device, or what it downloads is not what they"
-                " applied), so it stopped instead of looping; its state is kept. Show the"
-                " operator the log (event=diverged, event=resynced)"
-            )
-        if self.pending is not None:
-            await self.give_back(self.pending.round)
-        self.pending = None
-        info = await self.sync.restore_latest(self.worker)
-        if info is None:
-            await self.node("reset_to_initial")
-        await self.save_idle()
-        self.log("resynced", source=f"checkpoint {info.round}" if info else "θ_0")
+        """θ differs from the round's base: start again (``node.daemon.resync``)."""
+        await resync(self, self.resyncs)
 
     def retries_since_last_report(self) -> int:
         """Failed attempts at the coordinator or the store since the previous report."""
         total = sum(link.failures for link in self.links)
         new, self._retries_reported = total - self._retries_reported, total
         return new
-
-    def spool(self, round_: int) -> Path | None:
-        """Where a node of several processes downloads round ``round_``'s payloads (None: one
-        process keeps them in memory)."""
-        if self.group.world == 1:
-            return None
-        return self.settings.state_dir / "spool" / f"{round_:08d}"
-
-    def drop_spool(self, round_: int | None = None) -> None:
-        """Delete round ``round_``'s downloaded payloads (every round's when None)."""
-        if self.group.world == 1:
-            return
-        spool = self.settings.state_dir / "spool"
-        shutil.rmtree(spool if round_ is None else spool / f"{round_:08d}", ignore_errors=True)
 
     async def give_back(self, round_: int) -> None:
         """Step 9 for trained round ``round_``, which will not be aggregated: ĉ back into e."""

@@ -27,8 +27,9 @@ import base64
 import hashlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -48,6 +49,8 @@ from protocol.parts import (
 )
 
 log = logging.getLogger("sparseloco.transfer")
+
+T = TypeVar("T")
 
 #: Objects of this many bytes or more are uploaded in parts.
 MULTIPART_THRESHOLD = 64 << 20
@@ -136,14 +139,18 @@ async def _send_parts(
         done[part.number] = CompletedPart(number=part.number, etag=etag, sha256=_sha_hex(part))
         return done[part.number]
 
-    tasks = [
-        asyncio.ensure_future(one(part, s, e))
-        for part, (s, e) in zip(grant.parts, ranges, strict=True)
-    ]
+    parts = zip(grant.parts, ranges, strict=True)
+    return await all_or_none([one(part, s, e) for part, (s, e) in parts])
+
+
+async def all_or_none(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coros`` at once; their results in order. When one fails for good the others are
+    cancelled, and have stopped, before its error is raised (none is left running)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        for task in tasks:  # one part failed for good: the others stop
+        for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -33,7 +33,6 @@ from node.compute.state import (
     NodeState,
     commit_state,
     load_pending,
-    load_state,
     pending_path,
     save_adam,
     save_pending,
@@ -41,6 +40,7 @@ from node.compute.state import (
     save_theta,
     theta_saved,
 )
+from node.compute.stateread import load_state
 from node.compute.worker import TrainResult, Worker
 from node.errors import StateError
 from protocol.codec import payload_base

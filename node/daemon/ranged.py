@@ -123,25 +123,40 @@ def check_range(resp: aiohttp.ClientResponse, pos: int, what: str) -> None:
         )
 
 
-def _resuming(counts: TransferCounts | None, what: str, start: int, pos: int) -> None:
-    if counts is not None:
-        counts.resumed_ranges += 1
-        counts.bytes_kept += pos - start
-    log.debug("event=range_resumed what=%r start=%d from=%d", what, start, pos)
+@dataclass(frozen=True)
+class ObjectGet:
+    """The GETs of one object: its presigned ``url`` on ``session``, each attempt retried under
+    ``policy`` (``link`` told), read at ``bandwidth``'s pace when there is one, the resumes
+    tallied in ``counts``."""
+
+    session: aiohttp.ClientSession
+    url: str
+    policy: RetryPolicy
+    link: Link | None = None
+    bandwidth: Bandwidth | None = None
+    counts: TransferCounts | None = None
+
+    def headers(self, start: int, pos: int, end: int, *, ranged: bool, what: str) -> dict[str, Any]:
+        """The headers of an attempt at bytes ``start``..``end`` that begins at ``pos``: a
+        ``Range`` when one was asked for or when it resumes (a resume is counted)."""
+        headers: dict[str, Any] = {}
+        if ranged or pos > start:
+            headers["Range"] = f"bytes={pos}-{end - 1}"
+        if pos > start:
+            if self.counts is not None:
+                self.counts.resumed_ranges += 1
+                self.counts.bytes_kept += pos - start
+            log.debug("event=range_resumed what=%r start=%d from=%d", what, start, pos)
+        return headers
 
 
 async def fetch_range(
-    session: aiohttp.ClientSession,
-    url: str,
+    get: ObjectGet,
     start: int,
     end: int,
     *,
     ranged: bool,
     timeout: aiohttp.ClientTimeout,
-    policy: RetryPolicy,
-    link: Link | None,
-    bandwidth: Bandwidth | None,
-    counts: TransferCounts | None = None,
     what: str = "download part",
 ) -> bytes:
     """Bytes ``start``..``end`` of the object, resumed after every cut body.
@@ -154,36 +169,27 @@ async def fetch_range(
 
     async def attempt() -> bytes:
         pos = start + len(buf)
-        headers: dict[str, Any] = {}
-        if ranged or buf:
-            headers["Range"] = f"bytes={pos}-{end - 1}"
-        if buf:
-            _resuming(counts, what, start, pos)
-        async with session.get(signed(url), headers=headers, timeout=timeout) as resp:
+        headers = get.headers(start, pos, end, ranged=ranged, what=what)
+        async with get.session.get(signed(get.url), headers=headers, timeout=timeout) as resp:
             await answered(resp, pos, what)
             # One byte more than asked for at most (see above); a cut body keeps what came.
-            await _read_into(resp, buf, end + 1 - pos, bandwidth)
+            await _read_into(resp, buf, end + 1 - pos, get.bandwidth)
         if len(buf) < end - start:  # the body ended cleanly: the object is shorter
             raise DigestError(f"{what}: expected {end - start} bytes, got {len(buf)}")
         return bytes(buf)
 
-    return await retry(attempt, policy=policy, what=what, link=link)
+    return await retry(attempt, policy=get.policy, what=what, link=get.link)
 
 
 async def range_to_file(
-    session: aiohttp.ClientSession,
-    url: str,
+    get: ObjectGet,
     fd: int,
     start: int,
     end: int,
     *,
     ranged: bool,
     timeout: aiohttp.ClientTimeout,
-    policy: RetryPolicy,
-    link: Link | None,
-    bandwidth: Bandwidth | None,
     sha: Any = None,
-    counts: TransferCounts | None = None,
     what: str = "download part",
 ) -> int:
     """Bytes ``start``..``end`` of the object into ``fd`` at their offsets, resumed after every
@@ -198,18 +204,14 @@ async def range_to_file(
 
     async def attempt() -> int:
         pos = start + written
-        headers: dict[str, Any] = {}
-        if ranged or written:
-            headers["Range"] = f"bytes={pos}-{end - 1}"
-        if written:
-            _resuming(counts, what, start, pos)
-        async with session.get(signed(url), headers=headers, timeout=timeout) as resp:
+        headers = get.headers(start, pos, end, ranged=ranged, what=what)
+        async with get.session.get(signed(get.url), headers=headers, timeout=timeout) as resp:
             await answered(resp, pos, what)
-            got = await body_to_file(resp, fd, pos, end - pos, bandwidth, sha, landed)
+            got = await body_to_file(resp, fd, pos, end - pos, get.bandwidth, sha, landed)
         if pos + got > end:
             return written + 1  # one byte over: the caller's size check says so
         if written < end - start:  # the body ended cleanly: the object is shorter
             raise DigestError(f"{what}: expected {end - start} bytes, got {written}")
         return written
 
-    return await retry(attempt, policy=policy, what=what, link=link)
+    return await retry(attempt, policy=get.policy, what=what, link=get.link)

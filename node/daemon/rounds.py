@@ -115,7 +115,7 @@ class RoundFinisher:
         # at the run's end (``save_applied``).
         trained = pending is not None and r + 1 < d.worker.run.rounds
         fingerprint, eval_loss, eval_s = await d.node("after_apply", trained, self.evaluates(r))
-        d.drop_spool(r)
+        d.spool.drop(r)
         t4 = time.perf_counter()
         if pending is not None:
             pending.timings.update(
@@ -178,7 +178,7 @@ class RoundFinisher:
         After ``submit`` the coordinator either holds the submission or closed the round; a
         round still open that expects this node and holds nothing from it means the coordinator
         lost it: it was restored from a backup taken before the submission
-        (``coordinator.catchup``). The payload is still in hand, so the round need not go on
+        (``coordinator.store.catchup``). The payload is still in hand, so the round need not go on
         without it.
         """
         d = self.d
@@ -269,7 +269,7 @@ class RoundFinisher:
                     view,
                     manifest,
                     parallel=d.settings.parallel_downloads,
-                    spool=d.spool(r),
+                    spool=d.spool.folder(r),
                 )
             except TransferError as exc:
                 if exc.status == 404:
@@ -318,7 +318,7 @@ class RoundFinisher:
         if pending is not None and d.node_id not in {e.node_id for e in manifest.gather}:
             await d.give_back(pending.round)
         d.pending = None
-        d.drop_spool(r)
+        d.spool.drop(r)
         await d.save_idle()
         d.log("skipped_to_checkpoint", checkpoint=info.round)
         return True

@@ -44,8 +44,9 @@ from pathlib import Path
 import aiohttp
 
 from node.daemon.filestream import PartsSha, file_chunks, in_thread
-from node.daemon.multipart import put_file_parts, put_parts
+from node.daemon.multipart import all_or_none, put_file_parts, put_parts
 from node.daemon.ranged import (
+    ObjectGet,
     TransferCounts,
     check_status,
     fetch_range,
@@ -130,36 +131,33 @@ async def get_object(
 ) -> bytes:
     """Download an object of known ``size`` and ``sha256`` (hex) and verify it (at
     ``bandwidth``'s pace when there is one); a cut body is resumed where it stopped."""
+    get = ObjectGet(session, url, policy, link, bandwidth, counts)
     if size <= part_size:
-        data = await fetch_range(
-            session, url, 0, size, ranged=False, timeout=timeouts.client_timeout(size, bandwidth),
-            policy=policy, link=link, bandwidth=bandwidth, counts=counts, what="download",
-        )  # fmt: skip
+        timeout = timeouts.client_timeout(size, bandwidth)
+        data = await fetch_range(get, 0, size, ranged=False, timeout=timeout, what="download")
     else:
         gate = asyncio.Semaphore(PARALLEL_PARTS)
 
         async def part(start: int) -> bytes:
             end = min(size, start + part_size)
+            timeout = timeouts.client_timeout(end - start, bandwidth)
             async with gate:
-                return await fetch_range(
-                    session, url, start, end, ranged=True,
-                    timeout=timeouts.client_timeout(end - start, bandwidth), policy=policy,
-                    link=link, bandwidth=bandwidth, counts=counts,
-                )  # fmt: skip
+                return await fetch_range(get, start, end, ranged=True, timeout=timeout)
 
-        tasks = [asyncio.ensure_future(part(s)) for s in range(0, size, part_size)]
-        try:
-            data = b"".join(await asyncio.gather(*tasks))
-        finally:  # one part failed for good: the others stop, not left running
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    if len(data) != size:
-        raise DigestError(f"download: expected {size} bytes, got {len(data)}")
-    actual = hashlib.sha256(data).hexdigest()
+        data = b"".join(await all_or_none([part(s) for s in range(0, size, part_size)]))
+    _check_size(len(data), size)
+    _check_sha256(hashlib.sha256(data).hexdigest(), sha256)
+    return data
+
+
+def _check_size(got: int, size: int) -> None:
+    if got != size:
+        raise DigestError(f"download: expected {size} bytes, got {got}")
+
+
+def _check_sha256(actual: str, sha256: str) -> None:
     if actual != sha256:
         raise DigestError(f"download: sha256 {actual[:16]}... does not match {sha256[:16]}...")
-    return data
 
 
 async def get_to_file(
@@ -184,23 +182,19 @@ async def get_to_file(
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     except OSError as exc:
         raise TransferError(f"download: cannot write in {path.parent}: {exc.strerror}") from exc
+    get = ObjectGet(session, url, policy, link, bandwidth, counts)
     try:
         if size <= part_size:
             sha = hashlib.sha256()
+            timeout = timeouts.client_timeout(size, bandwidth)
             got = await range_to_file(
-                session, url, fd, 0, size, ranged=False, sha=sha, what="download",
-                timeout=timeouts.client_timeout(size, bandwidth), policy=policy, link=link,
-                bandwidth=bandwidth, counts=counts,
-            )  # fmt: skip
-            if got != size:
-                raise DigestError(f"download: expected {size} bytes, got {got}")
+                get, fd, 0, size, ranged=False, timeout=timeout, sha=sha, what="download"
+            )
+            _check_size(got, size)
             actual = sha.hexdigest()
         else:
-            actual = await _parts_to_file(
-                session, url, fd, size, part_size, timeouts, policy, link, bandwidth, counts
-            )
-        if actual != sha256:
-            raise DigestError(f"download: sha256 {actual[:16]}... does not match {sha256[:16]}...")
+            actual = await _parts_to_file(get, fd, size, part_size, timeouts)
+        _check_sha256(actual, sha256)
         await in_thread(os.ftruncate, fd, size)  # nothing of an earlier, longer attempt
         await in_thread(os.fsync, fd)
         os.close(fd)
@@ -214,16 +208,7 @@ async def get_to_file(
 
 
 async def _parts_to_file(
-    session: aiohttp.ClientSession,
-    url: str,
-    fd: int,
-    size: int,
-    part_size: int,
-    timeouts: TransferTimeouts,
-    policy: RetryPolicy,
-    link: Link | None,
-    bandwidth: Bandwidth | None,
-    counts: TransferCounts | None,
+    get: ObjectGet, fd: int, size: int, part_size: int, timeouts: TransferTimeouts
 ) -> str:
     """Parallel ranged GETs written at their offsets, each retried (and resumed) alone; the
     file's sha256."""
@@ -233,24 +218,15 @@ async def _parts_to_file(
     async def part(index: int) -> None:
         start = index * part_size
         end = min(size, start + part_size)
+        timeout = timeouts.client_timeout(end - start, get.bandwidth)
         async with gate:
-            got = await range_to_file(
-                session, url, fd, start, end, ranged=True,
-                timeout=timeouts.client_timeout(end - start, bandwidth), policy=policy,
-                link=link, bandwidth=bandwidth, counts=counts,
-            )  # fmt: skip
+            got = await range_to_file(get, fd, start, end, ranged=True, timeout=timeout)
         if got != end - start:  # a store that sent more than the range asked for
             raise TransferError(f"download part: got {got} bytes of {end - start}")
         await sha.landed(index)
 
-    tasks = [asyncio.ensure_future(part(i)) for i in range(-(-size // part_size))]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        # On a failure the other parts stop, and have stopped, before the file is closed.
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    # On a failure the other parts stop, and have stopped, before the file is closed.
+    await all_or_none([part(i) for i in range(-(-size // part_size))])
     return sha.hexdigest()
 
 

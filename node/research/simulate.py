@@ -15,11 +15,9 @@ SparseLoCo goes through the real codec path (``encode`` -> bytes -> ``read_paylo
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -40,6 +38,9 @@ log = logging.getLogger("sparseloco.simulate")
 
 #: One worker's model and its inner optimiser.
 Replica = tuple[LanguageModel, torch.optim.Optimizer]
+
+#: An aggregate to merge during a round's training: (τ, the step θ_old - θ_new to subtract).
+Merge = tuple[int, dict[str, torch.Tensor]]
 
 Algo = Literal["sparseloco", "diloco", "ddp"]
 
@@ -173,10 +174,7 @@ class Simulation:
         return loss
 
     def train_workers(
-        self,
-        workers: list[Replica],
-        round_: int,
-        merge: tuple[int, dict[str, torch.Tensor]] | None = None,
+        self, workers: list[Replica], round_: int, merge: Merge | None = None
     ) -> float:
         """H inner steps on every worker from its current parameters; mean last-step loss.
 
@@ -364,12 +362,3 @@ def simulate(
             "model_config": sim.model_cfg.model_dump(),
         },
     }
-
-
-def write_json(result: dict[str, Any], path: str | Path) -> None:
-    """Write ``result`` to ``path`` atomically (a crash never leaves half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(path)

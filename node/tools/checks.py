@@ -84,29 +84,11 @@ def machine_checks(model: str | None, state_dir: Path | None) -> list[Check]:
                 Check("memory", SKIPPED, f"{human_bytes(available)} available; {unknown}")
             )
     else:
-        disk_need = DISK_COPIES * need
-        level = _level(free >= 2 * disk_need, free >= disk_need)
-        checks.append(
-            Check(
-                "disk",
-                level,
-                f"{human_bytes(free)} free at {probe_dir}; the run's model needs about"
-                f" {human_bytes(disk_need)}",
-                "" if level == "ok" else "free space or point --state-dir at a larger disk",
-            )
-        )
+        fix = "free space or point --state-dir at a larger disk"
+        checks.append(_room("disk", free, DISK_COPIES * need, f"free at {probe_dir}", fix))
         if available is not None:
-            mem_need = MEMORY_COPIES * need
-            level = _level(available >= 2 * mem_need, available >= mem_need)
-            checks.append(
-                Check(
-                    "memory",
-                    level,
-                    f"{human_bytes(available)} available; the run's model needs about"
-                    f" {human_bytes(mem_need)}",
-                    "" if level == "ok" else "close other programs or use a larger machine",
-                )
-            )
+            fix = "close other programs or use a larger machine"
+            checks.append(_room("memory", available, MEMORY_COPIES * need, "available", fix))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     checks.append(
         Check(
@@ -126,6 +108,13 @@ def machine_checks(model: str | None, state_dir: Path | None) -> list[Check]:
 
 def _level(fine: bool, tolerable: bool) -> str:
     return "ok" if fine else "warn" if tolerable else "FAIL"
+
+
+def _room(name: str, have: int, need: int, where: str, fix: str) -> Check:
+    """Room for the run's model: fine with twice ``need``, tolerable with ``need``."""
+    level = _level(have >= 2 * need, have >= need)
+    said = f"{human_bytes(have)} {where}; the run's model needs about {human_bytes(need)}"
+    return Check(name, level, said, "" if level == "ok" else fix)
 
 
 def _mem_available() -> int | None:

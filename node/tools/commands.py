@@ -1,12 +1,12 @@
-"""The ``store``, ``doctor``, ``export`` and ``data`` subcommands of ``sparseloco``: flags, then the
-tool.
+"""The ``store``, ``doctor``, ``export`` and ``data`` subcommands of ``sparseloco``: the tools, then
+each one's ``Command`` row (``node.subcommand``).
 
 ``store`` runs the embedded S3-compatible store (SeaweedFS ``weed mini``) for a run on one
 machine or a private network: every port bound to one address (loopback by default), the admin
 UI, WebDAV and telemetry off, the bucket created, credentials from the environment.
 
 ``doctor`` and ``export`` take the coordinator's URL and a node token the same way
-``sparseloco node`` does (``connection_flags``, read by ``node.daemon.settings.load_connection``):
+``sparseloco node`` does (``CONNECTION_FLAGS``, read by ``node.daemon.settings.load_connection``):
 ``--invite`` (or ``SPARSELOCO_NODE_INVITE``), or ``--coordinator`` and ``--token`` (better: the
 environment variable ``SPARSELOCO_NODE_TOKEN``, where other users cannot read it from the
 process list); ``--ca-cert`` for a coordinator whose certificate the system does not know, and
@@ -20,50 +20,56 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from node.subcommand import Command, flag, values
 from protocol.errors import ConfigError
 
 if TYPE_CHECKING:  # imported when a command runs: the parser stays light
     from node.daemon.settings import ConnectionSettings
 
 
-def connection_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that say how to reach the coordinator and what to trust (node, doctor, export)."""
-    p.add_argument(
+#: How to reach the coordinator and what to trust (``node``, ``doctor``, ``export``).
+CONNECTION_FLAGS = (
+    flag(
         "--invite",
         help="the invite from the run's operator: coordinator URL, token and manifest key"
         " fingerprint in one string (better: SPARSELOCO_NODE_INVITE)",
-    )
-    p.add_argument("--coordinator", help="coordinator URL (or SPARSELOCO_NODE_COORDINATOR)")
-    p.add_argument("--token", help="a node token of the run (better: SPARSELOCO_NODE_TOKEN)")
-    p.add_argument(
+    ),
+    flag("--coordinator", help="coordinator URL (or SPARSELOCO_NODE_COORDINATOR)"),
+    flag("--token", help="a node token of the run (better: SPARSELOCO_NODE_TOKEN)"),
+    flag(
         "--manifest-key-fingerprint",
         help="sha256:... of the run's manifest key, from the operator, when not using an invite"
         " (or SPARSELOCO_NODE_MANIFEST_KEY_FINGERPRINT)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--ca-cert",
         help="PEM file of the CA (or self-signed certificate) of the coordinator's TLS, added to"
         " the system store (or SPARSELOCO_NODE_CA_CERT)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--allow-insecure-http",
         action="store_true",
         default=None,
         help="allow plain http:// to another machine, on a network you trust"
         " (or SPARSELOCO_NODE_ALLOW_INSECURE_HTTP=1); loopback never needs it",
-    )
+    ),
+)
+
+
+#: The connection flags' dests: the keywords of ``load_settings`` and ``load_connection``.
+CONNECTION = (
+    "invite",
+    "coordinator",
+    "token",
+    "manifest_key_fingerprint",
+    "ca_cert",
+    "allow_insecure_http",
+)
 
 
 def connection_values(args: argparse.Namespace) -> dict[str, object]:
     """The connection flags as ``load_settings``/``load_connection`` keywords (None: not given)."""
-    return {
-        "invite": args.invite,
-        "coordinator": args.coordinator,
-        "token": args.token,
-        "manifest_key_fingerprint": args.manifest_key_fingerprint,
-        "ca_cert": args.ca_cert,
-        "allow_insecure_http": args.allow_insecure_http,
-    }
+    return values(args, *CONNECTION)
 
 
 def _connection(args: argparse.Namespace) -> ConnectionSettings:
@@ -72,52 +78,12 @@ def _connection(args: argparse.Namespace) -> ConnectionSettings:
     return load_connection(**connection_values(args))
 
 
-def add_doctor(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "doctor",
-        help="check that this machine can take part in a run, and how to fix what cannot",
-        description="Checks the coordinator, the token, the clock, a presigned upload and"
-        " download through the store (with bandwidth), disk, memory, threads and GPU."
-        " Exit status 1 if any check fails.",
-    )
-    connection_flags(p)
-    p.add_argument("--state-dir", help="the node's state folder, if it has one already")
-    p.set_defaults(func=_cmd_doctor)
-
-
 def _cmd_doctor(args: argparse.Namespace) -> int:
     connection = _connection(args)
     from node.tools.doctor import doctor
 
     state_dir = Path(args.state_dir) if args.state_dir else None
     return doctor(connection.coordinator, connection.token, state_dir, ca_cert=connection.ca_cert)
-
-
-def add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "export",
-        help="download the run's newest checkpoint as a verified safetensors file",
-        description="Fetches the newest committed checkpoint through the coordinator, checks"
-        " its sha256, its shapes against the run's model and its fingerprint against the one"
-        " the nodes agreed on, and writes OUT/model.safetensors and OUT/run.json; for a"
-        " LLaMA-style model OUT is also a Hugging Face transformers model (config.json) with"
-        " its tokenizer (--tokenizer; the byte tokenizer for a byte-level model). With --run,"
-        " the same from a run folder of `sparseloco up`, with no coordinator running.",
-    )
-    connection_flags(p)
-    p.add_argument(
-        "--run",
-        metavar="RUN_DIR",
-        help="export offline from a run folder of `sparseloco up` (its final model, kept in"
-        " RUN_DIR/final), instead of asking a coordinator",
-    )
-    p.add_argument("--out", required=True, help="folder for model.safetensors and run.json")
-    p.add_argument(
-        "--tokenizer",
-        help="the run's tokenizer: a tokenizer.json, or the folder `sparseloco data prepare`"
-        " wrote (its manifest's sha256 is checked); default for a byte-level model: bytes",
-    )
-    p.set_defaults(func=_cmd_export)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -169,22 +135,6 @@ def _export_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_store(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "store",
-        help="run an S3-compatible object store (SeaweedFS) for a run, until Ctrl-C",
-        description="Starts SeaweedFS `weed mini` with its data in --dir, every port bound to"
-        " --host only, the admin UI off, and the bucket created. Credentials come from"
-        " AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (put the same in the coordinator's"
-        " [storage]). Nodes only need to reach the S3 port (presigned URLs).",
-    )
-    p.add_argument("--dir", required=True, help="data folder (kept across restarts)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8333, help="S3 port (default 8333)")
-    p.add_argument("--bucket", default="sparseloco")
-    p.set_defaults(func=_cmd_store)
-
-
 def _cmd_store(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -230,32 +180,6 @@ def _cmd_store(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_data(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="datasets: tokenised shards for runs")
-    data = p.add_subparsers(dest="data", required=True, metavar="{prepare}")
-    q = data.add_parser(
-        "prepare",
-        help="turn text into shards of token ids with a manifest (node.tools.shards)",
-        description="Files, directories or globs (plain text; .jsonl: one document per line,"
-        " .parquet: one per row, the text in --column) into"
-        " fixed-size shards of token ids (bytes, a tokenizer.json, or a byte-level BPE trained"
-        " here), every 20th shard held out for evaluation, with OUT/manifest.json; --upload"
-        " copies them to the object store (credentials from AWS_ACCESS_KEY_ID and"
-        " AWS_SECRET_ACCESS_KEY).",
-    )
-    q.add_argument("inputs", nargs="+", metavar="INPUT")
-    q.add_argument("--out", required=True, help="folder for the shards and manifest.json")
-    q.add_argument("--column", default="text", help="the text field of .jsonl/.parquet rows")
-    q.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to use as it is")
-    q.add_argument("--train-bpe", type=int, metavar="VOCAB", help="train a byte-level BPE")
-    q.add_argument("--shard-tokens", type=int, default=1 << 20, help="ids per shard")
-    q.add_argument("--upload", action="store_true", help="copy to the object store")
-    q.add_argument("--endpoint-url", help="the store's S3 endpoint (with --upload)")
-    q.add_argument("--bucket", help="the store's bucket (with --upload)")
-    q.add_argument("--prefix", default="", help="key prefix of the run's objects")
-    q.set_defaults(func=_cmd_data_prepare)
-
-
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     if args.upload and not (args.endpoint_url and args.bucket):
         raise ConfigError("--upload needs --endpoint-url and --bucket")
@@ -286,3 +210,89 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
             f" the coordinator's config (its storage.prefix {args.prefix!r}, as here)"
         )
     return 0
+
+
+DOCTOR = Command(
+    "doctor",
+    help="check that this machine can take part in a run, and how to fix what cannot",
+    description="Checks the coordinator, the token, the clock, a presigned upload and"
+    " download through the store (with bandwidth), disk, memory, threads and GPU."
+    " Exit status 1 if any check fails.",
+    run=_cmd_doctor,
+    flags=(
+        *CONNECTION_FLAGS,
+        flag("--state-dir", help="the node's state folder, if it has one already"),
+    ),
+)
+
+EXPORT = Command(
+    "export",
+    help="download the run's newest checkpoint as a verified safetensors file",
+    description="Fetches the newest committed checkpoint through the coordinator, checks"
+    " its sha256, its shapes against the run's model and its fingerprint against the one"
+    " the nodes agreed on, and writes OUT/model.safetensors and OUT/run.json; for a"
+    " LLaMA-style model OUT is also a Hugging Face transformers model (config.json) with"
+    " its tokenizer (--tokenizer; the byte tokenizer for a byte-level model). With --run,"
+    " the same from a run folder of `sparseloco up`, with no coordinator running.",
+    run=_cmd_export,
+    flags=(
+        *CONNECTION_FLAGS,
+        flag(
+            "--run",
+            metavar="RUN_DIR",
+            help="export offline from a run folder of `sparseloco up` (its final model, kept in"
+            " RUN_DIR/final), instead of asking a coordinator",
+        ),
+        flag("--out", required=True, help="folder for model.safetensors and run.json"),
+        flag(
+            "--tokenizer",
+            help="the run's tokenizer: a tokenizer.json, or the folder `sparseloco data prepare`"
+            " wrote (its manifest's sha256 is checked); default for a byte-level model: bytes",
+        ),
+    ),
+)
+
+STORE = Command(
+    "store",
+    help="run an S3-compatible object store (SeaweedFS) for a run, until Ctrl-C",
+    description="Starts SeaweedFS `weed mini` with its data in --dir, every port bound to"
+    " --host only, the admin UI off, and the bucket created. Credentials come from"
+    " AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (put the same in the coordinator's"
+    " [storage]). Nodes only need to reach the S3 port (presigned URLs).",
+    run=_cmd_store,
+    flags=(
+        flag("--dir", required=True, help="data folder (kept across restarts)"),
+        flag("--host", default="127.0.0.1", help="address to bind (default: loopback)"),
+        flag("--port", type=int, default=8333, help="S3 port (default 8333)"),
+        flag("--bucket", default="sparseloco"),
+    ),
+)
+
+PREPARE = Command(
+    "prepare",
+    help="turn text into shards of token ids with a manifest (node.tools.shards)",
+    description="Files, directories or globs (plain text; .jsonl: one document per line,"
+    " .parquet: one per row, the text in --column) into"
+    " fixed-size shards of token ids (bytes, a tokenizer.json, or a byte-level BPE trained"
+    " here), every 20th shard held out for evaluation, with OUT/manifest.json; --upload"
+    " copies them to the object store (credentials from AWS_ACCESS_KEY_ID and"
+    " AWS_SECRET_ACCESS_KEY).",
+    run=_cmd_data_prepare,
+    flags=(
+        flag("inputs", nargs="+", metavar="INPUT"),
+        flag("--out", required=True, help="folder for the shards and manifest.json"),
+        flag("--column", default="text", help="the text field of .jsonl/.parquet rows"),
+        flag("--tokenizer", help="a Hugging Face tokenizer.json to use as it is"),
+        flag("--train-bpe", type=int, metavar="VOCAB", help="train a byte-level BPE"),
+        flag("--shard-tokens", type=int, default=1 << 20, help="ids per shard"),
+        flag("--upload", action="store_true", help="copy to the object store"),
+        flag("--endpoint-url", help="the store's S3 endpoint (with --upload)"),
+        flag("--bucket", help="the store's bucket (with --upload)"),
+        flag("--prefix", default="", help="key prefix of the run's objects"),
+    ),
+)
+
+
+def add_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="datasets: tokenised shards for runs")
+    PREPARE.add_to(p.add_subparsers(dest="data", required=True, metavar="{prepare}"))

@@ -37,6 +37,7 @@ import json
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -67,6 +68,8 @@ from protocol.status import StatusView
 TOOL_POLICY = RetryPolicy(attempts=4, base_s=0.5, max_delay_s=2.0, budget_s=20.0)
 #: Most bytes of a tokenizer.json read from the store.
 MAX_TOKENIZER_BYTES = 64 << 20
+#: Beside the exported model: where it came from, the run's config, the tokenizer's source.
+RUN_JSON = "run.json"
 
 
 @dataclass(frozen=True)
@@ -159,23 +162,40 @@ async def export(
             layout = await asyncio.to_thread(
                 _write_model, checkpoint, checked, run, status.run_id, out, info, tok
             )
-    model = out / "model.safetensors"
-    manifest = out / "run.json"
+    note = "θ at the start of this round, i.e. after applying every round before it"
+    write_run_json(out, layout, status.run_id, info, status.run, tok, note)
+    source = tok.source if tok else None
+    return Exported(out / "model.safetensors", out / RUN_JSON, info, source)
+
+
+def write_run_json(
+    out: Path,
+    layout: str,
+    run_id: str,
+    info: CheckpointInfo,
+    run: RunConfig,
+    tok: HfTokenizer | None,
+    note: str,
+    **more: Any,
+) -> dict[str, Any]:
+    """``OUT/run.json`` beside the exported model: the checkpoint it came from (``note`` says
+    which θ that is), the run's config and tokenizer, then ``more``; the document written."""
     document = {
         "format": layout,
-        "run_id": status.run_id,
+        "run_id": run_id,
         "round": info.round,
         "fingerprint": info.fingerprint,
         "sha256": info.sha256,
         "size": info.size,
         "uploaded_by": info.node_id,
         "created_at": info.created_at,
-        "note": "θ at the start of this round, i.e. after applying every round before it",
-        "run": status.run.model_dump(mode="json"),
+        "note": note,
+        "run": run.model_dump(mode="json"),
         "tokenizer": tok.source if tok else None,
+        **more,
     }
-    write_atomically(manifest, (json.dumps(document, indent=2) + "\n").encode())
-    return Exported(model, manifest, info, tok.source if tok else None)
+    write_atomically(out / RUN_JSON, (json.dumps(document, indent=2) + "\n").encode())
+    return document
 
 
 async def _dataset_tokenizer(

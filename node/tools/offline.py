@@ -190,8 +190,8 @@ def export_run(run_dir: Path, out: Path, tokenizer: Path | None = None) -> dict[
     ``tokenizer`` as in ``node.tools.export.export``; by default the run's dataset kept in the
     run folder, else the byte tokenizer for a byte-level LLaMA-style model."""
     from node.compute.checkpoint import sha256_file
-    from node.tools.export import _tokenizer_for, _write_model, verify_checkpoint
-    from node.tools.hf import load_tokenizer, write_atomically
+    from node.tools.export import _tokenizer_for, _write_model, verify_checkpoint, write_run_json
+    from node.tools.hf import load_tokenizer
 
     model, info, run = read_final(run_dir)
     kept = run_dir / FINAL_DIR / "dataset"
@@ -209,19 +209,5 @@ def export_run(run_dir: Path, out: Path, tokenizer: Path | None = None) -> dict[
             raise CheckpointError(f"{model} changed since the run kept it (sha256 differs)")
         checked = verify_checkpoint(copy, info, run)
         layout = _write_model(copy, checked, run, info.run_id, out, info, tok)
-    document = {
-        "format": layout,
-        "run_id": info.run_id,
-        "round": info.round,
-        "fingerprint": info.fingerprint,
-        "sha256": info.sha256,
-        "size": info.size,
-        "uploaded_by": info.node_id,
-        "created_at": info.created_at,
-        "note": "θ after the run's last round, kept in the run folder by `sparseloco up`",
-        "run": run.model_dump(mode="json"),
-        "tokenizer": tok.source if tok else None,
-        "source": str(run_dir),
-    }
-    write_atomically(out / "run.json", (json.dumps(document, indent=2) + "\n").encode())
-    return document
+    note = "θ after the run's last round, kept in the run folder by `sparseloco up`"
+    return write_run_json(out, layout, info.run_id, info, run, tok, note, source=str(run_dir))

@@ -102,7 +102,7 @@ class Scenario:
     #: Rounds a faulted node may take to be back in a gather set, counted from its return to
     #: the run (``results``: the round it joined again in, else the fault's round). A node
     #: back during round J takes part from J, or J+1 if J already had submissions
-    #: (``coordinator.rounds.joined_round_for``); its first round replays the rounds it missed
+    #: (``coordinator.rules.rounds.joined_round_for``); its first round replays the rounds it missed
     #: and, in a fresh process, compiles the codec. Measured: 1 round on a quiet machine, 2
     #: with a CPU hog beside a loaded 2-core machine (load 16); 3 leaves a round of margin
     #: for a busier one and still fails a node that is back but not taken, which is what the

@@ -22,10 +22,10 @@ from aiohttp import ClientSession
 from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
-from coordinator.app import create_app
-from coordinator.config import CoordinatorConfig, ServerConfig, StorageConfig, load_config
-from coordinator.limits import LimitsConfig, server_settings
-from coordinator.service import COORDINATOR, Coordinator
+from coordinator.api.app import create_app
+from coordinator.api.service import COORDINATOR, Coordinator
+from coordinator.base.config import CoordinatorConfig, ServerConfig, StorageConfig, load_config
+from coordinator.base.limits import LimitsConfig, server_settings
 from node.cluster.seaweed import EmbeddedStore
 from protocol.runconfig import RunConfig
 

@@ -1,10 +1,10 @@
 """A local cluster for integration tests: real coordinator and node processes on loopback.
 
-Built from the same pieces as ``sparseloco up`` (``node.cluster.up``), but started one by one so a
-test can add a node late, or kill and restart the coordinator on the same port. Every wait is keyed
-to the run's progress as the coordinator reports it (rounds closed, run finished); the timeouts
-are only a safety net against a hang. ``stop()`` ends every process the cluster started, and the
-fixture calls it even when the test fails.
+Built from the same pieces as ``sparseloco up`` (``node.cluster.launch``), but started one by one
+so a test can add a node late, or kill and restart the coordinator on the same port. Every wait is
+keyed to the run's progress as the coordinator reports it (rounds closed, run finished); the
+timeouts are only a safety net against a hang. ``stop()`` ends every process the cluster started,
+and the fixture calls it even when the test fails.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from urllib.parse import urlparse
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
+from node.cluster.launch import coordinator_toml, start_coordinator, start_node
 from node.cluster.process import Process
 from node.cluster.seaweed import EmbeddedStore
-from node.cluster.up import coordinator_toml, fetch_status, start_coordinator, start_node
+from node.cluster.status import fetch_status
 from protocol.messages import RoundState
 from protocol.runconfig import RunConfig
 from protocol.signing import public_key_hex

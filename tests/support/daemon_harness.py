@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from node.compute.state import load_state
+from node.compute.stateread import load_state
 from node.compute.worker import TrainResult, Worker
 from node.daemon.faults import Faults
 from node.daemon.loop import NodeDaemon

@@ -1,11 +1,11 @@
 """An in-memory coordinator behind the node's ``CoordinatorApi`` seam, with the real rules.
 
 ``FakeCoordinator`` drives the coordinator's own round state machine, membership and checkpoint
-book (``coordinator.machine``, ``coordinator.checkpoints``; SQLite in a temporary directory,
-manifests signed by a real key), but without HTTP: each node gets a ``FakeApi`` whose coroutines
-call the machine directly and turn its refusals into the ``CoordinatorError`` the HTTP client
-would raise. Time is a ``FakeClock``: rounds close when every expected node submitted, or when a
-test advances the clock past the deadline. Uploads and downloads go through a ``FakeStore``.
+book (``coordinator.rules.machine``, ``coordinator.rules.checkpoints``; SQLite in a temporary
+directory, manifests signed by a real key), but without HTTP: each node gets a ``FakeApi`` whose
+coroutines call the machine directly and turn its refusals into the ``CoordinatorError`` the HTTP
+client would raise. Time is a ``FakeClock``: rounds close when every expected node submitted, or
+when a test advances the clock past the deadline. Uploads and downloads go through a ``FakeStore``.
 
 So the unit tests run the real ``NodeDaemon`` against the real round rules, in one process,
 with no socket and no sleep on the wall clock.
@@ -18,12 +18,12 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.checkpoints import CheckpointBook
-from coordinator.db import Database
-from coordinator.errors import Conflict, RoundError, TooLarge, UnknownRound
-from coordinator.machine import RoundMachine
-from coordinator.schema import DB_FILE
-from coordinator.signing import ManifestSigner
+from coordinator.base.errors import Conflict, RoundError, TooLarge, UnknownRound
+from coordinator.rules.checkpoints import CheckpointBook
+from coordinator.rules.machine import RoundMachine
+from coordinator.state.db import Database
+from coordinator.state.schema import DB_FILE
+from coordinator.state.signing import ManifestSigner
 from node.daemon.api import Heard
 from node.errors import CoordinatorError
 from protocol.dataset import DatasetFiles, DatasetView

@@ -1,8 +1,8 @@
 """Helpers for integration tests that run a real coordinator process.
 
 ``write_coordinator_config`` writes the TOML a coordinator reads; ``CoordinatorProcess`` starts
-``python -m coordinator`` on a free port with ``node.cluster.up.start_coordinator`` (so the tests
-and ``sparseloco up`` share one launcher and one supervisor), keeps the URL and run id it
+``python -m coordinator`` on a free port with ``node.cluster.launch.start_coordinator`` (so the
+tests and ``sparseloco up`` share one launcher and one supervisor), keeps the URL and run id it
 announces, and always kills it when the ``with`` block ends. The process log goes to
 ``{state_dir}/coordinator.log`` so a failing test can show it.
 """
@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from types import TracebackType
 
+from node.cluster.launch import coordinator_toml, start_coordinator
 from node.cluster.process import Process
 from node.cluster.seaweed import StoreEndpoint
-from node.cluster.up import coordinator_toml, start_coordinator
 from protocol.runconfig import RunConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def write_coordinator_config(
     state_dir: str | os.PathLike[str],
     server: dict[str, object] | None = None,
 ) -> Path:
-    """Write a coordinator TOML config at ``path`` (``node.cluster.up.coordinator_toml``)."""
+    """Write a coordinator TOML config at ``path`` (``node.cluster.launch.coordinator_toml``)."""
     out = Path(path)
     text = coordinator_toml(
         run, endpoint, dict(tokens), Path(state_dir), prefix=prefix, server=server

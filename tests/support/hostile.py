@@ -25,7 +25,7 @@ hurt less than leaving the node out). One process, no overlap; the node's own st
 its honest payload (and, for ``stale``, θ as it trained from it): the tests never restart it.
 
 ``python -m support.hostile_node KIND node ...`` runs one as a process (``start_hostile_node``
-starts it the way ``node.cluster.up.start_node`` starts an honest one).
+starts it the way ``node.cluster.launch.start_node`` starts an honest one).
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def start_hostile_node(
     extra_env: Mapping[str, str] | None = None,
 ) -> Process:
     """A hostile node process (``python -m support.hostile_node``), started as
-    ``node.cluster.up.start_node`` starts an honest one (one thread, on the CPU)."""
+    ``node.cluster.launch.start_node`` starts an honest one (one thread, on the CPU)."""
     if kind not in KINDS:
         raise ConfigError(f"hostile node {kind!r}: use one of {', '.join(KINDS)}")
     args = [sys.executable, "-m", "support.hostile_node", kind, "node", "--coordinator", url]

@@ -29,8 +29,8 @@ from collections.abc import Generator
 import pytest
 
 from chaos.runner import chaos_test, run_scenario
+from node.cluster.launch import start_coordinator, start_node
 from node.cluster.process import Process
-from node.cluster.up import start_coordinator, start_node
 from node.research.bench.spawn import spawn as spawn_node
 from node.research.wan.lab import WanLab
 from support.cluster import Cluster

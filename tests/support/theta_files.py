@@ -1,7 +1,7 @@
 """Checkpoint files for the coordinator's tests: real safetensors files of one fixed θ.
 
-The coordinator verifies a checkpoint's bytes before it commits it (``coordinator.verify``), so
-a test that commits one must upload a real safetensors file whose tensors have the fingerprint
+The coordinator verifies a checkpoint's bytes before it commits it (``coordinator.store.verify``),
+so a test that commits one must upload a real safetensors file whose tensors have the fingerprint
 the nodes reported. ``theta_file(tag)`` gives such a file: the tensors are always ``THETA`` (so
 its fingerprint is always ``THETA_FP``), the tag goes into the file's metadata, so files with
 different tags differ in their bytes (size, sha256) and not in what they hold.

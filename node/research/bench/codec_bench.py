@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import math
 import platform
 import time
@@ -37,6 +36,7 @@ from node.compute.outer import apply_aggregate
 from node.research.bench import naive
 from node.research.bench.codec_tables import format_markdown
 from node.research.bench.memory import peak_aggregation_bytes
+from node.research.report import publish
 from protocol.codec import encode, read_payload
 from protocol.tiles import TileGeometry, matrix_shape
 
@@ -368,8 +368,5 @@ def run(
     results["size"] = size_report(shapes)
     results["speed"] = speed_report(shapes, peers=peers, repeat=repeat, threads=threads)
     results["memory"] = memory_report(shapes, peers=peers)
-    print(format_markdown(results))
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(results, f, indent=2)
+    publish(format_markdown(results), results, json_out)
     return results

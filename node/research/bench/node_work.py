@@ -32,7 +32,6 @@ sample. Nothing here touches the network.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -40,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,7 +47,7 @@ from typing import Any, TypeVar
 import torch
 
 import node.compute.inner as inner_module
-import node.compute.worker as worker_module
+import node.compute.share as share_module
 from node.compute.group import Group
 from node.compute.heap import return_large_blocks
 from node.compute.model import PRESETS, ModelConfig, get_preset, model_shapes
@@ -56,8 +55,8 @@ from node.compute.sharding import balance
 from node.compute.worker import Worker
 from node.daemon.pending import Shard, save_applied, save_submitting
 from node.research.bench.codec_bench import error_buffer
-from node.research.bench.node_work_flags import add_flags
 from node.research.bench.spawn import spawn
+from node.research.report import publish
 from protocol.codec import encode
 from protocol.runconfig import RunConfig
 
@@ -236,7 +235,7 @@ def _nothing() -> Iterator[None]:
 def _counting() -> Iterator[list[int]]:
     """Every fingerprint of θ the worker computes, counted (one per round is the design)."""
     calls: list[int] = []
-    plain, combined = worker_module.fingerprint, worker_module.node_fingerprint
+    plain, combined = share_module.fingerprint, share_module.node_fingerprint
 
     def count_plain(tensors: Any) -> str:
         calls.append(1)
@@ -246,13 +245,13 @@ def _counting() -> Iterator[list[int]]:
         calls.append(1)
         return combined(group, tensors)
 
-    worker_module.fingerprint = count_plain
-    worker_module.node_fingerprint = count_combined
+    share_module.fingerprint = count_plain
+    share_module.node_fingerprint = count_combined
     try:
         yield calls
     finally:
-        worker_module.fingerprint = plain
-        worker_module.node_fingerprint = combined
+        share_module.fingerprint = plain
+        share_module.node_fingerprint = combined
 
 
 def summarize(
@@ -286,7 +285,7 @@ def summarize(
 def run(
     *,
     preset: str | None = None,
-    ranks: tuple[int, ...] = (1, 2, 4),
+    ranks: Sequence[int] = (1, 2, 4),
     rounds: int = 3,
     peers: int = 16,
     train_steps: int = 0,
@@ -335,11 +334,17 @@ def run(
         "balance": {str(w): balance(shapes, w).over_ideal for w in ranks},
         "nodes": nodes,
     }
-    print(markdown(report))
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2))
+    publish(markdown(report), report, json_out)
     return report
+
+
+#: Rows of the table that show each node's busiest or largest rank: label, key, digits.
+_BUSIEST_ROWS = (
+    ("CPU time of the busiest rank (writes behind too)", "cpu_ns_per_param_per_rank", 1),
+    ("peak RSS above idle, largest rank (MB)", "peak_rss_above_idle_mb", 0),
+    ("largest rank's share of θ and e", "theta_share", 3),
+    ("largest rank's FSDP chunk (params, AdamW)", "fsdp_share", 3),
+)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -353,14 +358,9 @@ def markdown(report: dict[str, Any]) -> str:
         rows.append(f"| {part.replace('_', ' ')} | {cells} |")
     cells = " | ".join(f"**{n['total_ns_per_param']:.1f}**" for n in nodes)
     rows.append(f"| **total on the node's path** | {cells} |")
-    cells = " | ".join(f"{max(n['cpu_ns_per_param_per_rank']):.1f}" for n in nodes)
-    rows.append(f"| CPU time of the busiest rank (writes behind too) | {cells} |")
-    cells = " | ".join(f"{max(n['peak_rss_above_idle_mb']):.0f}" for n in nodes)
-    rows.append(f"| peak RSS above idle, largest rank (MB) | {cells} |")
-    cells = " | ".join(f"{max(n['theta_share']):.3f}" for n in nodes)
-    rows.append(f"| largest rank's share of θ and e | {cells} |")
-    cells = " | ".join(f"{max(n['fsdp_share']):.3f}" for n in nodes)
-    rows.append(f"| largest rank's FSDP chunk (params, AdamW) | {cells} |")
+    for label, key, digits in _BUSIEST_ROWS:
+        cells = " | ".join(f"{max(n[key]):.{digits}f}" for n in nodes)
+        rows.append(f"| {label} | {cells} |")
     rows += ["", "CPU ns/param of each part, busiest rank (every thread of its process):", ""]
     rows += head
     for part in nodes[0]["cpu_ns_per_param_by_part"]:
@@ -376,24 +376,10 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m node.research.bench.node_work", description=__doc__)
-    return run_args(add_flags(p).parse_args(argv))
+    """``python -m node.research.bench.node_work``: ``sparseloco bench node-work`` on its own."""
+    from node.research.bench.cli import bench_main
 
-
-def run_args(a: argparse.Namespace) -> int:
-    run(
-        preset=a.preset,
-        ranks=tuple(int(x) for x in str(a.ranks).split(",") if x),
-        rounds=a.rounds,
-        peers=a.peers,
-        train_steps=a.train_steps,
-        batch_size=a.batch_size,
-        ctx_len=a.ctx_len,
-        threads=a.threads,
-        state_dir=a.state_dir,
-        json_out=a.json_out,
-    )
-    return 0
+    return bench_main("node-work", "python -m node.research.bench.node_work", __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``sparseloco bench project``'s tables and flags (the arithmetic is ``projection``).
+"""``sparseloco bench project``'s tables (the arithmetic is ``projection``, the flags ``cli``).
 
 The SparseLoCo table, the comparison with dense DiLoCo and DDP, and, for ``--link`` profiles
 of the WAN lab, what the link adds per round besides its bytes (round trips, slow start,
@@ -7,15 +7,14 @@ resets). Flags name the ``Assumptions`` field they set; a bad value is refused b
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
 
 from node.research.bench.projection import Assumptions, Row, project
 from node.research.bench.wire import Link
+from node.research.report import publish
 from protocol.errors import ConfigError, Problem, config_error
 
 #: Seconds from which a round is shown as never ending (an object that a reset restarts
@@ -100,42 +99,7 @@ def markdown(a: Assumptions, rows: list[Row]) -> str:
             f" | {r.slow_start_s:,.2f} | {_s(r.resets_s, 2)} | {r.up_s + r.down_s:,.2f} |"
             for r in delayed
         ]
-    return "\n".join(out) + "\n"
-
-
-def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The command's flags (defaults: ``Assumptions``); ``p`` is returned for chaining."""
-    p.add_argument("--sizes", help="parameter counts, comma-separated: 1B,8B,70B or 1e9,...")
-    p.add_argument("--links", help="link rates in Mbit/s, comma-separated (default 100,1000)")
-    p.add_argument(
-        "--link",
-        dest="lab_links",
-        metavar="PROFILES",
-        help="WAN lab profiles too, comma-separated: home, office, far, flaky (rates, RTT,"
-        " resets; README benchmark 17); alone, only those",
-    )
-    p.add_argument("--parallel-downloads", type=int, help="a node's parallel GETs (default 8)")
-    p.add_argument(
-        "--resume-bytes",
-        type=float,
-        help="bytes a reset makes a transfer send again at most (default: as the node does,"
-        " 8 MiB parts from 64 MiB up, smaller objects whole)",
-    )
-    p.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.4)")
-    p.add_argument("--gpus", type=int, help="GPUs per node (default 8)")
-    p.add_argument("--peak-tflops", type=float, help="one GPU's peak (default 989, H100 bf16)")
-    p.add_argument("--tokens-per-step", type=int, help="per node (default 262144)")
-    p.add_argument("--inner-steps", "-H", type=int, help="H (default 30)")
-    p.add_argument("--peers", "-G", type=int, help="G, payloads gathered (default 16)")
-    p.add_argument("--bits-per-param", type=float, help="payload size (default 0.1445)")
-    p.add_argument("--cpu-work-ns", type=float, help="node work, CPU path (default 28.5)")
-    p.add_argument("--device-work-ns", type=float, help="device path (assumed 5.0)")
-    p.add_argument(
-        "--shard-fixed-ns", type=float, help="per-rank work that does not shrink with ranks"
-    )
-    p.add_argument("--shard-scaled-ns", type=float, help="per-rank work divided by the ranks")
-    p.add_argument("--json", dest="json_out", metavar="OUT", help="write inputs and rows here")
-    return p
+    return "\n".join(out)
 
 
 def _count(word: str) -> float:
@@ -152,21 +116,22 @@ def _flag(problem: Problem) -> str:
     return f"{_FLAGS.get(field, '--' + field.replace('_', '-'))}: {problem.message}"
 
 
-def assumptions_from(args: argparse.Namespace) -> Assumptions:
-    """The flags given, over the defaults; a bad value raises ``ConfigError`` naming its flag."""
+def assumptions_from(flags: Mapping[str, Any]) -> Assumptions:
+    """The flags given (by dest), over the defaults; a bad value raises ``ConfigError`` naming
+    its flag."""
     fields = Assumptions.model_fields
-    given: dict[str, Any] = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    given: dict[str, Any] = {k: v for k, v in flags.items() if k in fields and v is not None}
     for flag, field, parse in (("sizes", "sizes", _count), ("links", "links_mbit", float)):
-        text = getattr(args, flag)
+        text = flags.get(flag)
         if text is not None:
             try:
                 given[field] = tuple(parse(w.strip()) for w in text.split(",") if w.strip())
             except ValueError as exc:
                 raise ConfigError(f"--{flag}: not a list of numbers: {text!r}") from exc
-    if args.peak_tflops is not None:
-        given["peak_flops"] = args.peak_tflops * 1e12
-    if args.lab_links is not None:
-        given["profiles"] = tuple(w.strip() for w in args.lab_links.split(",") if w.strip())
+    if flags.get("peak_tflops") is not None:
+        given["peak_flops"] = flags["peak_tflops"] * 1e12
+    if flags.get("lab_links") is not None:
+        given["profiles"] = tuple(w.strip() for w in flags["lab_links"].split(",") if w.strip())
         given.setdefault("links_mbit", ())  # --link alone: only the profiles
     try:
         return Assumptions(**given)
@@ -174,21 +139,16 @@ def assumptions_from(args: argparse.Namespace) -> Assumptions:
         raise config_error(exc, _flag) from exc
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print the tables; with ``--json``, write the inputs and every row too."""
-    a = assumptions_from(args)
+def run(json_out: str | None = None, **flags: Any) -> dict[str, Any]:
+    """Print the tables; with ``--json``, write the inputs and every row too (the report)."""
+    a = assumptions_from(flags)
     try:
         rows = project(a)
     except ValueError as exc:  # an unknown --link profile
         raise ConfigError(f"--link: {exc}") from exc
-    print(markdown(a, rows), end="")
-    if args.json_out:
-        report = {
-            "assumptions": a.model_dump(),
-            "rows": [
-                r.model_dump() | {"util": r.util, "util_overlap": r.util_overlap} for r in rows
-            ],
-        }
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json_out}")
-    return 0
+    report = {
+        "assumptions": a.model_dump(),
+        "rows": [r.model_dump() | {"util": r.util, "util_overlap": r.util_overlap} for r in rows],
+    }
+    publish(markdown(a, rows), report, json_out)
+    return report

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from node.research.progress import round_progress
-from node.research.simulate import build_config, simulate, write_json
+from node.research.report import write_json
+from node.research.simulate import build_config, simulate
 
 log = logging.getLogger("sparseloco.bench.quality")
 

@@ -10,14 +10,13 @@ an attack hurts and whether the defence removes the harm. Same token budget ever
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from node.compute.outer import apply_aggregate, compress, feed_error, pseudo_gradient
 from node.research.bench.hostile import KINDS, STALE_ROUNDS, hostile_tensors
+from node.research.report import publish
 from node.research.simulate import SimConfig, Simulation, _sync, build_config
 from protocol.codec import decode, encode, read_payload
 from protocol.fingerprint import fingerprint
@@ -117,9 +116,5 @@ def run_bench(
     preset: str, workers: int, attackers: int, rounds: int | None, json_out: str | None
 ) -> dict[str, Any]:
     table = robust_table(preset, workers, attackers, rounds)
-    print(markdown(table))
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(table, indent=2))
-        print(f"wrote {json_out}")
+    publish(markdown(table), table, json_out)
     return table

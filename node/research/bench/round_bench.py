@@ -19,13 +19,13 @@ training (encode, decode, aggregate+apply, save, eval), without the network and 
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 from pathlib import Path
 from typing import Any
 
 from node.cluster.up import UpConfig, up
+from node.research.report import publish
 
 log = logging.getLogger("sparseloco.bench.round")
 
@@ -110,9 +110,5 @@ def run(
     result = up(cfg)
     table = phase_table(result)
     report = {"nodes": nodes, "rounds": rounds, "preset": preset, "phases": table, "up": result}
-    print(markdown(table))
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {json_out}")
+    publish(markdown(table), report, json_out)
     return report

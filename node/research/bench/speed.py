@@ -17,7 +17,6 @@ is prepared first, as README's LLaMA example does (a BPE of 4,096 ids, 16,384-to
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -29,7 +28,9 @@ import torch
 
 from node.cluster.up import UpConfig, up
 from node.compute.data import CORPUS_DIR
+from node.research.report import publish
 from node.research.simulate import (
+    Merge,
     Replica,
     SimConfig,
     Simulation,
@@ -84,10 +85,7 @@ class _TimedSimulation(Simulation):
         self.rounds_timed: list[dict[str, Any]] = []
 
     def train_workers(
-        self,
-        workers: list[Replica],
-        round_: int,
-        merge: tuple[int, dict[str, torch.Tensor]] | None = None,
+        self, workers: list[Replica], round_: int, merge: Merge | None = None
     ) -> float:
         steps = len(workers) * self.cfg.inner_steps
         threads = torch.get_num_threads()
@@ -199,7 +197,6 @@ def run(
     sim = simulate_rounds(
         preset, data, workers=nodes, rounds=rounds, threads=threads, numba_threads=pool
     )
-    print(markdown(per_node, sim))
     report = {
         "preset": preset,
         "nodes": nodes,
@@ -214,8 +211,5 @@ def run(
             for label, rows in [*per_node.items(), ("simulate", sim)]
         },
     }
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {json_out}")
+    publish(markdown(per_node, sim), report, json_out)
     return report

@@ -11,47 +11,8 @@ the dense reference. Writes ``sweep.json`` (every point, the best k per H) and `
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
-
-
-def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", default="llama_bpe4k_1m", help="model preset")
-    p.add_argument("--data", help="a folder made by `sparseloco data prepare` (or text)")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=180, help="inner steps per worker, every point")
-    p.add_argument("--hs", default="5,15,45", help="values of H (each must divide --steps)")
-    p.add_argument("--topks", default="16,32,64,128", help="values of k per 64x64 tile")
-    p.add_argument("--diloco", action="store_true", help="add DiLoCo at each H")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench-out/sweep", help="folder for sweep.json and the table")
-    return p
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
-def run(args: argparse.Namespace) -> int:
-    hs, topks = _ints(args.hs), _ints(args.topks)
-    bad = [h for h in hs if h < 1 or args.steps % h]
-    if bad:
-        raise SystemExit(f"--hs {bad}: every H must divide --steps {args.steps}")
-    run_sweep(
-        args.out,
-        model=args.model,
-        data=args.data,
-        workers=args.workers,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        hs=hs,
-        topks=topks,
-        diloco=args.diloco,
-        seed=args.seed,
-    )
-    return 0
 
 
 def run_sweep(
@@ -68,8 +29,12 @@ def run_sweep(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Every (H, k) point, then the table; returns the ``sweep.json`` document."""
+    bad = [h for h in hs if h < 1 or steps % h]
+    if bad:
+        raise SystemExit(f"--hs {bad}: every H must divide --steps {steps}")
     from node.research.progress import round_progress  # torch: only when a sweep runs
-    from node.research.simulate import build_config, simulate, write_json
+    from node.research.report import write_json
+    from node.research.simulate import build_config, simulate
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

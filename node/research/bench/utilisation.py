@@ -26,7 +26,6 @@ last round (nothing left to overlap with) are left out.
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 
 from node.cluster.up import UpConfig, up
 from node.research.bench.round_bench import phase_table
+from node.research.report import publish
 
 log = logging.getLogger("sparseloco.bench.overlap")
 
@@ -171,9 +171,5 @@ def run(
         "final_eval_loss": {name: result["final_eval_loss"] for name, result in results.items()},
         "fingerprints_agree": all(r["fingerprints_agree"] for r in results.values()),
     }
-    print(markdown(report))
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {json_out}")
+    publish(markdown(report), report, json_out)
     return report

@@ -37,6 +37,7 @@ from node.errors import UpError
 from node.research.bench.projection import on_link
 from node.research.bench.utilisation import utilisation
 from node.research.bench.wire import Link, WireTimes, from_profile
+from node.research.report import publish
 
 log = logging.getLogger("sparseloco.bench.wan")
 
@@ -162,10 +163,14 @@ def run(
     nodes: int,
     rounds: int,
     run_dir: str | None,
+    from_json: str | None = None,
 ) -> dict[str, Any]:
-    """Every (profile, model, schedule) run in turn; prints the table, returns the report."""
+    """Every (profile, model, schedule) run in turn; prints the table, returns the report.
+    With ``from_json`` (``--from``), nothing runs: that saved report is compared ``again``."""
     from node.research.wan.cluster import run_in_lab
 
+    if from_json:
+        return again(from_json, json_out)
     if rounds < FIRST_STEADY + 2:
         raise ValueError(f"--rounds must be at least {FIRST_STEADY + 2} (steady rounds 2..R-2)")
     unknown = [m for m in models if m not in MODELS] + [
@@ -210,11 +215,7 @@ def run(
                 rows.append(row)
                 print(markdown_row(row), flush=True)
     report = {"nodes": nodes, "rounds": rounds, "models": MODELS, "rows": rows}
-    print(markdown(rows))
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {json_out}")
+    publish(markdown(rows), report, json_out)
     return report
 
 
@@ -232,10 +233,7 @@ def again(path: str, json_out: str | None = None) -> dict[str, Any]:
         new = compare({"rounds": old["rounds"]}, link, old["schedule"] == "overlap")
         rows.append(old | new)
     report = report | {"rows": rows}
-    print(markdown(rows))
-    if json_out:
-        Path(json_out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {json_out}")
+    publish(markdown(rows), report, json_out)
     return report
 
 

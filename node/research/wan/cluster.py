@@ -27,17 +27,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from node.cluster.launch import coordinator_toml, start_coordinator
 from node.cluster.process import Process
 from node.cluster.seaweed import EmbeddedStore
-from node.cluster.up import (
-    UpConfig,
-    coordinator_toml,
-    run_config,
-    start_coordinator,
-    start_node,
-    summarize,
-    watch,
-)
+from node.cluster.status import summarize, watch
+from node.cluster.up import UpConfig, run_config, start_run_node
 from node.errors import UpError
 from node.research.wan.lab import WanLab
 from node.research.wan.profiles import LinkProfile
@@ -101,23 +95,11 @@ def run_in_lab(
             lab.expose(store.s3_port, port)
             log.info("event=wan_started run_dir=%s coordinator=%s", run_dir, url)
             nodes = []
+            env = {**LAB_ENV, **(node_env or {})}
             for i, (name, token) in enumerate(tokens.items()):
                 host = lab.add_node(name, links[name], seed=i)
                 with host.entered():
-                    nodes.append(
-                        start_node(
-                            name,
-                            url,
-                            token,
-                            run_dir / "nodes" / name,
-                            run_dir / "logs" / f"{name}.log",
-                            cfg.data,
-                            extra_env={**LAB_ENV, **(node_env or {})},
-                            limits=(cfg.upload_limit, cfg.download_limit),
-                            device=cfg.node_device(i),
-                            threads=cfg.threads,
-                        )
-                    )
+                    nodes.append(start_run_node(cfg, run_dir, i, name, token, url, extra_env=env))
             procs += nodes
             with lab.entered():
                 status = watch(url, nodes, on_status)

@@ -27,7 +27,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import TracebackType
 
 from node.research.wan.lab import WanHost, WanLab
 from node.research.wan.profiles import PROFILES
@@ -83,12 +82,7 @@ class ProbeServer:
     def __enter__(self) -> ProbeServer:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
