@@ -167,16 +167,21 @@ class HeaderFields(TypedDict, total=False):
     base: str
 
 
-def _header(
-    *, run_id: str = "", round: int = 0, node_id: str = "", base: str = ""
-) -> tuple[str, int, str, str]:
-    """The fields of a ``HeaderFields`` with their defaults, in envelope order. Refuses values the
-    decoder would reject (``CodecError``), so we never emit an unreadable payload."""
+def _check_header(*, run_id: object, round: object, node_id: object, base: object) -> None:
+    """Refuse header values the decoder would reject, so we never emit an unreadable payload."""
     for field, value in (("run_id", run_id), ("node_id", node_id), ("base", base)):
         if not isinstance(value, str) or len(value) > MAX_TEXT:
             raise CodecError(f"{field} must be a str of at most {MAX_TEXT} characters")
     if isinstance(round, bool) or not isinstance(round, int) or not 0 <= round <= MAX_ROUND:
         raise CodecError(f"round must be an int in [0, {MAX_ROUND}], got {round!r}")
+
+
+def _header(
+    *, run_id: str = "", round: int = 0, node_id: str = "", base: str = ""
+) -> tuple[str, int, str, str]:
+    """The fields of a ``HeaderFields`` with their defaults, in envelope order, checked
+    (``_check_header``)."""
+    _check_header(run_id=run_id, round=round, node_id=node_id, base=base)
     return run_id, round, node_id, base
 
 
