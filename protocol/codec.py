@@ -2,9 +2,10 @@
 
 Public API (used by the node, the benchmarks and outside checks; names and meanings are stable):
 
-- ``encode(tensors, *, topk=64, tile=64, out=None)`` compresses every tensor and returns the
-  payload bytes together with the dense fp32 reconstruction of what was sent (the caller
-  subtracts it from its error-feedback buffer), written into ``out``'s buffers where given.
+- ``encode(tensors, *, topk=64, tile=64, out=None, **header)`` compresses every tensor and
+  returns the payload bytes together with the dense fp32 reconstruction of what was sent (the
+  caller subtracts it from its error-feedback buffer), written into ``out``'s buffers where
+  given; ``header`` is the ``HeaderFields`` (run_id, round, node_id, base).
 - ``encode_records(tensors, ...)`` and ``assemble(records, ...)`` are ``encode`` in two steps,
   for a node of several processes: each rank encodes its own tensors' records (shipped to rank
   0 with ``protocol.envelope.records_to_bytes``), rank 0 assembles them into the payload, the
@@ -13,7 +14,8 @@ Public API (used by the node, the benchmarks and outside checks; names and meani
 - ``read_payload(data, shapes, only=...)``, ``read_payload_file`` and ``read_payload_ranges``
   validate a payload and return it in sparse form (``SparseTensor`` per tensor) for aggregation
   without densifying each peer; with ``only``, the header is checked against the whole model
-  but only those tensors' records are read (``protocol.payload_reader``).
+  but only those tensors' records are read (``protocol.payload_reader``; the keywords they
+  share are ``ReadOptions``).
 - ``payload_base(data, shapes)`` is the header's ``base``; ``header_limit(shapes)`` the largest
   header a valid payload for the model has.
 
@@ -34,6 +36,7 @@ selection and the index decoding run as compiled loops (``protocol.kernels``,
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -50,6 +53,7 @@ from protocol.envelope import (
 from protocol.errors import CodecError
 from protocol.indexcode import encode_positions
 from protocol.payload_reader import (
+    ReadOptions,
     _LazyTensors,
     header_limit,
     payload_base,
@@ -64,7 +68,9 @@ from protocol.tiles import TileGeometry, check_codec_params
 __all__ = [
     "DEFAULT_TILE",
     "DEFAULT_TOPK",
+    "HeaderFields",
     "Payload",
+    "ReadOptions",
     "SparseTensor",
     "_LazyTensors",
     "assemble",
@@ -147,6 +153,20 @@ def encode_tensor(
     return record, recon
 
 
+class HeaderFields(TypedDict, total=False):
+    """The header fields that say whose payload it is (keywords of ``encode`` and
+    ``assemble``, declared once); each may be left out: "" for the strings, 0 for ``round``.
+
+    ``run_id`` and ``node_id`` name the run and the sender, ``round`` the round it belongs to
+    and ``base`` the fingerprint of the parameters it was trained from.
+    """
+
+    run_id: str
+    round: int
+    node_id: str
+    base: str
+
+
 def _check_header(*, run_id: object, round: object, node_id: object, base: object) -> None:
     """Refuse header values the decoder would reject, so we never emit an unreadable payload."""
     for field, value in (("run_id", run_id), ("node_id", node_id), ("base", base)):
@@ -154,6 +174,15 @@ def _check_header(*, run_id: object, round: object, node_id: object, base: objec
             raise CodecError(f"{field} must be a str of at most {MAX_TEXT} characters")
     if isinstance(round, bool) or not isinstance(round, int) or not 0 <= round <= MAX_ROUND:
         raise CodecError(f"round must be an int in [0, {MAX_ROUND}], got {round!r}")
+
+
+def _header(
+    *, run_id: str = "", round: int = 0, node_id: str = "", base: str = ""
+) -> tuple[str, int, str, str]:
+    """The fields of a ``HeaderFields`` with their defaults, in envelope order, checked
+    (``_check_header``)."""
+    _check_header(run_id=run_id, round=round, node_id=node_id, base=base)
+    return run_id, round, node_id, base
 
 
 def encode_records(
@@ -194,17 +223,14 @@ def assemble(
     *,
     topk: int = DEFAULT_TOPK,
     tile: int = DEFAULT_TILE,
-    run_id: str = "",
-    round: int = 0,
-    node_id: str = "",
-    base: str = "",
+    **header: Unpack[HeaderFields],
 ) -> bytes:
     """The payload of ``records`` (every tensor of the model, in any order, each once) with
-    these header fields. Raises ``CodecError`` for a repeated name or a bad header field."""
+    these ``header`` fields. Raises ``CodecError`` for a repeated name or a bad header field."""
     check_codec_params(topk, tile)
-    _check_header(run_id=run_id, round=round, node_id=node_id, base=base)
+    run_id, round_, node_id, base = _header(**header)
     ordered = tuple(sorted(records, key=lambda r: r.name))
-    return pack_envelope(Envelope(run_id, round, node_id, base, tile, topk, ordered))
+    return pack_envelope(Envelope(run_id, round_, node_id, base, tile, topk, ordered))
 
 
 def encode(
@@ -212,11 +238,8 @@ def encode(
     *,
     topk: int = DEFAULT_TOPK,
     tile: int = DEFAULT_TILE,
-    run_id: str = "",
-    round: int = 0,
-    node_id: str = "",
-    base: str = "",
     out: Mapping[str, torch.Tensor] | None = None,
+    **header: Unpack[HeaderFields],
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """Compress every tensor of ``tensors`` into one payload.
 
@@ -227,12 +250,9 @@ def encode(
     ``node_id`` and ``base`` (the fingerprint of the parameters trained from) go into the
     header. Raises ``CodecError`` for non-finite values or bad ``topk``/``tile``.
     """
-    _check_header(run_id=run_id, round=round, node_id=node_id, base=base)  # before the work
+    _header(**header)  # checked before the work
     records, recon = encode_records(tensors, topk=topk, tile=tile, out=out)
-    payload = assemble(
-        records, topk=topk, tile=tile, run_id=run_id, round=round, node_id=node_id, base=base
-    )
-    return payload, recon
+    return assemble(records, topk=topk, tile=tile, **header), recon
 
 
 # --------------------------------------------------------------------------- decoding

@@ -33,6 +33,7 @@ import os
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -67,6 +68,22 @@ Shapes = Mapping[str, tuple[int, ...]]
 Fetch = Callable[[int, int], Bytes]
 #: A record whose CRC has been checked, its geometry, and the field its errors name.
 _Read = tuple[TensorRecord, TileGeometry, str]
+
+
+class ReadOptions(TypedDict, total=False):
+    """The keywords of ``read_payload``, ``read_payload_file`` and ``read_payload_ranges``,
+    declared once; each may be left out.
+
+    ``topk``, ``tile``: the run's codec parameters; when given (not None), the payload's must
+    be the same. ``lazy`` (default False): check every record read now, build each tensor when
+    it is looked up. ``only``: the names of the tensors whose records are read (None, the
+    default: every tensor).
+    """
+
+    topk: int | None
+    tile: int | None
+    lazy: bool
+    only: Collection[str] | None
 
 
 @dataclass(frozen=True)
@@ -263,20 +280,24 @@ def _selection(only: Collection[str] | None, shapes: Shapes) -> frozenset[str] |
 
 
 def _read(
-    index: PayloadIndex,
     size: int,
     fetch: Fetch,
     shapes: Shapes,
+    read_header: Callable[[], PayloadIndex],
     *,
-    topk: int | None,
-    tile: int | None,
-    lazy: bool,
-    only: frozenset[str] | None,
+    topk: int | None = None,
+    tile: int | None = None,
+    lazy: bool = False,
+    only: Collection[str] | None = None,
 ) -> Payload:
-    """The checks and reads after the index: header level for all, records for ``only``."""
+    """What every ``read_payload*`` does once it knows where its bytes are: the caller's
+    ``only`` checked, then the index (``read_header``), then the header-level checks against
+    every tensor, then the records of ``only`` read and checked (``ReadOptions``)."""
+    chosen = _selection(only, shapes)  # a caller's mistake, before the payload is looked at
+    index = read_header()
     geometries = _check_index(index, shapes, topk, tile)
     check_total_size(index, size)
-    wanted = [e for e in index.entries if only is None or e.name in only]
+    wanted = [e for e in index.entries if chosen is None or e.name in chosen]
     blobs: dict[str, Bytes] = {e.name: b"" for e in wanted}  # an empty record needs no read
     pending = sorted((e for e in wanted if e.size), key=lambda e: e.offset)
     at = 0
@@ -300,15 +321,7 @@ def _read(
     )
 
 
-def read_payload(
-    data: bytes,
-    shapes: Shapes,
-    *,
-    topk: int | None = None,
-    tile: int | None = None,
-    lazy: bool = False,
-    only: Collection[str] | None = None,
-) -> Payload:
+def read_payload(data: bytes, shapes: Shapes, **options: Unpack[ReadOptions]) -> Payload:
     """Validate the payload ``data`` against the model's ``shapes`` and return it sparse.
 
     The header is checked against every tensor of the model; the records of the tensors in
@@ -325,49 +338,39 @@ def read_payload(
     built tensor per peer, never G decoded models, and validation still completes before the
     caller applies anything.
     """
-    chosen = _selection(only, shapes)
     view = as_view(data)
-    index = read_index(view, max_header=header_limit(shapes))
 
     def fetch(start: int, stop: int) -> memoryview:
         return view[start:stop]  # a view: the records are not copied until they are read
 
-    return _read(index, len(view), fetch, shapes, topk=topk, tile=tile, lazy=lazy, only=chosen)
+    def read_header() -> PayloadIndex:
+        return read_index(view, max_header=header_limit(shapes))
+
+    return _read(len(view), fetch, shapes, read_header, **options)
 
 
 def read_payload_ranges(
-    fetch: Fetch,
-    size: int,
-    shapes: Shapes,
-    *,
-    topk: int | None = None,
-    tile: int | None = None,
-    lazy: bool = False,
-    only: Collection[str] | None = None,
+    fetch: Fetch, size: int, shapes: Shapes, **options: Unpack[ReadOptions]
 ) -> Payload:
     """``read_payload`` on a payload of ``size`` bytes that ``fetch(start, stop)`` reads by
     byte range: the 14-byte prefix, then the header (once its length is checked against the
     model's limit), then one range per run of adjacent records in ``only``
     (``PayloadIndex.ranges``). A short read is a ``PayloadError`` on ``size``; the fetch's own
     errors (I/O, HTTP) propagate unchanged."""
-    limit = header_limit(shapes)
-    chosen = _selection(only, shapes)
-    prefix = bytes(_fetch_exact(fetch, 0, min(size, PREFIX.size)))
-    end = PREFIX.size + header_length(prefix, max_header=limit)
-    if size < end:
-        raise PayloadError("header", f"truncated: the header ends at byte {end}, got {size}")
-    index = read_index(prefix + bytes(_fetch_exact(fetch, PREFIX.size, end)), max_header=limit)
-    return _read(index, size, fetch, shapes, topk=topk, tile=tile, lazy=lazy, only=chosen)
+
+    def read_header() -> PayloadIndex:
+        limit = header_limit(shapes)
+        prefix = bytes(_fetch_exact(fetch, 0, min(size, PREFIX.size)))
+        end = PREFIX.size + header_length(prefix, max_header=limit)
+        if size < end:
+            raise PayloadError("header", f"truncated: the header ends at byte {end}, got {size}")
+        return read_index(prefix + bytes(_fetch_exact(fetch, PREFIX.size, end)), max_header=limit)
+
+    return _read(size, fetch, shapes, read_header, **options)
 
 
 def read_payload_file(
-    path: str | os.PathLike[str],
-    shapes: Shapes,
-    *,
-    topk: int | None = None,
-    tile: int | None = None,
-    lazy: bool = False,
-    only: Collection[str] | None = None,
+    path: str | os.PathLike[str], shapes: Shapes, **options: Unpack[ReadOptions]
 ) -> Payload:
     """``read_payload`` on the payload stored at ``path``, reading only the prefix, the header
     and the records of ``only`` (``os.pread``); the file's size must be the header's total."""
@@ -384,6 +387,4 @@ def read_payload_file(
                 at += len(chunk)
             return b"".join(parts)
 
-        return read_payload_ranges(
-            fetch, os.fstat(fd).st_size, shapes, topk=topk, tile=tile, lazy=lazy, only=only
-        )
+        return read_payload_ranges(fetch, os.fstat(fd).st_size, shapes, **options)

@@ -14,9 +14,11 @@ token), 409 ``token_in_use`` (another process holds this node's membership), 422
 malformed ``X-Sparseloco-Instance`` header and 429 ``rate_limited`` (too many failed
 authentications from the address, or requests from the node; with ``Retry-After``); every
 endpoint with a body may answer 400 (not JSON, or empty), 408 (the body did not arrive in time),
-413 and 422; every endpoint with a round in its path 404 (no such round, or not a round number).
-Their ``errors`` say so. Query parameters are declared with their type and range (``Query``):
-a value outside it is refused with 422, never clamped in silence.
+413 and 422; every endpoint with a round in its path 404 (no such round, or not a round number);
+every endpoint with query parameters 422. ``Endpoint.errors`` adds these to the statuses a row
+names itself (``more_errors``: 404 for something missing, 503 when it needs the object store).
+Query parameters are declared with their type and range (``Query``): a value outside it is
+refused with 422, never clamped in silence.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ ROUND = "{round}"
 MAX_ROUND = 10**18 - 1
 #: Most rounds one ``GET /v1/status`` may ask for (the status is built on request, unauthenticated).
 MAX_STATUS_ROUNDS = 1000
+#: What an endpoint that needs the bearer token may answer: unknown or revoked token, the
+#: membership held by another process, a malformed instance header, too many requests.
+AUTH_ERRORS = frozenset({401, 409, 422, 429})
+#: What an endpoint with a request body may answer: not JSON, too slow, too large, invalid.
+BODY_ERRORS = frozenset({400, 408, 413, 422})
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,9 @@ class Endpoint:
     responses: dict[int, type[BaseModel]] = field(default_factory=dict)
     auth: bool = True
     query: dict[str, Query] = field(default_factory=dict)
-    errors: tuple[int, ...] = ()
+    #: Error statuses besides those that follow from the row's token, body, path and query
+    #: (``errors``).
+    more_errors: tuple[int, ...] = ()
     json: bool = True  # False: the response is not JSON (metrics, the dashboard)
     media_type: str = "text/plain"  # what a non-JSON response is
     #: The body may be left out (an empty body is the request's defaults): a field added to a
@@ -91,6 +100,20 @@ class Endpoint:
     #: Bytes the body may hold when more than the server's ``max_body_bytes``: a body that
     #: lists the parts of an upload (``protocol.parts.MAX_PARTS_BODY_BYTES``); None: that limit.
     body_limit: int | None = None
+
+    @property
+    def errors(self) -> tuple[int, ...]:
+        """Every error status this endpoint may answer, in order (the module doc has why)."""
+        statuses = set(self.more_errors)
+        if self.auth:
+            statuses |= AUTH_ERRORS
+        if self.request is not None:
+            statuses |= BODY_ERRORS
+        if ROUND in self.path:
+            statuses.add(404)
+        if self.query:
+            statuses.add(422)
+        return tuple(sorted(statuses))
 
     def url(self, round_: int | None = None) -> str:
         """The path with ``round_`` in place of ``{round}`` (required exactly when it has one)."""
@@ -101,72 +124,67 @@ class Endpoint:
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("join", "POST", "/v1/join", "Join the run (or rejoin)", JoinRequest,
-             {200: JoinResponse}, errors=(400, 401, 408, 409, 413, 422, 429)),
+             {200: JoinResponse}),
     Endpoint("heartbeat", "POST", "/v1/heartbeat", "Stay an active member, saying what the"
              " node is doing (the body is optional)", HeartbeatRequest,
-             {200: RoundView}, errors=(400, 401, 408, 409, 413, 422, 429), body_optional=True),
-    Endpoint("leave", "POST", "/v1/leave", "Leave the run", None, {200: Ack},
-             errors=(401, 409, 422, 429)),
+             {200: RoundView}, body_optional=True),
+    Endpoint("leave", "POST", "/v1/leave", "Leave the run", None, {200: Ack}),
     Endpoint("round", "GET", "/v1/round", "The current round as the caller sees it,"
              " long-polling while it waits for members", None, {200: RoundView},
              query={"wait": Query("seconds to wait for a round that waits for members to open"
                                   " (the server waits at most its manifest_wait_max_s)",
-                                  "number", 0, 3600)},
-             errors=(401, 409, 422, 429)),
+                                  "number", 0, 3600)}),
     Endpoint("upload", "POST", "/v1/rounds/{round}/upload",
              "A presigned PUT for the caller's payload of this round, or one per part",
-             UploadRequest, {200: UploadGrant},
-             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503), body_limit=MAX_PARTS_BODY_BYTES),
+             UploadRequest, {200: UploadGrant}, more_errors=(503,),
+             body_limit=MAX_PARTS_BODY_BYTES),
     Endpoint("upload_complete", "POST", "/v1/rounds/{round}/upload/complete",
              "Complete the caller's multipart payload upload (write-once: created is false if"
              " the key already held an object)", UploadComplete, {200: UploadDone},
-             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503), body_limit=MAX_PARTS_BODY_BYTES),
+             more_errors=(503,), body_limit=MAX_PARTS_BODY_BYTES),
     Endpoint("submit", "POST", "/v1/rounds/{round}/submit",
              "Announce an uploaded payload; idempotent for an identical body", SubmitRequest,
-             {200: SubmitResponse}, errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
+             {200: SubmitResponse}, more_errors=(503,)),
     Endpoint("manifest", "GET", "/v1/rounds/{round}/manifest",
              "The signed manifest of a closed round, long-polling while it is open", None,
              {200: ManifestView, 202: RoundView},
              query={"wait": Query("seconds to wait for the round to close (the server waits at"
-                                  " most its manifest_wait_max_s)", "number", 0, 3600)},
-             errors=(401, 404, 409, 422, 429)),
+                                  " most its manifest_wait_max_s)", "number", 0, 3600)}),
     Endpoint("report", "POST", "/v1/rounds/{round}/report",
              "Report the fingerprint after applying a closed round (its participants only);"
              " answers the round as the node now sees it, as GET /v1/round would",
-             RoundReport, {200: RoundView}, errors=(400, 401, 404, 408, 409, 413, 422, 429)),
+             RoundReport, {200: RoundView}),
     Endpoint("checkpoint_upload", "POST", "/v1/checkpoints/{round}/upload",
              "A presigned PUT for θ at the start of this round, for the first eligible member",
-             CheckpointUpload, {200: UploadGrant},
-             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503), body_limit=MAX_PARTS_BODY_BYTES),
+             CheckpointUpload, {200: UploadGrant}, more_errors=(503,),
+             body_limit=MAX_PARTS_BODY_BYTES),
     Endpoint("checkpoint_complete", "POST", "/v1/checkpoints/{round}/upload/complete",
              "Complete the grant holder's multipart checkpoint upload (write-once)",
-             UploadComplete, {200: UploadDone},
-             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503), body_limit=MAX_PARTS_BODY_BYTES),
+             UploadComplete, {200: UploadDone}, more_errors=(503,),
+             body_limit=MAX_PARTS_BODY_BYTES),
     Endpoint("checkpoint_commit", "POST", "/v1/checkpoints/{round}/commit",
              "Announce the uploaded checkpoint (grant holder only); the coordinator verifies the"
              " file before it commits it; idempotent", CheckpointUpload, {200: CheckpointInfo},
-             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503), body_limit=MAX_PARTS_BODY_BYTES),
+             more_errors=(503,), body_limit=MAX_PARTS_BODY_BYTES),
     Endpoint("checkpoint_latest", "GET", "/v1/checkpoints/latest",
              "The newest committed checkpoint with a presigned GET", None,
-             {200: CheckpointView}, errors=(401, 404, 409, 422, 429)),
+             {200: CheckpointView}, more_errors=(404,)),
     Endpoint("checkpoints", "GET", "/v1/checkpoints",
              "Every committed checkpoint still in the store, newest first, with presigned GETs",
-             None, {200: CheckpointList}, errors=(401, 409, 422, 429)),
+             None, {200: CheckpointList}),
     Endpoint("probe", "POST", "/v1/probe",
              "A presigned PUT and GET of a throwaway object, to test the path to the store",
-             ProbeRequest, {200: ProbeGrant}, errors=(400, 401, 408, 409, 413, 422, 429, 503)),
+             ProbeRequest, {200: ProbeGrant}, more_errors=(503,)),
     Endpoint("dataset", "GET", "/v1/dataset",
              "The run's prepared dataset: its id and a presigned GET of its manifest", None,
-             {200: DatasetView}, errors=(401, 404, 409, 422, 429, 503)),
+             {200: DatasetView}, more_errors=(404, 503)),
     Endpoint("dataset_files", "POST", "/v1/dataset/files",
              "Presigned GETs for files the run's dataset manifest lists (shards, tokenizer)",
-             DatasetFilesRequest, {200: DatasetFiles},
-             errors=(400, 401, 404, 408, 409, 413, 422, 429, 503)),
+             DatasetFilesRequest, {200: DatasetFiles}, more_errors=(404, 503)),
     Endpoint("status", "GET", "/v1/status", "The run, its members and recent rounds", None,
              {200: StatusView}, auth=False,
              query={"rounds": Query("how many recent rounds to include", "integer", 0,
-                                    MAX_STATUS_ROUNDS)},
-             errors=(422,)),
+                                    MAX_STATUS_ROUNDS)}),
     Endpoint("openapi", "GET", "/openapi.json", "This document", None, auth=False),
     Endpoint("metrics", "GET", "/metrics", "Prometheus metrics", None, auth=False, json=False),
     Endpoint("dashboard", "GET", "/", "The live dashboard: one page that polls /v1/status", None,
