@@ -19,10 +19,10 @@ Upload grant, checked in this order:
 The first eligible node gets the grant for one presign lifetime; asking again with the same body
 renews it. Only the holder commits, with the granted body, and only while it is still a member;
 the fingerprint is checked against the reports again then. Before the commit is recorded the
-handler verifies the stored file itself (``coordinator.verify``: size, sha256 and the fingerprint
-of its tensors); a file that fails is deleted and its grant dropped (``reject``), so another
-node may offer at once. So every committed checkpoint is one the coordinator verified, and
-retention may rely on it.
+handler verifies the stored file itself (``coordinator.store.verify``: size, sha256 and the
+fingerprint of its tensors); a file that fails is deleted and its grant dropped (``reject``),
+so another node may offer at once. So every committed checkpoint is one the coordinator
+verified, and retention may rely on it.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ once at start, and every ``RETRY_S`` seconds besides:
   cannot use the newest (its download fails, its fingerprint does not check out) falls back to
   an older one of ``GET /v1/checkpoints`` and still finds every payload since. Without a
   verified checkpoint nothing goes: joiners replay from θ_0. Every checkpoint committed since
-  the coordinator verifies them (``coordinator.verify``) is verified; one committed before (a
+  the coordinator verifies them (``coordinator.store.verify``) is verified; one committed before (a
   database of schema version 2) is not relied on. Manifests stay: they are small and are the
   run's audit trail.
 - checkpoints beyond the newest ``keep_checkpoints`` go (the model file and its sidecar), once
@@ -19,7 +19,8 @@ once at start, and every ``RETRY_S`` seconds besides:
   are exactly those needed to replay from it.
 
 - multipart uploads under the run's folder started more than twice the presign expiry ago are
-  aborted (``coordinator.multipart``): their grants are dead, and their parts would stay forever.
+  aborted (``coordinator.store.multipart``): their grants are dead, and their parts would stay
+  forever.
 
 What was deleted is recorded (``meta.pruned_through``: every payload round up to it is gone;
 ``checkpoints.pruned``), so no round is listed twice, and counted in the same transaction
