@@ -80,15 +80,26 @@ async def put_object(
         if options.bandwidth is not None:
             body = options.bandwidth.chunks(data)
             sent["Content-Length"] = str(len(data))
-        timeout = options.timeout(len(data))
-        async with session.put(signed(url), data=body, headers=sent, timeout=timeout) as resp:
-            body = await resp.read()
-            if resp.status == 412:
-                return False
-            check_status(resp.status, body, "upload")
-            return True
+        return await _put_once(session, url, body, sent, options.timeout(len(data)))
 
     return await retry(attempt, policy=options.policy, what="upload", link=options.link)
+
+
+async def _put_once(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes | AsyncIterator[bytes],
+    headers: Mapping[str, str],
+    timeout: aiohttp.ClientTimeout,
+) -> bool:
+    """One attempt at a write-once PUT: True once stored, False if the object already existed
+    (412), an error for any other failure."""
+    async with session.put(signed(url), data=body, headers=headers, timeout=timeout) as resp:
+        text = await resp.read()
+        if resp.status == 412:
+            return False
+        check_status(resp.status, text, "upload")
+        return True
 
 
 async def get_object(
@@ -216,15 +227,9 @@ async def put_file(
 
     async def attempt() -> bool:
         sent = {**headers, "Content-Length": str(size)}
-        timeout = options.timeout(size)
         with open(path, "rb", buffering=0) as f:
             body = file_chunks(f, size, options.bandwidth)
-            async with session.put(signed(url), data=body, headers=sent, timeout=timeout) as resp:
-                text = await resp.read()
-                if resp.status == 412:
-                    return False
-                check_status(resp.status, text, "upload")
-                return True
+            return await _put_once(session, url, body, sent, options.timeout(size))
 
     return await retry(attempt, policy=options.policy, what="upload", link=options.link)
 
