@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from node.compute.outer import apply_aggregate
+from node.compute.outer import AggregateOptions, apply_aggregate
 from node.research.bench import naive
 from node.research.bench.codec_tables import format_markdown
 from node.research.bench.memory import peak_aggregation_bytes
@@ -251,7 +251,7 @@ def _speed(
             f"peer{i:03d}": read_payload(d, shapes, topk=topk, tile=tile, lazy=lazy)
             for i, d in enumerate(ours_data)
         }
-        apply_aggregate(params, payloads, clip=clip)
+        apply_aggregate(params, payloads, AggregateOptions(clip=clip))
 
     def naive_aggregate() -> None:
         naive.apply(params, naive_data, topk=topk, tile_size=tile, clip=clip)
