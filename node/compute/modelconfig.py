@@ -7,6 +7,7 @@ the table (the console script's help, config checks) reads it without importing 
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -96,22 +97,11 @@ class ModelConfig(BaseModel):
         return self.ffn_dim or -(-8 * self.d_model // 3 // 64) * 64
 
 
-def _paper_llama(
-    *, d_model: int, n_layers: int, n_heads: int, ffn_dim: int, n_kv_heads: int | None = None
-) -> ModelConfig:
-    """A LLaMA as the SparseLoCo paper trains them: a 32,768-entry BPE vocabulary, untied
-    embeddings, 2,048 tokens of context."""
-    return ModelConfig(
-        arch="llama",
-        vocab_size=32768,
-        d_model=d_model,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        ffn_dim=ffn_dim,
-        tie_embeddings=False,
-        ctx_len=2048,
-    )
+#: A LLaMA as the SparseLoCo paper trains them: a 32,768-entry BPE vocabulary, untied
+#: embeddings, 2,048 tokens of context; the sizes are the preset's.
+_paper_llama = functools.partial(
+    ModelConfig, arch="llama", vocab_size=32768, tie_embeddings=False, ctx_len=2048
+)
 
 
 PRESETS: dict[str, ModelConfig] = {
