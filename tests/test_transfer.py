@@ -124,11 +124,7 @@ async def test_digest_and_size_mismatch_are_errors(store, s3, request) -> None:
             await get_object(http, url, size=1000, sha256="0" * 64, options=FAST_OPTIONS)
         with pytest.raises(DigestError, match="bytes"):
             await get_object(
-                http,
-                url,
-                size=999,
-                sha256=hashlib.sha256(body).hexdigest(),
-                options=FAST_OPTIONS,
+                http, url, size=999, sha256=hashlib.sha256(body).hexdigest(), options=FAST_OPTIONS
             )
         missing = _presign_get(s3, bucket, key + ".missing")
         with pytest.raises(TransferError) as err:
@@ -238,14 +234,9 @@ async def test_capped_file_transfers_pass_every_byte_through_the_cap(
             down = Metered()
             target = tmp_path / f"down-{part_size}.bin"
             await get_to_file(
-                http,
-                _presign_get(s3, bucket, key),
-                target,
-                size=len(body),
-                sha256=_sha(body),
-                part_size=part_size,
-                options=TransferOptions(bandwidth=down),
-            )
+                http, _presign_get(s3, bucket, key), target, size=len(body), sha256=_sha(body),
+                part_size=part_size, options=TransferOptions(bandwidth=down),
+            )  # fmt: skip
             assert target.read_bytes() == body
             assert sum(down.taken) == len(body) and max(down.taken) <= CHUNK
 
@@ -315,12 +306,7 @@ async def test_a_bad_download_leaves_no_file(store, s3, request, tmp_path) -> No
                 )
         with pytest.raises(DigestError, match="bytes"):
             await get_to_file(
-                http,
-                url,
-                target,
-                size=len(body) - 1,
-                sha256=_sha(body),
-                options=FAST_OPTIONS,
+                http, url, target, size=len(body) - 1, sha256=_sha(body), options=FAST_OPTIONS
             )
         with pytest.raises(TransferError) as err:
             missing = _presign_get(s3, bucket, key + ".missing")
@@ -383,14 +369,7 @@ async def test_an_upload_of_a_file_of_another_size_is_refused(store, s3, request
         with pytest.raises(TransferError, match="holds 14 bytes, not 15"):
             await put_file(http, url, headers, source, size=15, options=FAST_OPTIONS)
         with pytest.raises(TransferError, match="cannot read"):
-            await put_file(
-                http,
-                url,
-                headers,
-                tmp_path / "absent",
-                size=14,
-                options=FAST_OPTIONS,
-            )
+            await put_file(http, url, headers, tmp_path / "absent", size=14, options=FAST_OPTIONS)
 
 
 class _Body:

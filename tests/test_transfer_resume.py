@@ -155,11 +155,7 @@ async def test_a_store_that_ignores_the_range_on_resume_is_never_spliced() -> No
     ):
         with pytest.raises(RetriesExhausted):
             await get_object(
-                http,
-                server.url(),
-                size=len(body),
-                sha256=_sha(body),
-                options=FAST_OPTIONS,
+                http, server.url(), size=len(body), sha256=_sha(body), options=FAST_OPTIONS
             )
     assert server.seen.ranges[0] == "" and set(server.seen.ranges[1:]) == {
         f"bytes={1 << 20}-{len(body) - 1}"
@@ -208,11 +204,7 @@ async def test_resumed_bytes_are_still_digest_checked() -> None:
     ):
         with pytest.raises(DigestError, match="sha256"):
             await get_object(
-                http,
-                server.url(),
-                size=len(body),
-                sha256="0" * 64,
-                options=FAST_OPTIONS,
+                http, server.url(), size=len(body), sha256="0" * 64, options=FAST_OPTIONS
             )
 
 
