@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.compute.outer import aggregate_tensor, apply_aggregate
+from node.compute.outer import AggregateOptions, aggregate_tensor, apply_aggregate
 from node.research.bench import naive
 from protocol.codec import encode, read_payload
 
@@ -52,7 +52,9 @@ def test_aggregate_agrees_with_ours(clip: bool) -> None:
 
     params = {n: torch.ones(s) for n, s in SHAPES.items()}
     nparams = {n: torch.ones(s) for n, s in SHAPES.items()}
-    apply_aggregate(params, {f"n{i}": p for i, p in enumerate(ours)}, alpha=0.5, clip=clip)
+    apply_aggregate(
+        params, {f"n{i}": p for i, p in enumerate(ours)}, AggregateOptions(alpha=0.5, clip=clip)
+    )
     naive.apply(nparams, payloads, alpha=0.5, clip=clip)
     for name in SHAPES:
         torch.testing.assert_close(nparams[name], params[name], rtol=1e-5, atol=1e-5)

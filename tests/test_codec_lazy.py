@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.compute.outer import apply_aggregate
+from node.compute.outer import AggregateOptions, apply_aggregate
 from protocol.codec import encode, read_payload
 from protocol.errors import PayloadError
 from support import reference_codec as ref
@@ -55,7 +55,7 @@ def test_lazy_aggregation_is_bit_identical() -> None:
     for lazy in (False, True):
         theta = {n: torch.zeros(s) for n, s in shapes.items()}
         payloads = {k: read_payload(b, shapes, lazy=lazy) for k, b in blobs.items()}
-        apply_aggregate(theta, payloads, alpha=1.0, clip=True)
+        apply_aggregate(theta, payloads, AggregateOptions(alpha=1.0, clip=True))
         results.append(theta)
     for name in shapes:
         assert torch.equal(results[0][name], results[1][name])

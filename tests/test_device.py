@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from node.compute import device
-from node.compute.outer import apply_aggregate
+from node.compute.outer import AggregateOptions, apply_aggregate
 from protocol.codec import decode, encode, read_payload
 from support import reference_codec as ref
 
@@ -76,8 +76,8 @@ def test_aggregation_is_bit_identical(robust: bool, clip: bool, alpha: float) ->
     cpu = {n: v.clone() for n, v in start.items()}
     dev = {n: v.clone() for n, v in start.items()}
     lazy = {k: read_payload(d, SHAPES, lazy=True) for k, d in datas.items()}
-    want = apply_aggregate(cpu, lazy, alpha=alpha, clip=clip, robust=robust)
-    got = device.apply_aggregate(dev, lazy, alpha=alpha, clip=clip, robust=robust)
+    want = apply_aggregate(cpu, lazy, AggregateOptions(alpha=alpha, clip=clip, robust=robust))
+    got = device.apply_aggregate(dev, lazy, AggregateOptions(alpha=alpha, clip=clip, robust=robust))
     assert got.rejected == want.rejected
     for name in SHAPES:
         assert torch.equal(dev[name].view(torch.int32), cpu[name].view(torch.int32))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from node.compute.outer import (
+    AggregateOptions,
     add_back,
     aggregate_tensor,
     apply_aggregate,
@@ -95,7 +96,9 @@ def test_bit_identical_whatever_the_arrival_order() -> None:
         keys = list(payloads)
         random.Random(trial).shuffle(keys)
         params = {k: torch.ones(v) for k, v in SHAPES.items()}
-        apply_aggregate(params, {k: payloads[k] for k in keys}, alpha=0.7, clip=True)
+        apply_aggregate(
+            params, {k: payloads[k] for k in keys}, AggregateOptions(alpha=0.7, clip=True)
+        )
         results.append(params)
     for other in results[1:]:
         for name in SHAPES:
@@ -106,7 +109,7 @@ def test_apply_is_theta_minus_alpha_times_aggregate() -> None:
     payloads = make_payloads(3, seed=4)
     peers = [payloads[k] for k in sorted(payloads)]
     params = {k: torch.full(v, 0.5) for k, v in SHAPES.items()}
-    apply_aggregate(params, payloads, alpha=0.5, clip=False)
+    apply_aggregate(params, payloads, AggregateOptions(alpha=0.5, clip=False))
     for name in SHAPES:
         agg = aggregate_tensor([p.tensors[name] for p in peers], clip=False)
         assert torch.equal(params[name], torch.full(SHAPES[name], 0.5) - agg * 0.5)

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from node.compute.outer import apply_aggregate, sparse_mean
+from node.compute.outer import AggregateOptions, apply_aggregate, sparse_mean
 from node.compute.robust import VALUE_BOUND
 from protocol.codec import Payload, encode, read_payload
 
@@ -76,7 +76,7 @@ def _hostile(
 
 def _apply(payloads: dict[str, Payload], robust: bool = True) -> tuple[dict, dict[str, str]]:
     theta = {n: torch.zeros(s) for n, s in SHAPES.items()}
-    screening = apply_aggregate(theta, payloads, robust=robust)
+    screening = apply_aggregate(theta, payloads, AggregateOptions(robust=robust))
     return theta, screening.rejected
 
 

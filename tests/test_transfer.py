@@ -25,11 +25,14 @@ from node.daemon.filestream import body_to_file
 from node.daemon.ratelimit import CHUNK, Bandwidth, Limits
 from node.daemon.retry import RetryPolicy
 from node.daemon.transfer import get_object, get_to_file, put_file, put_object
+from node.daemon.transferopts import TransferOptions
 from node.errors import DigestError, TransferError
 
 pytestmark = pytest.mark.asyncio
 
 FAST = RetryPolicy(attempts=2, base_s=0.01, budget_s=5.0)
+#: A transfer with the quick retries and nothing else set.
+FAST_OPTIONS = TransferOptions(policy=FAST)
 
 
 def _presign_put(s3, bucket: str, key: str, body: bytes) -> tuple[str, dict[str, str]]:
@@ -63,15 +66,15 @@ async def test_put_then_get_and_write_once(store, s3, request) -> None:
     body = bytes(range(256)) * 40
     url, headers = _presign_put(s3, bucket, key, body)
     async with aiohttp.ClientSession() as http:
-        assert await put_object(http, url, headers, body, policy=FAST) is True
+        assert await put_object(http, url, headers, body, options=FAST_OPTIONS) is True
         # The same upload again (a retry after a lost response) is harmless: 412 -> False.
-        assert await put_object(http, url, headers, body, policy=FAST) is False
+        assert await put_object(http, url, headers, body, options=FAST_OPTIONS) is False
         got = await get_object(
             http,
             _presign_get(s3, bucket, key),
             size=len(body),
             sha256=hashlib.sha256(body).hexdigest(),
-            policy=FAST,
+            options=FAST_OPTIONS,
         )
     assert got == body
 
@@ -85,11 +88,11 @@ async def test_signed_size_and_checksum_are_enforced(store, s3, request) -> None
         forged = b"another payload, same length!!"
         assert len(forged) == len(body)
         with pytest.raises(TransferError) as err:
-            await put_object(http, url, headers, forged, policy=FAST)
+            await put_object(http, url, headers, forged, options=FAST_OPTIONS)
         assert err.value.status is not None and 400 <= err.value.status < 500
         longer = dict(headers, **{"Content-Length": str(len(body) + 1)})
         with pytest.raises(TransferError):
-            await put_object(http, url, longer, body + b"!", policy=FAST)
+            await put_object(http, url, longer, body + b"!", options=FAST_OPTIONS)
     assert "Contents" not in s3.list_objects_v2(Bucket=bucket, Prefix=key)
 
 
@@ -104,8 +107,8 @@ async def test_ranged_download_of_a_large_object(store, s3, request) -> None:
             _presign_get(s3, bucket, key),
             size=len(body),
             sha256=hashlib.sha256(body).hexdigest(),
-            policy=FAST,
             part_size=16_384,  # ten ranged parts
+            options=FAST_OPTIONS,
         )
     assert got == body
 
@@ -118,14 +121,14 @@ async def test_digest_and_size_mismatch_are_errors(store, s3, request) -> None:
     url = _presign_get(s3, bucket, key)
     async with aiohttp.ClientSession() as http:
         with pytest.raises(DigestError, match="sha256"):
-            await get_object(http, url, size=1000, sha256="0" * 64, policy=FAST)
+            await get_object(http, url, size=1000, sha256="0" * 64, options=FAST_OPTIONS)
         with pytest.raises(DigestError, match="bytes"):
             await get_object(
-                http, url, size=999, sha256=hashlib.sha256(body).hexdigest(), policy=FAST
+                http, url, size=999, sha256=hashlib.sha256(body).hexdigest(), options=FAST_OPTIONS
             )
         missing = _presign_get(s3, bucket, key + ".missing")
         with pytest.raises(TransferError) as err:
-            await get_object(http, missing, size=1, sha256="0" * 64, policy=FAST)
+            await get_object(http, missing, size=1, sha256="0" * 64, options=FAST_OPTIONS)
         assert err.value.status == 404
 
 
@@ -138,16 +141,17 @@ async def test_capped_transfers_move_the_same_bytes(store, s3, request) -> None:
     url, headers = _presign_put(s3, bucket, key, body)
     limits = Limits(upload=50e6, download=50e6)
     async with aiohttp.ClientSession() as http:
-        assert await put_object(http, url, headers, body, policy=FAST, bandwidth=limits.upload)
+        assert await put_object(
+            http, url, headers, body, options=TransferOptions(policy=FAST, bandwidth=limits.upload)
+        )
         for part_size in (len(body), 100_000):
             got = await get_object(
                 http,
                 _presign_get(s3, bucket, key),
                 size=len(body),
                 sha256=hashlib.sha256(body).hexdigest(),
-                policy=FAST,
                 part_size=part_size,
-                bandwidth=limits.download,
+                options=TransferOptions(policy=FAST, bandwidth=limits.download),
             )
             assert got == body
 
@@ -173,9 +177,14 @@ async def test_files_up_and_down_plain_ranged_and_capped(store, s3, request, tmp
     url, headers = _presign_put(s3, bucket, key, body)
     limits = Limits(upload=50e6, download=50e6)
     async with aiohttp.ClientSession() as http:
-        assert await put_file(http, url, headers, source, size=len(body), policy=FAST)
+        assert await put_file(http, url, headers, source, size=len(body), options=FAST_OPTIONS)
         assert not await put_file(
-            http, url, headers, source, size=len(body), policy=FAST, bandwidth=limits.upload
+            http,
+            url,
+            headers,
+            source,
+            size=len(body),
+            options=TransferOptions(policy=FAST, bandwidth=limits.upload),
         )
         down = tmp_path / "down"
         down.mkdir()
@@ -187,9 +196,8 @@ async def test_files_up_and_down_plain_ranged_and_capped(store, s3, request, tmp
                 target,
                 size=len(body),
                 sha256=_sha(body),
-                policy=FAST,
                 part_size=part_size,
-                bandwidth=cap,
+                options=TransferOptions(policy=FAST, bandwidth=cap),
             )
             assert target.read_bytes() == body
     assert _leftovers(down) == ["100000.safetensors", "320004.safetensors", "50000.safetensors"]
@@ -218,14 +226,16 @@ async def test_capped_file_transfers_pass_every_byte_through_the_cap(
     url, headers = _presign_put(s3, bucket, key, body)
     async with aiohttp.ClientSession() as http:
         up = Metered()
-        assert await put_file(http, url, headers, source, size=len(body), bandwidth=up)
+        assert await put_file(
+            http, url, headers, source, size=len(body), options=TransferOptions(bandwidth=up)
+        )
         assert sum(up.taken) == len(body) and max(up.taken) <= CHUNK
         for part_size in (len(body), 64_000):
             down = Metered()
             target = tmp_path / f"down-{part_size}.bin"
             await get_to_file(
                 http, _presign_get(s3, bucket, key), target, size=len(body), sha256=_sha(body),
-                part_size=part_size, bandwidth=down,
+                part_size=part_size, options=TransferOptions(bandwidth=down),
             )  # fmt: skip
             assert target.read_bytes() == body
             assert sum(down.taken) == len(body) and max(down.taken) <= CHUNK
@@ -247,8 +257,8 @@ async def test_a_failed_part_is_fetched_again_alone(store, s3, request, tmp_path
             target,
             size=len(body),
             sha256=_sha(body),
-            policy=FAST,
             part_size=20_000,
+            options=FAST_OPTIONS,
         )
     assert target.read_bytes() == body
     assert flaky.gets == {
@@ -286,20 +296,32 @@ async def test_a_bad_download_leaves_no_file(store, s3, request, tmp_path) -> No
         for part_size in (len(body), 64_000):
             with pytest.raises(DigestError, match="sha256"):
                 await get_to_file(
-                    http, url, target, size=len(body), sha256="0" * 64, policy=FAST,
+                    http,
+                    url,
+                    target,
+                    size=len(body),
+                    sha256="0" * 64,
                     part_size=part_size,
-                )  # fmt: skip
+                    options=FAST_OPTIONS,
+                )
         with pytest.raises(DigestError, match="bytes"):
-            await get_to_file(http, url, target, size=len(body) - 1, sha256=_sha(body), policy=FAST)
+            await get_to_file(
+                http, url, target, size=len(body) - 1, sha256=_sha(body), options=FAST_OPTIONS
+            )
         with pytest.raises(TransferError) as err:
             missing = _presign_get(s3, bucket, key + ".missing")
-            await get_to_file(http, missing, target, size=1, sha256="0" * 64, policy=FAST)
+            await get_to_file(http, missing, target, size=1, sha256="0" * 64, options=FAST_OPTIONS)
         assert err.value.status == 404
         slow = Limits(download=100e3).download  # 3 s for the object: cancelled long before
         download = get_to_file(
-            http, url, target, size=len(body), sha256=_sha(body), policy=FAST, bandwidth=slow,
+            http,
+            url,
+            target,
+            size=len(body),
+            sha256=_sha(body),
             part_size=64_000,
-        )  # fmt: skip
+            options=TransferOptions(policy=FAST, bandwidth=slow),
+        )
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(download, 0.3)
     assert _leftovers(tmp_path) == []
@@ -318,12 +340,17 @@ async def test_files_are_streamed_not_held(store, s3, request, tmp_path) -> None
     async with aiohttp.ClientSession() as http:
         tracemalloc.start()
         try:
-            assert await put_file(http, url, headers, source, size=32 << 20, policy=FAST)
+            assert await put_file(http, url, headers, source, size=32 << 20, options=FAST_OPTIONS)
             _, peak_up = tracemalloc.get_traced_memory()
             tracemalloc.reset_peak()
             target = tmp_path / "down.bin"
             await get_to_file(
-                http, _presign_get(s3, bucket, key), target, size=32 << 20, sha256=sha, policy=FAST
+                http,
+                _presign_get(s3, bucket, key),
+                target,
+                size=32 << 20,
+                sha256=sha,
+                options=FAST_OPTIONS,
             )
             _, peak_down = tracemalloc.get_traced_memory()
         finally:
@@ -340,9 +367,9 @@ async def test_an_upload_of_a_file_of_another_size_is_refused(store, s3, request
     url, headers = _presign_put(s3, store.bucket, f"transfer/{request.node.name}", body)
     async with aiohttp.ClientSession() as http:
         with pytest.raises(TransferError, match="holds 14 bytes, not 15"):
-            await put_file(http, url, headers, source, size=15, policy=FAST)
+            await put_file(http, url, headers, source, size=15, options=FAST_OPTIONS)
         with pytest.raises(TransferError, match="cannot read"):
-            await put_file(http, url, headers, tmp_path / "absent", size=14, policy=FAST)
+            await put_file(http, url, headers, tmp_path / "absent", size=14, options=FAST_OPTIONS)
 
 
 class _Body:

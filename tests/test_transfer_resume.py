@@ -19,9 +19,9 @@ import aiohttp
 import pytest
 
 from node.daemon import multipart
-from node.daemon.ranged import TransferCounts
 from node.daemon.retry import RetryPolicy
-from node.daemon.transfer import DEFAULT_TIMEOUTS, TransferTimeouts, get_object, get_to_file
+from node.daemon.transfer import get_object, get_to_file
+from node.daemon.transferopts import TransferCounts, TransferOptions, TransferTimeouts
 from node.errors import DigestError, RetriesExhausted
 from protocol.parts import MultipartGrant, PartPlan, PartUrl, part_digests, part_ranges
 from support.cutting_server import CuttingServer
@@ -29,6 +29,8 @@ from support.cutting_server import CuttingServer
 pytestmark = pytest.mark.asyncio
 
 FAST = RetryPolicy(attempts=4, base_s=0.01, budget_s=10.0)
+#: A transfer with the quick retries and nothing else set.
+FAST_OPTIONS = TransferOptions(policy=FAST)
 
 
 def _sha(data: bytes) -> str:
@@ -47,13 +49,21 @@ async def test_one_get_cut_mid_body_resumes_from_the_byte_reached(to_file, tmp_p
         if to_file:
             target = tmp_path / "object.bin"
             await get_to_file(
-                http, server.url(), target, size=len(body), sha256=_sha(body), policy=FAST,
-                counts=counts,
-            )  # fmt: skip
+                http,
+                server.url(),
+                target,
+                size=len(body),
+                sha256=_sha(body),
+                options=TransferOptions(policy=FAST, counts=counts),
+            )
             got = target.read_bytes()
         else:
             got = await get_object(
-                http, server.url(), size=len(body), sha256=_sha(body), policy=FAST, counts=counts
+                http,
+                server.url(),
+                size=len(body),
+                sha256=_sha(body),
+                options=TransferOptions(policy=FAST, counts=counts),
             )
     assert got == body
     # A plain GET, then the rest from the byte reached, twice.
@@ -78,15 +88,24 @@ async def test_a_cut_part_resumes_alone_and_the_others_are_fetched_once(to_file,
         if to_file:
             target = tmp_path / "object.bin"
             await get_to_file(
-                http, server.url(), target, size=len(body), sha256=_sha(body), policy=FAST,
-                part_size=part, counts=counts,
-            )  # fmt: skip
+                http,
+                server.url(),
+                target,
+                size=len(body),
+                sha256=_sha(body),
+                part_size=part,
+                options=TransferOptions(policy=FAST, counts=counts),
+            )
             got = target.read_bytes()
         else:
             got = await get_object(
-                http, server.url(), size=len(body), sha256=_sha(body), policy=FAST,
-                part_size=part, counts=counts,
-            )  # fmt: skip
+                http,
+                server.url(),
+                size=len(body),
+                sha256=_sha(body),
+                part_size=part,
+                options=TransferOptions(policy=FAST, counts=counts),
+            )
     assert got == body
     first = server.seen.ranges[0]  # the part whose GET arrived first is the one cut
     start = int(first.removeprefix("bytes=").split("-")[0])
@@ -113,9 +132,13 @@ async def test_a_body_that_stalls_until_the_timeout_resumes_with_its_digest_inta
     ):
         target = tmp_path / "object.bin"
         await get_to_file(
-            http, server.url(), target, size=len(body), sha256=_sha(body), policy=FAST,
-            timeouts=quick, counts=counts,
-        )  # fmt: skip
+            http,
+            server.url(),
+            target,
+            size=len(body),
+            sha256=_sha(body),
+            options=TransferOptions(timeouts=quick, policy=FAST, counts=counts),
+        )
     assert target.read_bytes() == body
     assert counts.resumed_ranges == 1
     assert server.seen.ranges == ["", f"bytes={counts.bytes_kept}-{len(body) - 1}"]
@@ -131,7 +154,9 @@ async def test_a_store_that_ignores_the_range_on_resume_is_never_spliced() -> No
         aiohttp.ClientSession() as http,
     ):
         with pytest.raises(RetriesExhausted):
-            await get_object(http, server.url(), size=len(body), sha256=_sha(body), policy=FAST)
+            await get_object(
+                http, server.url(), size=len(body), sha256=_sha(body), options=FAST_OPTIONS
+            )
     assert server.seen.ranges[0] == "" and set(server.seen.ranges[1:]) == {
         f"bytes={1 << 20}-{len(body) - 1}"
     }
@@ -151,14 +176,23 @@ async def test_an_object_shorter_than_promised_is_a_digest_error(
         with pytest.raises(DigestError, match=r"bytes|shorter"):
             if to_file:
                 await get_to_file(
-                    http, server.url(), tmp_path / "x.bin", size=promised, sha256=_sha(body),
-                    policy=FAST, part_size=part_size,
-                )  # fmt: skip
+                    http,
+                    server.url(),
+                    tmp_path / "x.bin",
+                    size=promised,
+                    sha256=_sha(body),
+                    part_size=part_size,
+                    options=FAST_OPTIONS,
+                )
             else:
                 await get_object(
-                    http, server.url(), size=promised, sha256=_sha(body), policy=FAST,
+                    http,
+                    server.url(),
+                    size=promised,
+                    sha256=_sha(body),
                     part_size=part_size,
-                )  # fmt: skip
+                    options=FAST_OPTIONS,
+                )
     assert len(set(server.seen.ranges)) == len(server.seen.ranges)  # nothing asked twice
 
 
@@ -169,7 +203,9 @@ async def test_resumed_bytes_are_still_digest_checked() -> None:
         aiohttp.ClientSession() as http,
     ):
         with pytest.raises(DigestError, match="sha256"):
-            await get_object(http, server.url(), size=len(body), sha256="0" * 64, policy=FAST)
+            await get_object(
+                http, server.url(), size=len(body), sha256="0" * 64, options=FAST_OPTIONS
+            )
 
 
 def _grant(server: CuttingServer, data: bytes, part_size: int) -> MultipartGrant:
@@ -195,16 +231,15 @@ async def test_an_upload_part_cut_half_way_is_sent_again_alone(from_file, tmp_pa
         aiohttp.ClientSession() as http,
     ):
         grant = _grant(server, data, part)
-        timeout_for = lambda n: DEFAULT_TIMEOUTS.client_timeout(n)  # noqa: E731
         if from_file:
             source = tmp_path / "object.bin"
             source.write_bytes(data)
             done = await multipart.put_file_parts(
-                http, grant, source, len(data), timeout_for=timeout_for, policy=FAST, counts=counts
+                http, grant, source, len(data), TransferOptions(policy=FAST, counts=counts)
             )
         else:
             done = await multipart.put_parts(
-                http, grant, data, timeout_for=timeout_for, policy=FAST, counts=counts
+                http, grant, data, TransferOptions(policy=FAST, counts=counts)
             )
     assert sorted(server.seen.puts) == sorted([f"/part{n}" for n in range(1, 6)] + ["/part3"])
     assert counts.retried_parts == 1  # every resend is ours (never aiohttp's own)

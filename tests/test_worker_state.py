@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from node.compute.optim import adam_tensors
-from node.compute.state import save_adam, save_state, save_theta
+from node.compute.state import RankFiles, save_adam, save_state, save_theta
 from node.compute.stateread import load_state
 from node.compute.worker import Worker, check_payload_header
 from node.errors import StateError
@@ -129,7 +129,7 @@ def test_a_state_missing_its_latest_moments_restores_the_previous_ones(tmp_path)
     (tmp_path / "adam-2.safetensors").unlink()
     older = _pair()[0]
     older.train_and_compress()
-    save_adam(tmp_path, 1, adam_tensors(older.opt), steps)
+    save_adam(RankFiles(tmp_path), 1, adam_tensors(older.opt), steps)
     state = load_state(tmp_path, w.shapes)
     assert state is not None and state.round == 2 and state.local_steps == steps
     assert all(torch.equal(state.theta[n], t) for n, t in newer.theta.items())
@@ -141,7 +141,7 @@ def test_a_theta_file_of_another_state_is_refused(tmp_path) -> None:
     w = _pair()[0]
     save_state(tmp_path, w.snapshot("idle"))
     w.corrupt()
-    save_theta(tmp_path, 0, w.params, w.fingerprint())
+    save_theta(RankFiles(tmp_path), 0, w.params, w.fingerprint())
     with pytest.raises(StateError, match="not the θ"):
         load_state(tmp_path, w.shapes)
 

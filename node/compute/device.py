@@ -33,13 +33,12 @@ are the same as the CPU's either way. A plain single process keeps θ on the CPU
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from node.compute.outer import _bands, _clip_scales, screen
+from node.compute.outer import DEFAULT_AGGREGATE, AggregateOptions, _bands, _clip_scales, screen
 from node.compute.robust import Screening, value_bound
 from protocol.codec import Payload, _check_header, _LazyTensors
 from protocol.envelope import Envelope, TensorRecord, pack_envelope
@@ -307,19 +306,14 @@ def subtract_mean(
 def apply_aggregate(
     params: Mapping[str, torch.Tensor],
     payloads: Mapping[str, Payload],
-    *,
-    alpha: float = 1.0,
-    clip: bool = True,
-    robust: bool = False,
-    combine: Callable[[np.ndarray], np.ndarray] | None = None,
+    options: AggregateOptions = DEFAULT_AGGREGATE,
 ) -> Screening:
     """``node.compute.outer.apply_aggregate`` on the parameters' device (fp32 parameters).
 
     ``payloads`` come from ``read_payload(..., lazy=True)``. Returns the same ``Screening``.
-    ``combine``: on a rank of a node, sums the screening's counts over the ranks (exact).
     """
     screening, peers = screen(
-        params, payloads, robust=robust, combine=combine,
+        params, payloads, robust=options.robust, combine=options.combine,
         each=lambda name, peers: [p.tensors[name] for p in peers],
     )  # fmt: skip
     if not payloads:
@@ -336,5 +330,7 @@ def apply_aggregate(
                 rec = tensors.record(name)
                 g = TileGeometry.of(rec.shape, topk=p.topk, tile=p.tile)
                 parts.append(decode_record(rec, g, theta.device))
-            subtract_mean(theta, parts, alpha=alpha, clip=clip, bound=robust)
+            subtract_mean(
+                theta, parts, alpha=options.alpha, clip=options.clip, bound=options.robust
+            )
     return screening

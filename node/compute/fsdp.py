@@ -135,10 +135,9 @@ class ShardedPlacement:
         """One ``all_to_all_single`` for ``bucket``: each owner sends every rank the rows of
         its FSDP chunk of each tensor it owns there; each rank copies them into its chunks."""
         world, rank = self.group.world, self.group.rank
-        dev = next(iter(self._params.values())).to_local().device
-        pieces: list[Tensor] = []
-        in_splits = [0] * world
-        for q in range(world):
+        dev = self._local_device()
+        outgoing: list[list[Tensor]] = [[] for _ in range(world)]
+        for q, to_q in enumerate(outgoing):
             for name in bucket:
                 if self.owners[name] != rank:
                     continue
@@ -149,9 +148,7 @@ class ShardedPlacement:
                 part = self.theta[name].reshape(-1, cols)[rows]
                 if offset is not None:
                     part = part - offset[name].reshape(-1, cols)[rows]
-                pieces.append(part.reshape(-1).to(dev, torch.float32))
-                in_splits[q] += chunks[q] * cols
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=dev)
+                to_q.append(part.reshape(-1).to(dev, torch.float32))
         out_splits = [0] * world
         places: list[tuple[str, int, int]] = []
         at = 0
@@ -163,11 +160,29 @@ class ShardedPlacement:
                     places.append((name, at, n))
                     at += n
                     out_splits[q] += n
-        received = torch.empty(at, dtype=torch.float32, device=dev)
-        dist.all_to_all_single(received, send, out_splits, in_splits)
+        received = self._exchange(outgoing, out_splits)
         for name, begin, n in places:
             local = self._params[name].to_local()
             local.copy_(received[begin : begin + n].view_as(local))
+
+    def _local_device(self) -> torch.device:
+        """Where this rank's chunks live."""
+        return next(iter(self._params.values())).to_local().device
+
+    def _flat_chunk(self, name: str) -> Tensor:
+        """This rank's chunk of tensor ``name``, flat, in float32."""
+        return self._params[name].to_local().detach().reshape(-1).to(torch.float32)
+
+    def _exchange(self, outgoing: list[list[Tensor]], out_splits: list[int]) -> Tensor:
+        """One ``all_to_all_single``: the flat float32 pieces of ``outgoing[q]`` go to rank q;
+        what comes back, ``out_splits[q]`` values from rank q, in rank order."""
+        dev = self._local_device()
+        pieces = [piece for to_q in outgoing for piece in to_q]
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=dev)
+        in_splits = [sum(piece.numel() for piece in to_q) for to_q in outgoing]
+        received = torch.empty(sum(out_splits), dtype=torch.float32, device=dev)
+        dist.all_to_all_single(received, send, out_splits, in_splits)
+        return received
 
     def finish(self) -> dict[str, Tensor]:
         """The pseudo-gradient θ - θ_trained of the owned tensors, in fresh memory beside θ."""
@@ -184,16 +199,11 @@ class ShardedPlacement:
         """One ``all_to_all_single`` for ``bucket``: every rank sends its chunk of each tensor
         to the tensor's owner; the owner's trained tensors, whole."""
         world, rank = self.group.world, self.group.rank
-        dev = next(iter(self._params.values())).to_local().device
-        pieces: list[Tensor] = []
-        in_splits = [0] * world
-        for q in range(world):
-            for name in bucket:
-                if self.owners[name] == q:
-                    local = self._params[name].to_local().detach().reshape(-1)
-                    pieces.append(local.to(torch.float32))
-                    in_splits[q] += local.numel()
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=dev)
+        dev = self._local_device()
+        outgoing: list[list[Tensor]] = [
+            [self._flat_chunk(name) for name in bucket if self.owners[name] == q]
+            for q in range(world)
+        ]
         mine = [n for n in bucket if self.owners[n] == rank]
         out_splits = [0] * world
         places: list[tuple[str, int, int, int]] = []
@@ -204,8 +214,7 @@ class ShardedPlacement:
                 places.append((name, q, at, chunks[q] * cols))
                 at += chunks[q] * cols
                 out_splits[q] += chunks[q] * cols
-        received = torch.empty(at, dtype=torch.float32, device=dev)
-        dist.all_to_all_single(received, send, out_splits, in_splits)
+        received = self._exchange(outgoing, out_splits)
         trained = {
             n: torch.empty(self._params[n].shape, dtype=torch.float32, device=dev) for n in mine
         }

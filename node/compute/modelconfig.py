@@ -7,6 +7,7 @@ the table (the console script's help, config checks) reads it without importing 
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -96,6 +97,13 @@ class ModelConfig(BaseModel):
         return self.ffn_dim or -(-8 * self.d_model // 3 // 64) * 64
 
 
+#: A LLaMA as the SparseLoCo paper trains them: a 32,768-entry BPE vocabulary, untied
+#: embeddings, 2,048 tokens of context; the sizes are the preset's.
+_paper_llama = functools.partial(
+    ModelConfig, arch="llama", vocab_size=32768, tie_embeddings=False, ctx_len=2048
+)
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Tests: trains in seconds on one CPU core.
     "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=2, ctx_len=64),
@@ -132,29 +140,10 @@ PRESETS: dict[str, ModelConfig] = {
     "llama_bpe4k_12m": ModelConfig(
         arch="llama", vocab_size=4096, d_model=384, n_layers=6, n_heads=6, ffn_dim=1024, ctx_len=256
     ),
-    # ~520M, the class of the SparseLoCo paper's 512 M LLaMA runs (a 32,768-entry BPE vocabulary).
-    "llama_512m": ModelConfig(
-        arch="llama",
-        vocab_size=32768,
-        d_model=1280,
-        n_layers=22,
-        n_heads=20,
-        ffn_dim=3456,
-        tie_embeddings=False,
-        ctx_len=2048,
-    ),
+    # ~520M, the class of the SparseLoCo paper's 512 M LLaMA runs.
+    "llama_512m": _paper_llama(d_model=1280, n_layers=22, n_heads=20, ffn_dim=3456),
     # ~0.97B with grouped-query attention (8 key/value heads).
-    "llama_1b": ModelConfig(
-        arch="llama",
-        vocab_size=32768,
-        d_model=2048,
-        n_layers=18,
-        n_heads=16,
-        n_kv_heads=8,
-        ffn_dim=5504,
-        tie_embeddings=False,
-        ctx_len=2048,
-    ),
+    "llama_1b": _paper_llama(d_model=2048, n_layers=18, n_heads=16, ffn_dim=5504, n_kv_heads=8),
 }
 
 

@@ -27,6 +27,7 @@ import functools
 import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numba
@@ -309,16 +310,28 @@ def screen(
     return screening, [p for p, kept in zip(peers, keep, strict=True) if kept]
 
 
+@dataclass(frozen=True)
+class AggregateOptions:
+    """How a round's aggregate is applied (``apply_aggregate`` here and in ``node.compute.device``):
+    scaled by ``alpha``, each peer's tensor clipped to the median norm (``clip``), the peers
+    screened and the values bounded (``robust``); ``combine`` sums the screening's counts over
+    a node's ranks (``Group.sum_ints``), None for one process."""
+
+    alpha: float = 1.0
+    clip: bool = True
+    robust: bool = False
+    combine: Callable[[np.ndarray], np.ndarray] | None = None
+
+
+DEFAULT_AGGREGATE = AggregateOptions()
+
+
 def apply_aggregate(
     params: Mapping[str, torch.Tensor],
     payloads: Mapping[str, Payload],
-    *,
-    alpha: float = 1.0,
-    clip: bool = True,
-    robust: bool = False,
-    combine: Callable[[np.ndarray], np.ndarray] | None = None,
+    options: AggregateOptions = DEFAULT_AGGREGATE,
 ) -> Screening:
-    """Steps 7-8 in place: ``theta -= alpha * aggregate`` for every tensor.
+    """Steps 7-8 in place: ``theta -= alpha * aggregate`` for every tensor (``options``).
 
     ``payloads`` maps node id to its validated payload; the mapping's own order is ignored.
     With no payloads the parameters stay unchanged (an empty round). Only the entries some
@@ -331,9 +344,10 @@ def apply_aggregate(
     ``combine`` adds the screening's integer counts over the ranks (``Group.sum_ints``, exact)
     before the verdicts, so every rank screens out the same peers.
     """
+    alpha, clip, robust = options.alpha, options.clip, options.robust
     # Each tensor of the peers decoded side by side (nogil kernels) for the screening.
     screening, peers = screen(
-        params, payloads, robust=robust, combine=combine,
+        params, payloads, robust=robust, combine=options.combine,
         each=lambda name, peers: kernels.map_threads(lambda p: p.tensors[name], peers),
     )  # fmt: skip
     if not payloads:

@@ -137,40 +137,48 @@ def numbered_files(state_dir: Path, pattern: str, rank: int, world: int) -> dict
     return out
 
 
-def save_theta(
-    state_dir: Path,
-    round_: int,
-    theta: Mapping[str, torch.Tensor],
-    fp: str,
-    rank: int = 0,
-    world: int = 1,
-) -> None:
+@dataclass(frozen=True)
+class RankFiles:
+    """The files of ``rank`` of ``world`` in a node's ``state_dir`` (named by ``shard_file``)."""
+
+    state_dir: Path
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def of(cls, state_dir: Path, group: Group) -> RankFiles:
+        """The files of ``group``'s rank."""
+        return cls(state_dir, group.rank, group.world)
+
+    def path(self, pattern: str, key: object) -> Path:
+        """This rank's file of ``pattern`` for ``key``."""
+        return self.state_dir / shard_file(pattern, key, self.rank, self.world)
+
+
+def save_theta(files: RankFiles, round_: int, theta: Mapping[str, torch.Tensor], fp: str) -> None:
     """θ_round (this rank's tensors) with the node's fingerprint of it."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    path = state_dir / shard_file(THETA_PATTERN, round_, rank, world)
-    write_safetensors(path, theta, {"round": str(round_), "fingerprint": fp})
+    files.state_dir.mkdir(parents=True, exist_ok=True)
+    write_safetensors(
+        files.path(THETA_PATTERN, round_), theta, {"round": str(round_), "fingerprint": fp}
+    )
 
 
 def save_adam(
-    state_dir: Path,
-    round_: int,
-    adam: Mapping[str, torch.Tensor],
-    local_steps: int,
-    rank: int = 0,
-    world: int = 1,
+    files: RankFiles, round_: int, adam: Mapping[str, torch.Tensor], local_steps: int
 ) -> None:
     """This rank's AdamW moments; its older ones are deleted after it."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"round": str(round_), "local_steps": str(local_steps), "world": str(world)}
-    write_safetensors(state_dir / shard_file(ADAM_PATTERN, round_, rank, world), adam, meta)
-    for r, path in numbered_files(state_dir, ADAM_PATTERN, rank, world).items():
+    files.state_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"round": str(round_), "local_steps": str(local_steps), "world": str(files.world)}
+    write_safetensors(files.path(ADAM_PATTERN, round_), adam, meta)
+    older = numbered_files(files.state_dir, ADAM_PATTERN, files.rank, files.world)
+    for r, path in older.items():
         if r != round_:
             path.unlink(missing_ok=True)
 
 
-def theta_saved(state_dir: Path, round_: int, fp: str, rank: int = 0, world: int = 1) -> bool:
+def theta_saved(files: RankFiles, round_: int, fp: str) -> bool:
     """Whether this rank's θ file of ``round_`` is there and holds θ of fingerprint ``fp``."""
-    path = state_dir / shard_file(THETA_PATTERN, round_, rank, world)
+    path = files.path(THETA_PATTERN, round_)
     try:
         with safe_open(str(path), framework="pt") as f:
             return (f.metadata() or {}).get("fingerprint") == fp
@@ -235,8 +243,9 @@ def save_state(state_dir: Path, state: NodeState, group: Group | None = None) ->
     the commit."""
     group = group or Group.solo()
     state_dir.mkdir(parents=True, exist_ok=True)
-    if not theta_saved(state_dir, state.round, state.fingerprint, group.rank, group.world):
-        save_theta(state_dir, state.round, state.theta, state.fingerprint, group.rank, group.world)
+    files = RankFiles.of(state_dir, group)
+    if not theta_saved(files, state.round, state.fingerprint):
+        save_theta(files, state.round, state.theta, state.fingerprint)
     if state.adam:
-        save_adam(state_dir, state.round, state.adam, state.local_steps, group.rank, group.world)
+        save_adam(files, state.round, state.adam, state.local_steps)
     commit_state(state_dir, state, group)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from node.compute.mass import abs_total, total
-from node.compute.outer import add_back, apply_aggregate, compress, feed_error
+from node.compute.outer import AggregateOptions, add_back, apply_aggregate, compress, feed_error
 from node.compute.placement import Placement
 from node.compute.shards import encode_tensors, node_payload
 from node.compute.share import Share
@@ -255,14 +255,14 @@ class Worker(Share):
         self.previous_fingerprint = self._fingerprint
         eager = self.run.overlap == "eager"
         before = {n: p.clone() for n, p in self.params.items()} if eager else None
-        options = {"alpha": self.run.alpha, "clip": self.run.clip, "robust": self.run.robust}
-        counts = self.group.sum_ints
+        run = self.run
+        options = AggregateOptions(run.alpha, run.clip, run.robust, combine=self.group.sum_ints)
         if self.device.type == "cuda" and self.sharded:
             from node.compute import device
 
-            screening = device.apply_aggregate(self.params, payloads, combine=counts, **options)  # type: ignore[arg-type]
+            screening = device.apply_aggregate(self.params, payloads, options)
         else:
-            screening = apply_aggregate(self.params, payloads, combine=counts, **options)  # type: ignore[arg-type]
+            screening = apply_aggregate(self.params, payloads, options)
         if before is not None:
             with torch.no_grad():
                 for n, p in self.params.items():

@@ -6,9 +6,9 @@ drives a ``compute.worker.Worker`` through the rounds, talking to the coordinato
 ``api.CoordinatorApi`` seam (``client`` is the HTTP implementation) and to the object store
 through the ``api.Transfers`` seam (``transfer``: presigned PUT/GET with aiohttp; ``ranged``:
 a byte range resumed after a reset; ``multipart``: uploads in parts; ``filestream``: their disk
-side). ``rounds``
-holds the round's steps after training: wait, verify, download, decode, apply, account, save,
-report; ``overlap`` trains the next round while a round's payloads travel (the run's
+side; ``transferopts``: the timeouts, retries, cap and tally every transfer runs under).
+``rounds`` holds the round's steps after training: wait, verify, download, decode, apply,
+account, save, report; ``overlap`` trains the next round while a round's payloads travel (the run's
 ``overlap``); ``upload`` sends a trained round; ``host`` is what these steps use of the daemon
 (Protocols: they never import ``loop``). ``gather`` fetches and validates a closed round's
 gather set, ``checkpoints`` offers and restores checkpoints, ``retry`` bounds every retry,

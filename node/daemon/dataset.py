@@ -33,6 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from node.compute.data import check_vocabulary
@@ -203,26 +204,32 @@ def _quiet(future: concurrent.futures.Future[None]) -> None:
         _retrying("read_ahead_failed", None, exc)
 
 
-async def open_dataset(
-    api: CoordinatorApi,
-    transfers: Transfers,
-    run: RunConfig,
-    state_dir: Path,
-    *,
-    local: str | None,
-    stop: threading.Event,
-) -> tuple[ShardStream, ShardFetcher]:
+@dataclass(frozen=True)
+class DatasetSource:
+    """Where a node's copy of the run's dataset comes from: the coordinator (``api``) and the
+    store (``transfers``), into a folder of ``state_dir``, or ``local`` (``--data``), a folder of
+    the same dataset already on this machine; ``stop`` ends the fetching."""
+
+    api: CoordinatorApi
+    transfers: Transfers
+    run: RunConfig
+    state_dir: Path
+    local: str | None
+    stop: threading.Event
+
+
+async def open_dataset(source: DatasetSource) -> tuple[ShardStream, ShardFetcher]:
     """The stream of the run's dataset for this node, its manifest checked against the id.
 
-    ``local`` (``--data``): a folder of the same dataset already on this machine is used as is
-    (shards it lacks are still fetched); anything else with a run that names a dataset is a
-    ``DataError``.
+    A ``local`` folder is used as is (shards it lacks are still fetched); anything else with a
+    run that names a dataset is a ``DataError``.
     """
+    api, transfers, run, local = source.api, source.transfers, source.run, source.local
     dataset = run.dataset
     if dataset is None:
         raise ValueError("the run names no dataset")
     ctx_len = get_preset(run.model).ctx_len
-    root = state_dir / "datasets" / dataset_hex(dataset)
+    root = source.state_dir / "datasets" / dataset_hex(dataset)
     if local is not None:
         root = _local_root(local, dataset)
     view = await api.dataset()
@@ -244,7 +251,7 @@ async def open_dataset(
         root.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     check_vocabulary(manifest, get_preset(run.model).vocab_size, where=f"dataset {dataset}")
-    fetcher = ShardFetcher(api, transfers, manifest, root, asyncio.get_running_loop(), stop)
+    fetcher = ShardFetcher(api, transfers, manifest, root, asyncio.get_running_loop(), source.stop)
     stream = ShardStream(root, manifest, ctx_len=ctx_len, fetch=fetcher)
     log.info(
         "event=dataset_opened dataset=%s shards=%d tokens=%d folder=%s",
@@ -272,21 +279,14 @@ def _local_root(local: str, dataset: str) -> Path:
 
 
 async def open_waiting(
-    api: CoordinatorApi,
-    transfers: Transfers,
-    run: RunConfig,
-    state_dir: Path,
-    *,
-    local: str | None,
-    stop: threading.Event,
-    sleep: Callable[[float], Awaitable[None]],
+    source: DatasetSource, *, sleep: Callable[[float], Awaitable[None]]
 ) -> tuple[ShardStream, ShardFetcher]:
     """``open_dataset``, waiting out an outage of the store or the coordinator (a refusal is
-    raised); ``Abandoned`` once ``stop`` is set."""
+    raised); ``Abandoned`` once the source's ``stop`` is set."""
     pause = 1.0
     while True:
         try:
-            return await open_dataset(api, transfers, run, state_dir, local=local, stop=stop)
+            return await open_dataset(source)
         except (ConnectionError, TransferError) as exc:
             _retrying("dataset_retry", pause, exc)
         except CoordinatorError as exc:
@@ -294,7 +294,7 @@ async def open_waiting(
                 raise
             _retrying("dataset_retry", pause, exc)
         await sleep(pause)
-        if stop.is_set():
+        if source.stop.is_set():
             raise Abandoned()
         pause = min(RETRY_MAX_S, 2 * pause)
 

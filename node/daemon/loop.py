@@ -48,7 +48,7 @@ from node.daemon import overlap
 from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.condition import Condition
-from node.daemon.dataset import open_waiting
+from node.daemon.dataset import DatasetSource, open_waiting
 from node.daemon.faults import Faults
 from node.daemon.gather import Spool
 from node.daemon.join import join, refusal
@@ -189,10 +189,11 @@ class NodeDaemon:
         one; None: ``--data`` (or the demo corpus)."""
         if joined.run.dataset is None:
             return None
-        stream, _ = await open_waiting(
+        source = DatasetSource(
             self.api, self.transfers, joined.run, self.settings.state_dir,
-            local=self.settings.data, stop=self.compute_stop, sleep=self.sleep,
+            local=self.settings.data, stop=self.compute_stop,
         )  # fmt: skip
+        stream, _ = await open_waiting(source, sleep=self.sleep)
         return stream
 
     async def run(self, *, handle_signals: bool = True) -> int:

@@ -34,9 +34,10 @@ from typing import Any, TypeVar
 import aiohttp
 
 from node.daemon.filestream import WRITE_CHUNK, file_chunks
-from node.daemon.ranged import TransferCounts, check_status, signed
+from node.daemon.ranged import check_status, signed
 from node.daemon.ratelimit import Bandwidth
-from node.daemon.retry import Link, RetryPolicy, retry
+from node.daemon.retry import retry
+from node.daemon.transferopts import TransferOptions
 from node.errors import TransferError, TransientError
 from protocol.parts import (
     MAX_PARTS,
@@ -104,16 +105,14 @@ async def _send_parts(
     grant: MultipartGrant,
     size: int,
     send: Callable[[PartUrl, int, int], Awaitable[str]],
-    *,
-    policy: RetryPolicy,
-    link: Link | None,
-    counts: TransferCounts | None,
+    options: TransferOptions,
     done: dict[int, CompletedPart] | None,
 ) -> list[CompletedPart]:
     """Every part of ``grant`` through ``send(part, start, end) -> etag``, ``PARALLEL_UPLOADS``
-    at a time, each retried alone; the parts in order, as the completion lists them. Parts in
-    ``done`` (by number) are not sent again, and each part the store takes is added to it: a
-    caller whose upload failed part way sends only the rest with the same grant."""
+    at a time, each retried alone (as ``options`` say); the parts in order, as the completion
+    lists them. Parts in ``done`` (by number) are not sent again, and each part the store takes
+    is added to it: a caller whose upload failed part way sends only the rest with the same
+    grant."""
     done = {} if done is None else done
     ranges = part_ranges(size, grant.part_size)
     if [p.number for p in grant.parts] != list(range(1, len(ranges) + 1)):
@@ -129,13 +128,15 @@ async def _send_parts(
             nonlocal tries
             tries += 1
             if tries > 1:
-                if counts is not None:
-                    counts.retried_parts += 1
+                if options.counts is not None:
+                    options.counts.retried_parts += 1
                 log.debug("event=part_retried number=%d attempt=%d", part.number, tries)
             return await send(part, start, end)
 
         async with gate:
-            etag = await retry(attempt, policy=policy, what="upload part", link=link)
+            etag = await retry(
+                attempt, policy=options.policy, what="upload part", link=options.link
+            )
         done[part.number] = CompletedPart(number=part.number, etag=etag, sha256=_sha_hex(part))
         return done[part.number]
 
@@ -191,25 +192,18 @@ async def put_parts(
     session: aiohttp.ClientSession,
     grant: MultipartGrant,
     data: bytes,
-    *,
-    timeout_for: Callable[[int], aiohttp.ClientTimeout],
-    policy: RetryPolicy,
-    link: Link | None = None,
-    bandwidth: Bandwidth | None = None,
-    counts: TransferCounts | None = None,
+    options: TransferOptions,
     done: dict[int, CompletedPart] | None = None,
 ) -> list[CompletedPart]:
-    """Upload ``data`` through ``grant``'s part URLs (but those in ``done``); the parts for
-    the completion. ``timeout_for(n)`` is the limit of one attempt of ``n`` bytes."""
+    """Upload ``data`` through ``grant``'s part URLs (but those in ``done``), each part's
+    attempts as ``options`` say; the parts for the completion."""
     view = memoryview(data)
 
     async def send(part: PartUrl, start: int, end: int) -> str:
-        body = _pieces(view[start:end], bandwidth)
-        return await _put_part(session, part, body, end - start, timeout_for(end - start))
+        body = _pieces(view[start:end], options.bandwidth)
+        return await _put_part(session, part, body, end - start, options.timeout(end - start))
 
-    return await _send_parts(
-        grant, len(data), send, policy=policy, link=link, counts=counts, done=done
-    )
+    return await _send_parts(grant, len(data), send, options, done)
 
 
 async def put_file_parts(
@@ -217,12 +211,7 @@ async def put_file_parts(
     grant: MultipartGrant,
     path: Path,
     size: int,
-    *,
-    timeout_for: Callable[[int], aiohttp.ClientTimeout],
-    policy: RetryPolicy,
-    link: Link | None = None,
-    bandwidth: Bandwidth | None = None,
-    counts: TransferCounts | None = None,
+    options: TransferOptions,
 ) -> list[CompletedPart]:
     """Upload the ``size`` bytes of the file at ``path`` through ``grant``'s part URLs, each
     part streamed from disk; the parts for the completion."""
@@ -230,7 +219,7 @@ async def put_file_parts(
     async def send(part: PartUrl, start: int, end: int) -> str:
         with open(path, "rb", buffering=0) as f:
             f.seek(start)
-            body = file_chunks(f, end - start, bandwidth)
-            return await _put_part(session, part, body, end - start, timeout_for(end - start))
+            body = file_chunks(f, end - start, options.bandwidth)
+            return await _put_part(session, part, body, end - start, options.timeout(end - start))
 
-    return await _send_parts(grant, size, send, policy=policy, link=link, counts=counts, done=None)
+    return await _send_parts(grant, size, send, options, None)

@@ -31,6 +31,7 @@ from node.compute.group import Group
 from node.compute.state import (
     STATE_FILE,
     NodeState,
+    RankFiles,
     commit_state,
     load_pending,
     pending_path,
@@ -128,13 +129,13 @@ def save_submitting(
     snapshot = worker.snapshot("submitting", seq=shard.next_seq())
     if mass is not None:
         snapshot.extra[MASS_KEY] = mass
-    rank, world = group.rank, group.world
-    if not theta_saved(state_dir, snapshot.round, snapshot.fingerprint, rank, world):
+    files = RankFiles.of(state_dir, group)
+    if not theta_saved(files, snapshot.round, snapshot.fingerprint):
         # θ changed without the round loop's steps (a resync, a test's hostile node): now.
-        save_theta(state_dir, snapshot.round, snapshot.theta, snapshot.fingerprint, rank, world)
+        save_theta(files, snapshot.round, snapshot.theta, snapshot.fingerprint)
     commit_state(state_dir, snapshot, group)
     adam, steps = snapshot.adam, snapshot.local_steps
-    worker.writes.adam.start(lambda: save_adam(state_dir, round_, adam, steps, rank, world))
+    worker.writes.adam.start(lambda: save_adam(files, round_, adam, steps))
     return time.perf_counter() - t0
 
 
@@ -154,8 +155,8 @@ def save_applied(shard: Shard, *, trained: bool) -> str:
         return save_idle(shard)
     worker, group, state_dir = shard.worker, shard.group, shard.state_dir
     fp = worker.fingerprint()
-    round_, theta, rank, world = worker.round, worker.params, group.rank, group.world
-    worker.writes.theta.start(lambda: save_theta(state_dir, round_, theta, fp, rank, world))
+    round_, theta, files = worker.round, worker.params, RankFiles.of(state_dir, group)
+    worker.writes.theta.start(lambda: save_theta(files, round_, theta, fp))
     return fp
 
 

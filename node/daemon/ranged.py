@@ -19,8 +19,8 @@ store promised more in its ``Content-Length``); a body that ends cleanly short, 
 the object is shorter than promised: a ``DigestError``, like any other object that does not
 match (every node sees the same bytes, and drops the same payload).
 Each attempt is one attempt of ``node.daemon.retry`` (the same timeouts, statuses and budget as
-any transfer); ``TransferCounts`` tallies the resumes (and the upload parts retried,
-``node.daemon.multipart``), so that benchmarks and tests can show resets happened mid-transfer.
+any transfer); the ``TransferCounts`` of its ``TransferOptions`` (``node.daemon.transferopts``)
+tally the resumes, so that benchmarks and tests can show resets happened mid-transfer.
 The caller still checks the whole object's size and sha256.
 """
 
@@ -36,22 +36,13 @@ from yarl import URL
 
 from node.daemon.filestream import body_to_file
 from node.daemon.ratelimit import CHUNK, Bandwidth
-from node.daemon.retry import TRANSIENT_STATUS, Link, RetryPolicy, retry
+from node.daemon.retry import TRANSIENT_STATUS, retry
+from node.daemon.transferopts import TransferOptions
 from node.errors import DigestError, TransferError, TransientError
 
 log = logging.getLogger("sparseloco.transfer")
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-
-
-@dataclass
-class TransferCounts:
-    """What the transfers of one node had to repeat: ranges resumed after a cut body (and the
-    bytes they did not fetch again), upload parts sent again."""
-
-    resumed_ranges: int = 0
-    bytes_kept: int = 0
-    retried_parts: int = 0
 
 
 def signed(url: str) -> URL:
@@ -125,16 +116,12 @@ def check_range(resp: aiohttp.ClientResponse, pos: int, what: str) -> None:
 
 @dataclass(frozen=True)
 class ObjectGet:
-    """The GETs of one object: its presigned ``url`` on ``session``, each attempt retried under
-    ``policy`` (``link`` told), read at ``bandwidth``'s pace when there is one, the resumes
-    tallied in ``counts``."""
+    """The GETs of one object: its presigned ``url`` on ``session``, each attempt retried, paced
+    and its resumes tallied as ``options`` say."""
 
     session: aiohttp.ClientSession
     url: str
-    policy: RetryPolicy
-    link: Link | None = None
-    bandwidth: Bandwidth | None = None
-    counts: TransferCounts | None = None
+    options: TransferOptions
 
     def headers(self, start: int, pos: int, end: int, *, ranged: bool, what: str) -> dict[str, Any]:
         """The headers of an attempt at bytes ``start``..``end`` that begins at ``pos``: a
@@ -143,9 +130,10 @@ class ObjectGet:
         if ranged or pos > start:
             headers["Range"] = f"bytes={pos}-{end - 1}"
         if pos > start:
-            if self.counts is not None:
-                self.counts.resumed_ranges += 1
-                self.counts.bytes_kept += pos - start
+            counts = self.options.counts
+            if counts is not None:
+                counts.resumed_ranges += 1
+                counts.bytes_kept += pos - start
             log.debug("event=range_resumed what=%r start=%d from=%d", what, start, pos)
         return headers
 
@@ -173,12 +161,12 @@ async def fetch_range(
         async with get.session.get(signed(get.url), headers=headers, timeout=timeout) as resp:
             await answered(resp, pos, what)
             # One byte more than asked for at most (see above); a cut body keeps what came.
-            await _read_into(resp, buf, end + 1 - pos, get.bandwidth)
+            await _read_into(resp, buf, end + 1 - pos, get.options.bandwidth)
         if len(buf) < end - start:  # the body ended cleanly: the object is shorter
             raise DigestError(f"{what}: expected {end - start} bytes, got {len(buf)}")
         return bytes(buf)
 
-    return await retry(attempt, policy=get.policy, what=what, link=get.link)
+    return await retry(attempt, policy=get.options.policy, what=what, link=get.options.link)
 
 
 async def range_to_file(
@@ -207,11 +195,11 @@ async def range_to_file(
         headers = get.headers(start, pos, end, ranged=ranged, what=what)
         async with get.session.get(signed(get.url), headers=headers, timeout=timeout) as resp:
             await answered(resp, pos, what)
-            got = await body_to_file(resp, fd, pos, end - pos, get.bandwidth, sha, landed)
+            got = await body_to_file(resp, fd, pos, end - pos, get.options.bandwidth, sha, landed)
         if pos + got > end:
             return written + 1  # one byte over: the caller's size check says so
         if written < end - start:  # the body ended cleanly: the object is shorter
             raise DigestError(f"{what}: expected {end - start} bytes, got {written}")
         return written
 
-    return await retry(attempt, policy=get.policy, what=what, link=get.link)
+    return await retry(attempt, policy=get.options.policy, what=what, link=get.options.link)

@@ -26,7 +26,8 @@ from node.daemon.ratelimit import Limits
 from node.daemon.retry import FOREVER, Link
 from node.daemon.settings import NodeSettings
 from node.daemon.tls import connector
-from node.daemon.transfer import HttpTransfers, TransferTimeouts
+from node.daemon.transfer import HttpTransfers
+from node.daemon.transferopts import TransferTimeouts
 
 
 @dataclass(frozen=True)

@@ -38,23 +38,23 @@ import hashlib
 import os
 import tempfile
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from node.daemon.filestream import PartsSha, file_chunks, in_thread
 from node.daemon.multipart import all_or_none, put_file_parts, put_parts
-from node.daemon.ranged import (
-    ObjectGet,
-    TransferCounts,
-    check_status,
-    fetch_range,
-    range_to_file,
-    signed,
-)
+from node.daemon.ranged import ObjectGet, check_status, fetch_range, range_to_file, signed
 from node.daemon.ratelimit import Bandwidth, Limits
 from node.daemon.retry import Link, RetryPolicy, retry
+from node.daemon.transferopts import (
+    DEFAULT_OPTIONS,
+    DEFAULT_POLICY,
+    DEFAULT_TIMEOUTS,
+    TransferCounts,
+    TransferOptions,
+    TransferTimeouts,
+)
 from node.errors import DigestError, TransferError
 from protocol.parts import CompletedPart, MultipartGrant
 
@@ -63,57 +63,43 @@ PART_SIZE = 8 << 20
 #: Ranged GETs in flight per object.
 PARALLEL_PARTS = 4
 
-DEFAULT_POLICY = RetryPolicy()
-
-
-@dataclass(frozen=True)
-class TransferTimeouts:
-    """Per-attempt limits, named by phase."""
-
-    connect_s: float = 10.0
-    #: Whole PUT or GET of one object or part, including the body.
-    transfer_s: float = 120.0
-
-    def client_timeout(
-        self, size: int = 0, limit: Bandwidth | None = None
-    ) -> aiohttp.ClientTimeout:
-        """The limits of one attempt; a capped transfer gets the time its cap needs on top."""
-        total = self.transfer_s + (0.0 if limit is None else limit.seconds_for(size))
-        return aiohttp.ClientTimeout(total=total, sock_connect=self.connect_s)
-
-
-DEFAULT_TIMEOUTS = TransferTimeouts()
-
 
 async def put_object(
     session: aiohttp.ClientSession,
     url: str,
     headers: Mapping[str, str],
     data: bytes,
-    *,
-    timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
-    policy: RetryPolicy = DEFAULT_POLICY,
-    link: Link | None = None,
-    bandwidth: Bandwidth | None = None,
+    options: TransferOptions = DEFAULT_OPTIONS,
 ) -> bool:
     """PUT ``data`` to a presigned URL. Returns False if the object already existed (412).
-    With ``bandwidth`` the body goes out at its pace (with its length declared, not chunked)."""
+    Under a ``bandwidth`` cap the body goes out at its pace (its length declared, not chunked)."""
 
     async def attempt() -> bool:
         body: bytes | AsyncIterator[bytes] = data
         sent = dict(headers)
-        if bandwidth is not None:
-            body = bandwidth.chunks(data)
+        if options.bandwidth is not None:
+            body = options.bandwidth.chunks(data)
             sent["Content-Length"] = str(len(data))
-        timeout = timeouts.client_timeout(len(data), bandwidth)
-        async with session.put(signed(url), data=body, headers=sent, timeout=timeout) as resp:
-            body = await resp.read()
-            if resp.status == 412:
-                return False
-            check_status(resp.status, body, "upload")
-            return True
+        return await _put_once(session, url, body, sent, options.timeout(len(data)))
 
-    return await retry(attempt, policy=policy, what="upload", link=link)
+    return await retry(attempt, policy=options.policy, what="upload", link=options.link)
+
+
+async def _put_once(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes | AsyncIterator[bytes],
+    headers: Mapping[str, str],
+    timeout: aiohttp.ClientTimeout,
+) -> bool:
+    """One attempt at a write-once PUT: True once stored, False if the object already existed
+    (412), an error for any other failure."""
+    async with session.put(signed(url), data=body, headers=headers, timeout=timeout) as resp:
+        text = await resp.read()
+        if resp.status == 412:
+            return False
+        check_status(resp.status, text, "upload")
+        return True
 
 
 async def get_object(
@@ -122,25 +108,21 @@ async def get_object(
     *,
     size: int,
     sha256: str,
-    timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
-    policy: RetryPolicy = DEFAULT_POLICY,
+    options: TransferOptions = DEFAULT_OPTIONS,
     part_size: int = PART_SIZE,
-    link: Link | None = None,
-    bandwidth: Bandwidth | None = None,
-    counts: TransferCounts | None = None,
 ) -> bytes:
-    """Download an object of known ``size`` and ``sha256`` (hex) and verify it (at
+    """Download an object of known ``size`` and ``sha256`` (hex) and verify it (at the
     ``bandwidth``'s pace when there is one); a cut body is resumed where it stopped."""
-    get = ObjectGet(session, url, policy, link, bandwidth, counts)
+    get = ObjectGet(session, url, options)
     if size <= part_size:
-        timeout = timeouts.client_timeout(size, bandwidth)
+        timeout = options.timeout(size)
         data = await fetch_range(get, 0, size, ranged=False, timeout=timeout, what="download")
     else:
         gate = asyncio.Semaphore(PARALLEL_PARTS)
 
         async def part(start: int) -> bytes:
             end = min(size, start + part_size)
-            timeout = timeouts.client_timeout(end - start, bandwidth)
+            timeout = options.timeout(end - start)
             async with gate:
                 return await fetch_range(get, start, end, ranged=True, timeout=timeout)
 
@@ -167,12 +149,8 @@ async def get_to_file(
     *,
     size: int,
     sha256: str,
-    timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
-    policy: RetryPolicy = DEFAULT_POLICY,
+    options: TransferOptions = DEFAULT_OPTIONS,
     part_size: int = PART_SIZE,
-    link: Link | None = None,
-    bandwidth: Bandwidth | None = None,
-    counts: TransferCounts | None = None,
 ) -> None:
     """Download an object of known ``size`` and ``sha256`` (hex) to ``path``, holding at most
     ``filestream.WRITE_CHUNK`` bytes per part in flight; ``path`` appears only once the file
@@ -182,18 +160,18 @@ async def get_to_file(
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     except OSError as exc:
         raise TransferError(f"download: cannot write in {path.parent}: {exc.strerror}") from exc
-    get = ObjectGet(session, url, policy, link, bandwidth, counts)
+    get = ObjectGet(session, url, options)
     try:
         if size <= part_size:
             sha = hashlib.sha256()
-            timeout = timeouts.client_timeout(size, bandwidth)
+            timeout = options.timeout(size)
             got = await range_to_file(
                 get, fd, 0, size, ranged=False, timeout=timeout, sha=sha, what="download"
             )
             _check_size(got, size)
             actual = sha.hexdigest()
         else:
-            actual = await _parts_to_file(get, fd, size, part_size, timeouts)
+            actual = await _parts_to_file(get, fd, size, part_size)
         _check_sha256(actual, sha256)
         await in_thread(os.ftruncate, fd, size)  # nothing of an earlier, longer attempt
         await in_thread(os.fsync, fd)
@@ -207,9 +185,7 @@ async def get_to_file(
         raise
 
 
-async def _parts_to_file(
-    get: ObjectGet, fd: int, size: int, part_size: int, timeouts: TransferTimeouts
-) -> str:
+async def _parts_to_file(get: ObjectGet, fd: int, size: int, part_size: int) -> str:
     """Parallel ranged GETs written at their offsets, each retried (and resumed) alone; the
     file's sha256."""
     gate = asyncio.Semaphore(PARALLEL_PARTS)
@@ -218,7 +194,7 @@ async def _parts_to_file(
     async def part(index: int) -> None:
         start = index * part_size
         end = min(size, start + part_size)
-        timeout = timeouts.client_timeout(end - start, get.bandwidth)
+        timeout = get.options.timeout(end - start)
         async with gate:
             got = await range_to_file(get, fd, start, end, ranged=True, timeout=timeout)
         if got != end - start:  # a store that sent more than the range asked for
@@ -237,13 +213,10 @@ async def put_file(
     path: Path,
     *,
     size: int,
-    timeouts: TransferTimeouts = DEFAULT_TIMEOUTS,
-    policy: RetryPolicy = DEFAULT_POLICY,
-    link: Link | None = None,
-    bandwidth: Bandwidth | None = None,
+    options: TransferOptions = DEFAULT_OPTIONS,
 ) -> bool:
     """PUT the ``size`` bytes of the local file ``path`` to a presigned URL, streamed from disk
-    with its length declared (at ``bandwidth``'s pace when there is one). Returns False if the
+    with its length declared (at the ``bandwidth``'s pace when there is one). Returns False if the
     object already existed (412); ``TransferError`` if the file does not hold ``size`` bytes."""
     try:
         found = os.stat(path).st_size
@@ -254,17 +227,11 @@ async def put_file(
 
     async def attempt() -> bool:
         sent = {**headers, "Content-Length": str(size)}
-        timeout = timeouts.client_timeout(size, bandwidth)
         with open(path, "rb", buffering=0) as f:
-            body = file_chunks(f, size, bandwidth)
-            async with session.put(signed(url), data=body, headers=sent, timeout=timeout) as resp:
-                text = await resp.read()
-                if resp.status == 412:
-                    return False
-                check_status(resp.status, text, "upload")
-                return True
+            body = file_chunks(f, size, options.bandwidth)
+            return await _put_once(session, url, body, sent, options.timeout(size))
 
-    return await retry(attempt, policy=policy, what="upload", link=link)
+    return await retry(attempt, policy=options.policy, what="upload", link=options.link)
 
 
 class HttpTransfers:
@@ -286,75 +253,40 @@ class HttpTransfers:
         #: Ranges resumed and upload parts retried, over the node's life.
         self.counts = TransferCounts()
 
-    def _timeout_up(self, size: int) -> aiohttp.ClientTimeout:
-        return self.timeouts.client_timeout(size, self.limits.upload)
+    @property
+    def upload(self) -> TransferOptions:
+        """The options of every upload: this seam's timeouts, policy, link and counts, the
+        upload cap."""
+        return self._options(self.limits.upload)
+
+    @property
+    def download(self) -> TransferOptions:
+        """The options of every download, under the download cap."""
+        return self._options(self.limits.download)
+
+    def _options(self, bandwidth: Bandwidth | None) -> TransferOptions:
+        return TransferOptions(self.timeouts, self.policy, self.link, bandwidth, self.counts)
 
     async def put_parts(
         self, grant: MultipartGrant, data: bytes, done: dict[int, CompletedPart] | None = None
     ) -> list[CompletedPart]:
-        return await put_parts(
-            self.session, grant, data, timeout_for=self._timeout_up, policy=self.policy,
-            link=self.link, bandwidth=self.limits.upload, counts=self.counts, done=done,
-        )  # fmt: skip
+        return await put_parts(self.session, grant, data, self.upload, done)
 
     async def put_file_parts(
         self, grant: MultipartGrant, path: Path, *, size: int
     ) -> list[CompletedPart]:
-        return await put_file_parts(
-            self.session, grant, path, size, timeout_for=self._timeout_up, policy=self.policy,
-            link=self.link, bandwidth=self.limits.upload, counts=self.counts,
-        )  # fmt: skip
+        return await put_file_parts(self.session, grant, path, size, self.upload)
 
     async def put(self, url: str, headers: Mapping[str, str], data: bytes) -> bool:
-        return await put_object(
-            self.session,
-            url,
-            headers,
-            data,
-            timeouts=self.timeouts,
-            policy=self.policy,
-            link=self.link,
-            bandwidth=self.limits.upload,
-        )
+        return await put_object(self.session, url, headers, data, self.upload)
 
     async def get(self, url: str, *, size: int, sha256: str) -> bytes:
-        return await get_object(
-            self.session,
-            url,
-            size=size,
-            sha256=sha256,
-            timeouts=self.timeouts,
-            policy=self.policy,
-            link=self.link,
-            bandwidth=self.limits.download,
-            counts=self.counts,
-        )
+        return await get_object(self.session, url, size=size, sha256=sha256, options=self.download)
 
     async def put_file(
         self, url: str, headers: Mapping[str, str], path: Path, *, size: int
     ) -> bool:
-        return await put_file(
-            self.session,
-            url,
-            headers,
-            path,
-            size=size,
-            timeouts=self.timeouts,
-            policy=self.policy,
-            link=self.link,
-            bandwidth=self.limits.upload,
-        )
+        return await put_file(self.session, url, headers, path, size=size, options=self.upload)
 
     async def get_to_file(self, url: str, path: Path, *, size: int, sha256: str) -> None:
-        await get_to_file(
-            self.session,
-            url,
-            path,
-            size=size,
-            sha256=sha256,
-            timeouts=self.timeouts,
-            policy=self.policy,
-            link=self.link,
-            bandwidth=self.limits.download,
-            counts=self.counts,
-        )
+        await get_to_file(self.session, url, path, size=size, sha256=sha256, options=self.download)

@@ -26,7 +26,13 @@ from pydantic import Field, ValidationError, model_validator
 from node.compute.data import open_corpus
 from node.compute.model import LanguageModel, build_model, count_parameters, evaluate, get_preset
 from node.compute.optim import InnerOptimConfig, inner_step, make_adamw
-from node.compute.outer import apply_aggregate, compress, feed_error, pseudo_gradient
+from node.compute.outer import (
+    AggregateOptions,
+    apply_aggregate,
+    compress,
+    feed_error,
+    pseudo_gradient,
+)
 from node.compute.placement import resolve_device
 from node.compute.presets import get_run_preset
 from protocol.codec import read_payload
@@ -216,6 +222,7 @@ def _sync(workers: Sequence[tuple[LanguageModel, Any]], theta: dict[str, torch.T
 
 def run_sparseloco(sim: Simulation) -> dict[str, Any]:
     cfg = sim.cfg
+    step = AggregateOptions(alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
     theta = sim.params(sim.global_model)
     workers = sim.replicas()
     errors = [{n: torch.zeros_like(t) for n, t in theta.items()} for _ in workers]
@@ -233,7 +240,7 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
             # Round r-1's aggregate arrives while round r trains: θ moves now (the workers
             # started from the θ before), and each worker takes the step at inner step τ.
             old = {n: t.clone() for n, t in theta.items()}
-            apply_aggregate(theta, in_flight, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
+            apply_aggregate(theta, in_flight, step)
             merge = (cfg.merge_step, {n: old[n] - theta[n] for n in theta})
             in_flight = None
         base = fingerprint(theta)
@@ -252,7 +259,7 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
             recons.append(recon)
             payloads[f"w{w:03d}"] = read_payload(data, shapes, topk=cfg.topk, tile=cfg.tile)
         if not cfg.overlaps:
-            apply_aggregate(theta, payloads, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
+            apply_aggregate(theta, payloads, step)
         else:
             # Round r-1's aggregate travelled while round r trained: it is applied now. The
             # last round's own aggregate follows at once (nothing trains after it).
@@ -260,7 +267,7 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
             before = {n: t.clone() for n, t in theta.items()} if in_flight else None
             for due in (in_flight, payloads if last else None):
                 if due is not None:
-                    apply_aggregate(theta, due, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
+                    apply_aggregate(theta, due, step)
             if cfg.overlap == "eager" and before is not None and in_flight and not last:
                 offsets = _eager_offsets(before, theta, len(in_flight), recons, cfg.alpha)
             in_flight = None if last else payloads

@@ -41,7 +41,8 @@ import aiohttp
 from node.daemon.client import CoordinatorClient
 from node.daemon.retry import RetryPolicy
 from node.daemon.tls import CERTIFICATE_FIX, certificate_reason, connector
-from node.daemon.transfer import HttpTransfers, TransferTimeouts
+from node.daemon.transfer import HttpTransfers
+from node.daemon.transferopts import TransferTimeouts
 from node.errors import CoordinatorError, RetriesExhausted, TransferError
 from node.tools.checks import SKIPPED, Check, human_bytes, machine_checks, state_check
 from protocol.causes import cause

@@ -41,7 +41,7 @@ import gpu_nodes  # this folder's (the script's directory is on sys.path)
 import torch
 
 from node.compute import device
-from node.compute.outer import apply_aggregate
+from node.compute.outer import AggregateOptions, apply_aggregate
 from node.research.bench.codec_bench import error_buffer, model_shapes
 from protocol.codec import decode, encode, read_payload
 
@@ -143,8 +143,8 @@ def codec_check(args: argparse.Namespace) -> dict[str, object]:
     for robust in (False, True):
         cpu = {n: v.clone() for n, v in start.items()}
         gpu = {n: v.to(cuda) for n, v in start.items()}
-        want = apply_aggregate(cpu, lazy, alpha=0.7, robust=robust)
-        got = device.apply_aggregate(gpu, lazy, alpha=0.7, robust=robust)
+        want = apply_aggregate(cpu, lazy, AggregateOptions(alpha=0.7, robust=robust))
+        got = device.apply_aggregate(gpu, lazy, AggregateOptions(alpha=0.7, robust=robust))
         if got.rejected != want.rejected or not all(_same(gpu[n], cpu[n]) for n in shapes):
             failures.append(f"aggregation (robust={robust}) differs")
     x = error_buffer(shapes, 0)

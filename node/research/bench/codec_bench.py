@@ -28,11 +28,12 @@ import math
 import platform
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from node.compute.outer import apply_aggregate
+from node.compute.outer import AggregateOptions, apply_aggregate
 from node.research.bench import naive
 from node.research.bench.codec_tables import format_markdown
 from node.research.bench.memory import peak_aggregation_bytes
@@ -114,10 +115,21 @@ def _payloads(
     return tuple(ours), tuple(theirs)
 
 
-def _peer_payloads(
-    shapes: Shapes, peers: int, topk: int, tile: int, seed: int
-) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
-    return _payloads(tuple(sorted(shapes.items())), peers, topk, tile, seed)
+@dataclass(frozen=True)
+class CodecCase:
+    """What the speed and memory reports measure: ``peers`` payloads of distinct error buffers
+    (seeded from ``seed``), top-``topk`` of each ``tile``, aggregated with or without ``clip``."""
+
+    peers: int = 16
+    topk: int = 64
+    seed: int = 0
+    tile: int = 64
+    clip: bool = True
+
+    def payloads(self, shapes: Shapes) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """Ours and the baseline's payloads of the peers (cached)."""
+        key = tuple(sorted(shapes.items()))
+        return _payloads(key, self.peers, self.topk, self.tile, self.seed)
 
 
 def _numel(shapes: Shapes) -> int:
@@ -198,15 +210,12 @@ def _best_of(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, flo
 
 def speed_report(
     preset_or_shapes: str | Shapes,
-    peers: int = 16,
+    case: CodecCase = CodecCase(),
     repeat: int = 3,
-    topk: int = 64,
-    seed: int = 0,
-    tile: int = 64,
-    clip: bool = True,
     threads: int | None = None,
 ) -> dict[str, Any]:
-    """Encode and decode + aggregate + apply times, ours against the baseline.
+    """Encode and decode + aggregate + apply times, ours against the baseline, best of
+    ``repeat``.
 
     ``threads`` sets torch's intra-op threads for the measurement (default: as configured).
     """
@@ -214,16 +223,15 @@ def speed_report(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _speed(model_shapes(preset_or_shapes), peers, repeat, topk, seed, tile, clip)
+        return _speed(model_shapes(preset_or_shapes), case, repeat)
     finally:
         torch.set_num_threads(saved)
 
 
-def _speed(
-    shapes: Shapes, peers: int, repeat: int, topk: int, seed: int, tile: int, clip: bool
-) -> dict[str, Any]:
+def _speed(shapes: Shapes, case: CodecCase, repeat: int) -> dict[str, Any]:
+    peers, topk, tile, clip = case.peers, case.topk, case.tile, case.clip
     model_mb = _numel(shapes) * 4 / MB
-    x = error_buffer(shapes, seed)
+    x = error_buffer(shapes, case.seed)
     copies = {n: torch.empty_like(v) for n, v in x.items()}
 
     def memcpy() -> None:
@@ -243,7 +251,7 @@ def _speed(
         },
         repeat,
     )
-    ours_data, naive_data = _peer_payloads(shapes, peers, topk, tile, seed)
+    ours_data, naive_data = case.payloads(shapes)
     params = {n: torch.zeros(s) for n, s in shapes.items()}
 
     def ours_aggregate(lazy: bool) -> None:
@@ -251,7 +259,7 @@ def _speed(
             f"peer{i:03d}": read_payload(d, shapes, topk=topk, tile=tile, lazy=lazy)
             for i, d in enumerate(ours_data)
         }
-        apply_aggregate(params, payloads, clip=clip)
+        apply_aggregate(params, payloads, AggregateOptions(clip=clip))
 
     def naive_aggregate() -> None:
         naive.apply(params, naive_data, topk=topk, tile_size=tile, clip=clip)
@@ -312,21 +320,16 @@ def _speed(
 # --------------------------------------------------------------------------- memory
 
 
-def memory_report(
-    preset_or_shapes: str | Shapes,
-    peers: int = 16,
-    topk: int = 64,
-    seed: int = 0,
-    tile: int = 64,
-    clip: bool = True,
-) -> dict[str, Any]:
-    """Peak RSS growth of decode + aggregate + apply of ``peers`` payloads, each in a subprocess."""
+def memory_report(preset_or_shapes: str | Shapes, case: CodecCase = CodecCase()) -> dict[str, Any]:
+    """Peak RSS growth of decode + aggregate + apply of the case's payloads, each in a
+    subprocess."""
     shapes = model_shapes(preset_or_shapes)
     copy = _numel(shapes) * 4
-    ours_data, naive_data = _peer_payloads(shapes, peers, topk, tile, seed)
+    ours_data, naive_data = case.payloads(shapes)
+    topk, tile = case.topk, case.tile
     rows = []
     for kind, data in (("lazy", ours_data), ("ours", ours_data), ("naive", naive_data)):
-        res = peak_aggregation_bytes(kind, data, shapes, topk=topk, tile=tile, clip=clip)
+        res = peak_aggregation_bytes(kind, data, shapes, topk=topk, tile=tile, clip=case.clip)
         peak = int(res["peak_bytes"])  # type: ignore[call-overload]
         rows.append(
             {
@@ -340,7 +343,7 @@ def memory_report(
                 "payload_mb": sum(map(len, data)) / MB,
             }
         )
-    return {"topk": topk, "peers": peers, "model_mb": copy / MB, "rows": rows}
+    return {"topk": topk, "peers": case.peers, "model_mb": copy / MB, "rows": rows}
 
 
 def run(
@@ -366,7 +369,8 @@ def run(
         }
     }
     results["size"] = size_report(shapes)
-    results["speed"] = speed_report(shapes, peers=peers, repeat=repeat, threads=threads)
-    results["memory"] = memory_report(shapes, peers=peers)
+    case = CodecCase(peers=peers)
+    results["speed"] = speed_report(shapes, case, repeat=repeat, threads=threads)
+    results["memory"] = memory_report(shapes, case)
     publish(format_markdown(results), results, json_out)
     return results

@@ -63,14 +63,14 @@ def _aggregate_once(
     clip: bool,
 ) -> None:
     if kind in ("ours", "lazy"):
-        from node.compute.outer import apply_aggregate
+        from node.compute.outer import AggregateOptions, apply_aggregate
         from protocol.codec import read_payload
 
         payloads = {
             f"peer{i:03d}": read_payload(d, shapes, topk=topk, tile=tile, lazy=kind == "lazy")
             for i, d in enumerate(datas)
         }
-        apply_aggregate(params, payloads, clip=clip)
+        apply_aggregate(params, payloads, AggregateOptions(clip=clip))
     elif kind == "naive":
         from node.research.bench import naive
 

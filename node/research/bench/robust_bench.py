@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from node.compute.outer import apply_aggregate, compress, feed_error, pseudo_gradient
+from node.compute.outer import (
+    AggregateOptions,
+    apply_aggregate,
+    compress,
+    feed_error,
+    pseudo_gradient,
+)
 from node.research.bench.hostile import KINDS, STALE_ROUNDS, hostile_tensors
 from node.research.report import publish
 from node.research.simulate import SimConfig, Simulation, _sync, build_config
@@ -69,7 +75,7 @@ def run(cfg: SimConfig, attack: str | None, attackers: int, absent: bool) -> dic
             payloads[node] = read_payload(data, shapes, topk=cfg.topk, tile=cfg.tile, lazy=True)
         previous = sent
         screening = apply_aggregate(
-            theta, payloads, alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust
+            theta, payloads, AggregateOptions(alpha=cfg.alpha, clip=cfg.clip, robust=cfg.robust)
         )
         screened += len(screening.rejected)
         sim.record(r + 1, None)
