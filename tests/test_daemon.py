@@ -30,6 +30,7 @@ from support.daemon_harness import (
     until,
     worker,
 )
+from support.diverge import diverge, once
 
 pytestmark = pytest.mark.asyncio
 
@@ -112,7 +113,7 @@ async def test_a_wrong_base_fingerprint_resyncs_and_ends_bit_identical(harness, 
     h = harness(run_config(min_nodes=3))
     nodes = ["node-0", "node-1", "node-2"]
     tasks = [
-        h.start(h.daemon(n, Faults(corrupt={0}) if n == "node-2" else Faults())) for n in nodes
+        h.start(diverge(h.daemon(n), once({0})) if n == "node-2" else h.daemon(n)) for n in nodes
     ]
     for task in tasks:
         assert await task == 0

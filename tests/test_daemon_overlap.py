@@ -28,6 +28,7 @@ from support.daemon_harness import (
     until,
     worker,
 )
+from support.diverge import diverge, once
 
 pytestmark = pytest.mark.asyncio
 
@@ -165,7 +166,7 @@ async def test_a_diverged_node_resyncs_and_ends_bit_identical(
     h = harness(run_config(overlap=variant, rounds=5, min_nodes=3))
     nodes = ["node-0", "node-1", "node-2"]
     tasks = [
-        h.start(h.daemon(n, Faults(corrupt={0}) if n == "node-2" else Faults())) for n in nodes
+        h.start(diverge(h.daemon(n), once({0})) if n == "node-2" else h.daemon(n)) for n in nodes
     ]
     for task in tasks:
         assert await task == 0

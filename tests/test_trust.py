@@ -15,7 +15,6 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node.compute.stateread import load_state
-from node.daemon.faults import Faults
 from node.daemon.pinning import PIN_FILE, trusted_key
 from node.daemon.settings import load_connection, load_settings
 from node.errors import Refused, ResyncError, StateError
@@ -24,6 +23,7 @@ from protocol.invite import Invite, decode_invite, key_fingerprint, normalize_fi
 from protocol.messages import SignedManifest
 from protocol.signing import public_key_hex
 from support.daemon_harness import run_config, until, worker
+from support.diverge import diverge
 
 TOKEN = "invite-test-token-0123456789abcdef"
 
@@ -214,19 +214,13 @@ async def test_a_forged_gather_set_is_never_applied(harness) -> None:
 # -- the resync bound --------------------------------------------------------------------------
 
 
-class AlwaysCorrupt(Faults):
-    """Corrupts θ every time round 0 is applied: resynchronising can never help this node."""
-
-    def corrupt_now(self, round_: int) -> bool:
-        return round_ == 0
-
-
 @pytest.mark.asyncio
 async def test_a_node_that_keeps_diverging_stops_after_a_few_resyncs(harness, caplog) -> None:
     caplog.set_level(logging.INFO, logger="sparseloco.node")
     h = harness(run_config(min_nodes=3, rounds=4))
     daemons = {
-        n: h.daemon(n, AlwaysCorrupt() if n == "node-2" else None)
+        # node-2's θ is corrupted every time it applies round 0: resyncing can never help it.
+        n: diverge(h.daemon(n), lambda r: r == 0) if n == "node-2" else h.daemon(n)
         for n in ("node-0", "node-1", "node-2")
     }
     tasks = {n: h.start(d) for n, d in daemons.items()}
@@ -248,7 +242,10 @@ async def test_a_node_whose_checkpoint_is_rejected_each_time_stops_and_says_so(
     caplog.set_level(logging.INFO)
     h = harness(run_config(min_nodes=3, rounds=4, checkpoint_every=1))
     names = ("node-0", "node-1", "node-2")
-    daemons = {n: h.daemon(n, AlwaysCorrupt() if n == "node-2" else None) for n in names}
+    # node-2's θ is corrupted every time it applies round 0: resyncing can never help it.
+    daemons = {
+        n: diverge(h.daemon(n), lambda r: r == 0) if n == "node-2" else h.daemon(n) for n in names
+    }
     # node-2 cannot fetch any checkpoint: each resync falls back to θ_0 and diverges again
     h.store.plans["node-2"].missing |= {h.coord.book.key(r) for r in range(1, 4)}
     tasks = {n: h.start(d) for n, d in daemons.items()}

@@ -15,6 +15,7 @@ from node.errors import CheckpointError
 from protocol.errors import ConfigError
 from protocol.fingerprint import fingerprint, fingerprint_safetensors
 from protocol.runconfig import RunConfig
+from support.diverge import flip_one_bit
 
 RUN = RunConfig(model="tiny", rounds=4, inner_steps=2, batch_size=2)
 
@@ -63,21 +64,20 @@ def test_mass_is_conserved_whether_or_not_the_payload_is_gathered(gathered: bool
         assert abs(sent) > 0  # something real was sent, so the check is not vacuous
 
 
-def test_corrupt_changes_exactly_the_fingerprint() -> None:
+def test_a_flipped_bit_changes_the_fingerprint() -> None:
     w = _worker()
     before = w.fingerprint()
-    w.corrupt()
+    flip_one_bit(w)  # the tests' diverging node (support.diverge)
     assert w.fingerprint() != before
 
 
 def test_faults_parse_and_fire_once() -> None:
-    f = Faults.parse("crash:mid_upload@3, slow:2.5@4,corrupt@5")
-    assert f.crash == {3: "mid_upload"} and f.slow == {4: 2.5} and f.corrupt == {5}
+    f = Faults.parse("crash:mid_upload@3, slow:2.5@4")
+    assert f.crash == {3: "mid_upload"} and f.slow == {4: 2.5}
     assert f.slow_for(4) == 2.5 and f.slow_for(4) == 0.0
-    assert f.corrupt_now(5) and not f.corrupt_now(5)
     f.crash_point(3, "after_train")  # another point: nothing happens
     assert Faults.parse(None).crash == {}
-    for bad in ("crash:nowhere@1", "explode@2", "slow:x@1", "corrupt@"):
+    for bad in ("crash:nowhere@1", "explode@2", "slow:x@1", "corrupt@5"):
         with pytest.raises(ConfigError, match="SPARSELOCO_FAULTS"):
             Faults.parse(bad)
 
@@ -108,7 +108,7 @@ def test_the_remembered_fingerprint_follows_every_change_of_theta(tmp_path: Path
     _, _, fp = write_checkpoint_file(w, tmp_path / "ckpt")
     load_checkpoint_file(other, tmp_path / "ckpt", round_=w.round, expected=fp)
     assert other.fingerprint() == fp == fingerprint(other.params)
-    w.corrupt()
+    flip_one_bit(w)
     assert w.fingerprint() == fresh() != fp
     w.restore(other.snapshot())
     assert w.fingerprint() == fresh() == fp

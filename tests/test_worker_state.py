@@ -17,6 +17,7 @@ from node.compute.worker import Worker, check_payload_header
 from node.errors import StateError
 from protocol.errors import PayloadError
 from protocol.runconfig import RunConfig
+from support.diverge import flip_one_bit
 
 RUN = RunConfig(model="tiny", rounds=4, inner_steps=2, batch_size=2)
 
@@ -140,7 +141,7 @@ def test_a_state_missing_its_latest_moments_restores_the_previous_ones(tmp_path)
 def test_a_theta_file_of_another_state_is_refused(tmp_path) -> None:
     w = _pair()[0]
     save_state(tmp_path, w.snapshot("idle"))
-    w.corrupt()
+    flip_one_bit(w)
     save_theta(RankFiles(tmp_path), 0, w.params, w.fingerprint())
     with pytest.raises(StateError, match="not the θ"):
         load_state(tmp_path, w.shapes)

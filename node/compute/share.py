@@ -211,7 +211,8 @@ class Share:
 
     def reset_theta(self, theta: Mapping[str, torch.Tensor], fp: str | None = None) -> None:
         """Set θ to ``theta`` (``fp``: its fingerprint, if known). The round loop never sets θ
-        but through its steps; the tests' stale node (``tests/support/hostile.py``) does."""
+        but through its steps; the tests' stale node (``tests/support/hostile.py``) and
+        diverging node (``tests/support/diverge.py``) do."""
         self._reset_to(theta, fp)
 
     def _reset_to(self, theta: Mapping[str, torch.Tensor], fp: str | None = None) -> None:
@@ -221,12 +222,3 @@ class Share:
             for name, p in self.params.items():
                 p.copy_(theta[name])
         self._fingerprint = fp
-
-    def corrupt(self) -> None:
-        """Flip the lowest bit of one parameter (fault injection: a silently diverged node)."""
-        self.writes.theta.wait()
-        first = min(self.shapes)
-        if first in self.params:
-            with torch.no_grad():
-                self.params[first].view(-1)[:1].view(torch.int32).bitwise_xor_(1)
-        self._fingerprint = None

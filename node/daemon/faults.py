@@ -14,8 +14,6 @@ Unset (the normal case) means no faults and no cost. Actions:
 - ``slower:<factor>@R``: from round R on, every round's training takes ``factor`` times as long:
   after training, the node sleeps ``factor - 1`` times the training's time before uploading (a
   machine that became that much slower; not with ``overlap``).
-- ``corrupt@R``: after applying round R, flip the lowest bit of one parameter (a node whose θ
-  silently diverged).
 
 A fault fires at most once per process; the chaos runner restarts a crashed node without the
 variable. Tests only: nothing in a real deployment sets it. In-process unit tests of the daemon
@@ -38,8 +36,8 @@ log = logging.getLogger("sparseloco.faults")
 ENV = "SPARSELOCO_FAULTS"
 CRASH_POINTS = ("after_train", "mid_upload", "after_upload", "after_submit", "mid_apply")
 _ENTRY = re.compile(
-    r"^(crash:(?P<point>[a-z_]+)|slow:(?P<secs>[0-9.]+)|slower:(?P<factor>[0-9.]+)"
-    r"|(?P<corrupt>corrupt))@(?P<round>\d+)$"
+    r"^(crash:(?P<point>[a-z_]+)|slow:(?P<secs>[0-9.]+)|slower:(?P<factor>[0-9.]+))"
+    r"@(?P<round>\d+)$"
 )
 
 
@@ -53,7 +51,6 @@ def kill9() -> None:
 class Faults:
     crash: dict[int, str] = field(default_factory=dict)
     slow: dict[int, float] = field(default_factory=dict)
-    corrupt: set[int] = field(default_factory=set)
     #: (factor, first round) of ``slower``; None: full speed.
     slower: tuple[float, int] | None = None
     #: What a crash point does when it fires.
@@ -70,7 +67,7 @@ class Faults:
             if m is None or (m["point"] and m["point"] not in CRASH_POINTS):
                 raise ConfigError(
                     f"{ENV}: bad entry {entry!r}; use crash:<{'|'.join(CRASH_POINTS)}>@R,"
-                    " slow:<seconds>@R, slower:<factor>@R or corrupt@R"
+                    " slow:<seconds>@R or slower:<factor>@R"
                 )
             r = int(m["round"])
             if m["point"]:
@@ -81,8 +78,6 @@ class Faults:
                 if float(m["factor"]) < 1:
                     raise ConfigError(f"{ENV}: {entry!r}: the factor must be at least 1")
                 faults.slower = (float(m["factor"]), r)
-            else:
-                faults.corrupt.add(r)
         return faults
 
     @classmethod
@@ -104,10 +99,3 @@ class Faults:
         if self.slower is None or round_ < self.slower[1]:
             return 0.0
         return (self.slower[0] - 1.0) * trained_s
-
-    def corrupt_now(self, round_: int) -> bool:
-        if round_ in self.corrupt:
-            self.corrupt.discard(round_)
-            log.warning("event=fault_corrupt round=%d", round_)
-            return True
-        return False

@@ -278,8 +278,3 @@ def load_checkpoint(ctx: RankContext, path: str, round_: int, expected: str) -> 
 @op
 def reset_to_initial(ctx: RankContext) -> None:
     ctx.worker.reset_to_initial()
-
-
-@op
-def corrupt(ctx: RankContext) -> None:
-    ctx.worker.corrupt()

@@ -336,8 +336,6 @@ class RoundFinisher:
         """The chaos suite's faults of the point after applying round r (in memory only)."""
         d = self.d
         d.faults.crash_point(r, "mid_apply")
-        if d.faults.corrupt_now(r):
-            await d.node("corrupt")
 
     async def settle(
         self, pending: PendingRound | None, manifest: Manifest, applied: set[str]

@@ -4,9 +4,9 @@ A step fires when the coordinator's status shows its round open (``when="open"``
 the current one, or already past) or closed (``when="closed"``). Steps fire in the order given,
 one after the other, so ``kill_coordinator`` then ``restart_coordinator`` at the same round is a
 kill followed by a restart on the same port. Node faults inside a round (a crash at an exact
-point, a straggler, a corrupted θ) are not steps but the node's ``SPARSELOCO_FAULTS``
-(``node.daemon.faults``), given per node in ``Scenario.faults`` or with a ``start_node`` /
-``restart_node`` step.
+point, a straggler, a corrupted θ) are not steps but the node's faults: ``SPARSELOCO_FAULTS``
+(``node.daemon.faults``) and ``corrupt@R`` (``support.diverge``), given per node in
+``Scenario.faults`` or with a ``start_node`` / ``restart_node`` step.
 
 Actions (``target`` is a node name where one is needed):
 
@@ -79,8 +79,9 @@ def at(round_: int, action: str, target: str | None = None, **kw: object) -> Ste
 def fault_entries(text: str | None) -> list[tuple[str, int]]:
     """``[(action, round)]`` of a ``SPARSELOCO_FAULTS`` value (see ``node.daemon.faults``)."""
     from node.daemon.faults import Faults
+    from support.diverge import split_faults
 
-    Faults.parse(text)  # raises ConfigError on a typo, before any process starts
+    Faults.parse(split_faults(text)[0])  # raises ConfigError on a typo, before any process starts
     out = []
     for raw in (text or "").split(","):
         m = _FAULT.match(raw.strip())

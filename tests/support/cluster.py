@@ -28,6 +28,7 @@ from protocol.messages import RoundState
 from protocol.runconfig import RunConfig
 from protocol.signing import public_key_hex
 from protocol.status import StatusView
+from support.diverge import split_faults, start_diverging_node
 from support.hostile import start_hostile_node
 
 #: Safety net for any single wait; a healthy tiny run needs a small fraction of it.
@@ -99,14 +100,22 @@ class Cluster:
     def start_node(
         self, name: str, faults: str | None = None, attack: str | None = None, ranks: int = 1
     ) -> Process:
-        """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS``; ``attack`` makes
-        it a hostile node of that kind (``support.hostile``: the daemon with its seams
-        wrapped); ``ranks`` > 1: one node of that many processes under torchrun."""
+        """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS`` (a ``corrupt@R``
+        among them starts it as ``support.diverge``'s diverging node); ``attack`` makes it a
+        hostile node of that kind (``support.hostile``: the daemon with its seams wrapped);
+        ``ranks`` > 1: one node of that many processes under torchrun."""
         env = {}
+        faults, corrupt = split_faults(faults)
         if faults:
             env["SPARSELOCO_FAULTS"] = faults
         state_dir, log_path = self.root / "nodes" / name, self.root / "logs" / f"{name}.log"
-        if attack:
+        if corrupt:
+            if attack or ranks != 1:
+                raise ValueError("a diverging node is one honest process")
+            proc = start_diverging_node(
+                corrupt, name, self.url, self.tokens[name], state_dir, log_path, env
+            )
+        elif attack:
             if ranks != 1:
                 raise ValueError("a hostile node is one process")
             proc = start_hostile_node(

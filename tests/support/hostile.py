@@ -369,11 +369,27 @@ def start_hostile_node(
     log_path: Path,
     extra_env: Mapping[str, str] | None = None,
 ) -> Process:
-    """A hostile node process (``python -m support.hostile_node``), started as
-    ``node.cluster.launch.start_node`` starts an honest one (one thread, on the CPU)."""
+    """A hostile node process (``python -m support.hostile_node``)."""
     if kind not in KINDS:
         raise ConfigError(f"hostile node {kind!r}: use one of {', '.join(KINDS)}")
-    args = [sys.executable, "-m", "support.hostile_node", kind, "node", "--coordinator", url]
+    return start_test_node(
+        "support.hostile_node", kind, name, url, token, state_dir, log_path, extra_env
+    )
+
+
+def start_test_node(
+    module: str,
+    first: str,
+    name: str,
+    url: str,
+    token: str,
+    state_dir: Path,
+    log_path: Path,
+    extra_env: Mapping[str, str] | None = None,
+) -> Process:
+    """``python -m MODULE FIRST node ...``, a test's wrapped daemon, started as
+    ``node.cluster.launch.start_node`` starts an honest one (one thread, on the CPU)."""
+    args = [sys.executable, "-m", module, first, "node", "--coordinator", url]
     args += ["--state-dir", str(state_dir), "--threads", "1", "--device", "cpu"]
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("SPARSELOCO_FAULTS", None)
