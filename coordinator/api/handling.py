@@ -124,22 +124,13 @@ READ_ONLY = frozenset(
     {"heartbeat", "round", "upload", "status", "openapi", "metrics", "checkpoint_latest"}
     | {"checkpoints", "dashboard", "dashboard_script", "dashboard_style"}
 )
-#: Endpoints that write, but whose writes a node sends again when they are lost: a submission
-#: the coordinator does not know after a restart (from a machine crash before the group fsync,
-#: or a backup restored) is re-sent by its node (``node.daemon.rounds``: ``event=resubmit``),
-#: and nothing that leaves the coordinator depends on it before it is on disk (a round it
-#: closes is answered to the others by the manifest, which waits; the log is synced in order,
-#: so the close's sync covers the submission). Their answers do not wait for the disk, so a
-#: burst of a thousand submissions does not queue behind its own fsyncs.
-RESENT = frozenset({"submit"})
-NO_WAIT = READ_ONLY | RESENT
 
 
 @web.middleware
 async def durable_answers(request: web.Request, handler: Handler) -> web.StreamResponse:
     """No answer leaves before the state it reflects is on disk (``Coordinator.durable``):
-    outermost, so error answers wait too; ``NO_WAIT`` endpoints excepted."""
-    if request.match_info.route.name in NO_WAIT:
+    outermost, so error answers wait too; ``READ_ONLY`` endpoints excepted."""
+    if request.match_info.route.name in READ_ONLY:
         return await handler(request)
     coord = request.app[COORDINATOR]
     try:

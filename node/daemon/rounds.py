@@ -178,9 +178,8 @@ class RoundFinisher:
         After ``submit`` the coordinator either holds the submission or closed the round; a
         round still open that expects this node and holds nothing from it means the coordinator
         lost it: it was restored from a backup taken before the submission
-        (``coordinator.store.catchup``), or its machine crashed before the submission was
-        synced (a submit's answer does not wait for the disk). The payload is still in hand,
-        so the round need not go on without it.
+        (``coordinator.store.catchup``). The payload is still in hand, so the round need not go on
+        without it.
         """
         d = self.d
         pending = d.pending
