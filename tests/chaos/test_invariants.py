@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protocol.messages import RoundState
+from protocol.keys import checkpoint_key
+from protocol.messages import CheckpointInfo, RoundState
 from protocol.reports import Mass, RoundReport
 from protocol.runconfig import RunConfig
 from protocol.status import RoundSummary, StatusView
 
-from .invariants import check_agreement, check_close_logs, check_mass, check_round_numbers
+from .invariants import (
+    check_agreement,
+    check_close_logs,
+    check_mass,
+    check_retention,
+    check_round_numbers,
+)
 from .table import render_markdown
 
 A, B = "a" * 32, "b" * 32
@@ -88,3 +95,38 @@ def test_table_renders_a_result() -> None:
     text = render_markdown([result])
     assert "| s | 3 | 1 | 2/2 | 2/2 | 3.0000 | 3.0300 | 1.0% | 0 |" in text
     assert "| 1 | kill_node | node-1 | 2 | 1 |" in text
+
+
+class _Keys:
+    """The one read ``check_retention`` makes of the bucket: the run's keys."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.listed = keys
+
+    def keys(self, prefix: str) -> list[str]:
+        return [k for k in self.listed if k.startswith(prefix)]
+
+
+def _checkpoints_kept(kept: list[int], newest: int) -> list[str]:
+    status = _status(*(_round(r, {"n0": A}) for r in range(newest + 1)))
+    info = CheckpointInfo(
+        run_id=status.run_id, round=newest, fingerprint=A, key="k", sha256="0" * 64, size=1,
+        node_id="n0", created_at=0.0,
+    )  # fmt: skip
+    status = status.model_copy(update={"checkpoint": info})
+    keys = [checkpoint_key("p", status.run_id, r) for r in kept]
+    return [f.detail for f in check_retention(status, _Keys(keys), "p")]  # type: ignore[arg-type]
+
+
+def test_retention_allows_the_newest_checkpoint_its_pruning_pass_and_no_more() -> None:
+    keep = RunConfig().keep_checkpoints
+    newest = 10 * (keep + 2)
+    several = [newest - 10 * i for i in range(keep + 2)][::-1]
+    assert _checkpoints_kept(several[-keep:], newest) == []
+    # Just committed, its pruning pass still under way: one more than ``keep`` for a moment.
+    assert _checkpoints_kept(several[-keep - 1 :], newest) == []
+    assert _checkpoints_kept(several, newest) == [
+        f"{keep + 2} checkpoints kept ({several}), keep {keep}"
+    ]
+    # Without the newest committed, nothing excuses an extra one.
+    assert _checkpoints_kept(several[:-1], newest)
