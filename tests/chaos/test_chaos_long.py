@@ -1,6 +1,6 @@
 """The long chaos scenario (run by hand; its table goes in the README): every fault kind.
 
-5 nodes, 40 rounds, the tiny model, checkpoints every 5 rounds and payloads kept 8 rounds, so a
+5 nodes, 36 rounds, the tiny model, checkpoints every 5 rounds and payloads kept 8 rounds, so a
 node joining at round 14 cannot replay from θ_0 and must start from a checkpoint. Faults, each
 keyed to a round:
 
@@ -48,10 +48,7 @@ TIMING = Timing(
 RUN = RunConfig(
     name="chaos-long",
     model="tiny",
-    # 40: node-1, restarted after round 27 closes, needs about 5 s (Python, torch, the compiled
-    # codec, then a checkpoint) while a healthy round takes about 1 s; with 36 rounds it came
-    # back in the last one and could not be seen in a gather set.
-    rounds=40,
+    rounds=36,
     inner_steps=20,
     batch_size=4,
     min_nodes=3,

@@ -9,8 +9,10 @@ and the fixture calls it even when the test fails.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
+import sys
 import time
 import urllib.error
 from collections.abc import Callable
@@ -24,17 +26,21 @@ from node.cluster.launch import coordinator_toml, start_coordinator, start_node
 from node.cluster.process import Process
 from node.cluster.seaweed import EmbeddedStore
 from node.cluster.status import fetch_status
+from node.research.bench.hostile import KINDS
+from protocol.errors import ConfigError
 from protocol.messages import RoundState
 from protocol.runconfig import RunConfig
 from protocol.signing import public_key_hex
 from protocol.status import StatusView
-from support.diverge import split_faults, start_diverging_node
-from support.hostile import start_hostile_node
+from support.diverge import split_faults
 
 #: Safety net for any single wait; a healthy tiny run needs a small fraction of it.
 WAIT_S = 240.0
 #: A node's log line for a round it applied: the round and the fingerprint of θ after it.
 APPLIED = r"event=applied node=\S+ .*?applied_round=(\d+) .*?fingerprint=(\w+)"
+
+#: The folder that holds ``support``: on a wrapped node process's ``PYTHONPATH``.
+TESTS = Path(__file__).resolve().parents[1]
 
 
 class Cluster:
@@ -109,18 +115,17 @@ class Cluster:
         if faults:
             env["SPARSELOCO_FAULTS"] = faults
         state_dir, log_path = self.root / "nodes" / name, self.root / "logs" / f"{name}.log"
-        if corrupt:
-            if attack or ranks != 1:
-                raise ValueError("a diverging node is one honest process")
-            proc = start_diverging_node(
-                corrupt, name, self.url, self.tokens[name], state_dir, log_path, env
+        if corrupt or attack:  # the daemon wrapped by a module of tests/support, one process
+            if ranks != 1 or (corrupt and attack):
+                raise ValueError("a diverging or hostile node is one process, and only one of them")
+            if attack and attack not in KINDS:
+                raise ConfigError(f"hostile node {attack!r}: use one of {', '.join(KINDS)}")
+            module, first = (
+                ("support.diverge", ",".join(map(str, sorted(corrupt))))
+                if corrupt
+                else ("support.hostile_node", str(attack))
             )
-        elif attack:
-            if ranks != 1:
-                raise ValueError("a hostile node is one process")
-            proc = start_hostile_node(
-                attack, name, self.url, self.tokens[name], state_dir, log_path, env
-            )
+            proc = self._start_wrapped(module, first, name, state_dir, log_path, env)
         else:
             proc = start_node(
                 name, self.url, self.tokens[name], state_dir, log_path, None, env or None,
@@ -128,6 +133,19 @@ class Cluster:
             )  # fmt: skip
         self.nodes[name] = proc
         return proc
+
+    def _start_wrapped(
+        self, module: str, first: str, name: str, state_dir: Path, log_path: Path, env: dict
+    ) -> Process:
+        """``python -m MODULE FIRST node ...``, started as ``node.cluster.launch.start_node``
+        starts an honest node (one thread, on the CPU), with ``tests/`` on its path."""
+        args = [sys.executable, "-m", module, first, "node", "--coordinator", self.url]
+        args += ["--state-dir", str(state_dir), "--threads", "1", "--device", "cpu"]
+        full = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        full.pop("SPARSELOCO_FAULTS", None)
+        full.update(env, SPARSELOCO_NODE_TOKEN=self.tokens[name])
+        full["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), full.get("PYTHONPATH")) if p)
+        return Process(name, args, log_path, env=full)
 
     def public_key(self) -> str:
         """The coordinator's manifest public key (hex), read from its signing key file."""

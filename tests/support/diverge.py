@@ -12,30 +12,26 @@ corrupted its memory would.
   process starts unarmed, as the chaos runner restarts a crashed node without its faults);
 - ``diverge(daemon, lambda r: r == 0)``: every time round 0 is applied (resyncing never helps);
 - a chaos scenario's ``corrupt@R`` (``split_faults``): the node is started by
-  ``start_diverging_node``, the rest of its faults in ``SPARSELOCO_FAULTS``;
+  ``support.cluster``, the rest of its faults in ``SPARSELOCO_FAULTS``;
 - ``python -m support.diverge ROUNDS node [flags]``: ``sparseloco node`` with θ flipped after
-  each of ``ROUNDS`` (``17`` or ``3,9``) is applied, once each; ``start_diverging_node`` starts
-  one the way ``node.cluster.launch.start_node`` starts an honest node.
+  each of ``ROUNDS`` (``17`` or ``3,9``) is applied, once each.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Collection, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
 from node import cli
-from node.cluster.process import Process
 from node.compute.heap import return_large_blocks
 from node.compute.worker import Worker
 from node.daemon import serve
 from node.daemon.loop import NodeDaemon
 from node.daemon.settings import NodeSettings
 from protocol.errors import ConfigError
-from support.hostile import start_test_node
 
 log = logging.getLogger("sparseloco.faults")
 
@@ -101,22 +97,6 @@ def parse_rounds(text: str) -> set[int]:
     if not rounds or min(rounds) < 0:
         raise ConfigError(f"diverging node: {text!r} is not a list of rounds (e.g. 17 or 3,9)")
     return rounds
-
-
-def start_diverging_node(
-    rounds: Collection[int],
-    name: str,
-    url: str,
-    token: str,
-    state_dir: Path,
-    log_path: Path,
-    extra_env: Mapping[str, str] | None = None,
-) -> Process:
-    """A node process whose θ diverges after each of ``rounds`` (``python -m support.diverge``)."""
-    first = ",".join(str(r) for r in sorted(rounds))
-    return start_test_node(
-        "support.diverge", first, name, url, token, state_dir, log_path, extra_env
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,21 +24,18 @@ The payloads pass the codec, the digests and the coordinator; what stops them is
 hurt less than leaving the node out). One process, no overlap; the node's own state dir keeps
 its honest payload (and, for ``stale``, θ as it trained from it): the tests never restart it.
 
-``python -m support.hostile_node KIND node ...`` runs one as a process (``start_hostile_node``
-starts it the way ``node.cluster.launch.start_node`` starts an honest one).
+``python -m support.hostile_node KIND node ...`` runs one as a process
+(``support.cluster.Cluster.start_node`` with ``attack=KIND`` starts it).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
-from node.cluster.process import Process
 from node.compute.heap import return_large_blocks
 from node.daemon import multipart
 from node.daemon.api import CoordinatorApi, Heard, Transfers
@@ -66,9 +63,6 @@ from protocol.messages import (
 )
 from protocol.parts import CompletedPart, MultipartGrant, PartPlan, UploadComplete, UploadDone
 from protocol.reports import RoundReport
-
-#: The folder that holds ``support`` (tests/): on a hostile node process's ``PYTHONPATH``.
-TESTS = Path(__file__).resolve().parents[1]
 
 Theta = dict[str, torch.Tensor]
 
@@ -358,42 +352,3 @@ def run_hostile_node(settings: NodeSettings, kind: str) -> int:
     import uvloop
 
     return uvloop.run(serve_hostile(settings, kind))
-
-
-def start_hostile_node(
-    kind: str,
-    name: str,
-    url: str,
-    token: str,
-    state_dir: Path,
-    log_path: Path,
-    extra_env: Mapping[str, str] | None = None,
-) -> Process:
-    """A hostile node process (``python -m support.hostile_node``)."""
-    if kind not in KINDS:
-        raise ConfigError(f"hostile node {kind!r}: use one of {', '.join(KINDS)}")
-    return start_test_node(
-        "support.hostile_node", kind, name, url, token, state_dir, log_path, extra_env
-    )
-
-
-def start_test_node(
-    module: str,
-    first: str,
-    name: str,
-    url: str,
-    token: str,
-    state_dir: Path,
-    log_path: Path,
-    extra_env: Mapping[str, str] | None = None,
-) -> Process:
-    """``python -m MODULE FIRST node ...``, a test's wrapped daemon, started as
-    ``node.cluster.launch.start_node`` starts an honest one (one thread, on the CPU)."""
-    args = [sys.executable, "-m", module, first, "node", "--coordinator", url]
-    args += ["--state-dir", str(state_dir), "--threads", "1", "--device", "cpu"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("SPARSELOCO_FAULTS", None)
-    env.update(extra_env or {})
-    env["SPARSELOCO_NODE_TOKEN"] = token
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)
-    return Process(name, args, log_path, env=env)

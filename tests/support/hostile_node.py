@@ -2,7 +2,7 @@
 
 The product's command line, settings and exit statuses, unchanged, with one difference: the
 daemon runs with its seams wrapped (``support.hostile``), sending ``KIND``'s payloads
-(``node.research.bench.hostile.KINDS``). ``support.hostile.start_hostile_node`` starts it with
+(``node.research.bench.hostile.KINDS``). ``support.cluster.Cluster.start_node`` starts it with
 ``tests/`` on ``PYTHONPATH``.
 """
 
