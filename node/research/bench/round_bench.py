@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import logging
 import statistics
-from pathlib import Path
 from typing import Any
 
-from node.cluster.up import UpConfig, up
+from node.cluster.up import up
+from node.research.bench.uprun import UpRuns
 from node.research.report import publish
 
 log = logging.getLogger("sparseloco.bench.round")
@@ -89,26 +89,9 @@ def markdown(table: dict[str, float]) -> str:
     return "\n".join([head, *rows])
 
 
-def run(
-    json_out: str | None,
-    *,
-    nodes: int,
-    rounds: int,
-    preset: str,
-    run_dir: str | None,
-    eval_every: int | None = None,
-) -> dict[str, Any]:
-    cfg = UpConfig(
-        nodes=nodes,
-        rounds=rounds,
-        preset=preset,
-        run_dir=Path(run_dir) if run_dir else None,
-        data=None,
-        round_timeout_s=120.0,
-        eval_every=eval_every,
-    )
-    result = up(cfg)
+def run(json_out: str | None, *, runs: UpRuns, eval_every: int | None = None) -> dict[str, Any]:
+    result = up(runs.config(data=None, round_timeout_s=120.0, eval_every=eval_every))
     table = phase_table(result)
-    report = {"nodes": nodes, "rounds": rounds, "preset": preset, "phases": table, "up": result}
+    report = {**runs.described(), "phases": table, "up": result}
     publish(markdown(table), report, json_out)
     return report
