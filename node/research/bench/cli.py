@@ -58,15 +58,15 @@ def ints(text: str) -> list[int]:
 
 
 def load(target: str) -> Any:
-    """``module:name`` in ``node.research.bench``, imported now."""
+    """``module:name``, the module imported now."""
     module, name = target.split(":")
-    return getattr(importlib.import_module(f"node.research.bench.{module}"), name)
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
 class Gather:
-    """Flags a bench takes as one value: its keyword ``keyword`` is ``target`` (``module:name``,
-    as ``Bench.target``) called with the values of the flags ``dests``, by dest."""
+    """Flags a bench takes as one value: its keyword ``keyword`` is ``target`` (``module:name``)
+    called with the values of the flags ``dests``, by dest."""
 
     keyword: str
     target: str
@@ -74,8 +74,8 @@ class Gather:
 
 
 #: ``--nodes``, ``--rounds``, ``--preset`` and ``--dir`` of a bench that starts ``up`` runs, as
-#: its keyword ``runs`` (``node.research.bench.uprun.UpRuns``).
-UP_RUNS = Gather("runs", "uprun:UpRuns", ("nodes", "rounds", "preset", "run_dir"))
+#: its keyword ``runs``: the ``UpConfig`` its runs start from (``round_bench.one_run``).
+UP_RUNS = Gather("runs", "node.cluster.up:UpConfig", ("nodes", "rounds", "preset", "run_dir"))
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class Bench:
             options[self.rename.get(dest, dest)] = value
         for g in self.gather:
             options[g.keyword] = load(g.target)(**{dest: options.pop(dest) for dest in g.dests})
-        load(self.target)(**options)
+        load(f"node.research.bench.{self.target}")(**options)
         return 0
 
 

@@ -30,9 +30,8 @@ import logging
 import statistics
 from typing import Any
 
-from node.cluster.up import up
-from node.research.bench.round_bench import phase_table
-from node.research.bench.uprun import UpRuns
+from node.cluster.up import UpConfig, up
+from node.research.bench.round_bench import DESCRIBED, one_run, phase_table
 from node.research.report import publish
 
 log = logging.getLogger("sparseloco.bench.overlap")
@@ -124,7 +123,7 @@ def markdown(report: dict[str, Any]) -> str:
 def run(
     json_out: str | None,
     *,
-    runs: UpRuns,
+    runs: UpConfig,
     link_share: float = 1.0,
     overlap: str = "merge",
 ) -> dict[str, Any]:
@@ -134,7 +133,7 @@ def run(
 
     def one(name: str, **options: Any) -> dict[str, Any]:
         log.info("event=bench_overlap_run run=%s", name)
-        return up(runs.config(name, round_timeout_s=600.0, **options))
+        return up(one_run(runs, name, round_timeout_s=600.0, **options))
 
     calibration = one("uncapped")
     rate = link_rate(calibration, link_share)
@@ -147,7 +146,7 @@ def run(
             upload_limit=cap, download_limit=cap,
         )  # fmt: skip
     report = {
-        **runs.described(),
+        **runs.model_dump(include=DESCRIBED),
         "link_share": link_share,
         "rate_bytes_s": rate,
         "schedules": [label(name, tau) for name, tau in asked],
