@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from node.cluster.command import UP, table_names
 from node.compute.modelconfig import PRESETS as MODEL_PRESETS
 from node.compute.presets import PRESETS as RUN_PRESETS
+from node.flags import OVERLAP_FLAGS, device_flag, transfer_limit_flags
 from node.research.bench.cli import add_bench
 from node.subcommand import Command, flag, values
 from node.tools.commands import (
@@ -159,31 +160,11 @@ SIMULATE = Command(
             default=None,
             help="disable median-norm clipping of peers",
         ),
-        flag(
-            "--overlap",
-            nargs="?",
-            const="merge",
-            choices=("off", "delayed", "eager", "merge"),
-            default=None,
-            help="SparseLoCo: let each round's transfers overlap the next round's training; 'merge'"
-            " (the default with the flag) merges the aggregate into that training at inner step"
-            " --overlap-tau; 'delayed' applies it one round late, 'eager' too but starts that"
-            " training with an estimate of it applied (README benchmark 12)",
-        ),
-        flag(
-            "--overlap-tau",
-            type=int,
-            help="with --overlap merge: the inner step (1..H) at which the aggregate in flight is"
-            " merged (default: the run's, README benchmark 12)",
-        ),
+        *OVERLAP_FLAGS,
         flag("--inner-lr", type=float, help="inner AdamW lr (default by algorithm)"),
         flag("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)"),
         flag("--seed", type=int),
-        flag(
-            "--device",
-            help="where the workers' inner steps run: cpu (default), auto or cuda:N; θ, the codec"
-            " and the outer steps stay on the CPU",
-        ),
+        device_flag("the workers'", "cpu", on_cpu="θ, the codec and the outer steps stay"),
         flag("--json", dest="json_out", metavar="OUT", help="write the result here"),
     ),
 )
@@ -206,19 +187,8 @@ NODE = Command(
             " the bundled corpus, or the run's dataset streamed from the store)",
         ),
         flag("--threads", type=int, help="torch threads (default: torch's choice)"),
-        flag(
-            "--device",
-            help="where the inner steps run: auto (the first GPU if there is one, else the CPU;"
-            " the default), cpu or cuda:N (or SPARSELOCO_NODE_DEVICE); θ stays on the CPU",
-        ),
-        *(
-            flag(
-                f"--{way}-limit",
-                help=f"cap this node's {way}s to the store, e.g. 100Mbit or 12.5MB (per second;"
-                f" or SPARSELOCO_NODE_{way.upper()}_LIMIT)",
-            )
-            for way in ("upload", "download")
-        ),
+        device_flag("the", "auto; or SPARSELOCO_NODE_DEVICE"),
+        *transfer_limit_flags("this node's", env=True),
     ),
 )
 

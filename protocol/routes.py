@@ -122,6 +122,40 @@ class Endpoint:
         return self.path if round_ is None else self.path.replace(ROUND, str(int(round_)))
 
 
+def _upload_step(
+    name: str, path: str, summary: str, request: type[BaseModel], response: type[BaseModel]
+) -> Endpoint:
+    """A step of an upload through the coordinator (grant, completion, commit): a POST whose
+    body may list the upload's parts (``body_limit``) and that needs the object store (503)."""
+    return Endpoint(
+        name,
+        "POST",
+        path,
+        summary,
+        request,
+        {200: response},
+        more_errors=(503,),
+        body_limit=MAX_PARTS_BODY_BYTES,
+    )
+
+
+def _upload(
+    grant: str,
+    complete: str,
+    path: str,
+    request: type[BaseModel],
+    grant_summary: str,
+    complete_summary: str,
+) -> tuple[Endpoint, Endpoint]:
+    """An upload through the coordinator: the grant of presigned PUTs at ``path`` (asked with
+    ``request``), then the completion of a multipart one at ``path/complete``; ``grant`` and
+    ``complete`` are their names."""
+    return (
+        _upload_step(grant, path, grant_summary, request, UploadGrant),
+        _upload_step(complete, f"{path}/complete", complete_summary, UploadComplete, UploadDone),
+    )
+
+
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("join", "POST", "/v1/join", "Join the run (or rejoin)", JoinRequest,
              {200: JoinResponse}),
@@ -134,14 +168,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              query={"wait": Query("seconds to wait for a round that waits for members to open"
                                   " (the server waits at most its manifest_wait_max_s)",
                                   "number", 0, 3600)}),
-    Endpoint("upload", "POST", "/v1/rounds/{round}/upload",
+    *_upload("upload", "upload_complete", "/v1/rounds/{round}/upload", UploadRequest,
              "A presigned PUT for the caller's payload of this round, or one per part",
-             UploadRequest, {200: UploadGrant}, more_errors=(503,),
-             body_limit=MAX_PARTS_BODY_BYTES),
-    Endpoint("upload_complete", "POST", "/v1/rounds/{round}/upload/complete",
              "Complete the caller's multipart payload upload (write-once: created is false if"
-             " the key already held an object)", UploadComplete, {200: UploadDone},
-             more_errors=(503,), body_limit=MAX_PARTS_BODY_BYTES),
+             " the key already held an object)"),
     Endpoint("submit", "POST", "/v1/rounds/{round}/submit",
              "Announce an uploaded payload; idempotent for an identical body", SubmitRequest,
              {200: SubmitResponse}, more_errors=(503,)),
@@ -154,18 +184,13 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "Report the fingerprint after applying a closed round (its participants only);"
              " answers the round as the node now sees it, as GET /v1/round would",
              RoundReport, {200: RoundView}),
-    Endpoint("checkpoint_upload", "POST", "/v1/checkpoints/{round}/upload",
+    *_upload("checkpoint_upload", "checkpoint_complete", "/v1/checkpoints/{round}/upload",
+             CheckpointUpload,
              "A presigned PUT for θ at the start of this round, for the first eligible member",
-             CheckpointUpload, {200: UploadGrant}, more_errors=(503,),
-             body_limit=MAX_PARTS_BODY_BYTES),
-    Endpoint("checkpoint_complete", "POST", "/v1/checkpoints/{round}/upload/complete",
-             "Complete the grant holder's multipart checkpoint upload (write-once)",
-             UploadComplete, {200: UploadDone}, more_errors=(503,),
-             body_limit=MAX_PARTS_BODY_BYTES),
-    Endpoint("checkpoint_commit", "POST", "/v1/checkpoints/{round}/commit",
-             "Announce the uploaded checkpoint (grant holder only); the coordinator verifies the"
-             " file before it commits it; idempotent", CheckpointUpload, {200: CheckpointInfo},
-             more_errors=(503,), body_limit=MAX_PARTS_BODY_BYTES),
+             "Complete the grant holder's multipart checkpoint upload (write-once)"),
+    _upload_step("checkpoint_commit", "/v1/checkpoints/{round}/commit",
+                 "Announce the uploaded checkpoint (grant holder only); the coordinator verifies"
+                 " the file before it commits it; idempotent", CheckpointUpload, CheckpointInfo),
     Endpoint("checkpoint_latest", "GET", "/v1/checkpoints/latest",
              "The newest committed checkpoint with a presigned GET", None,
              {200: CheckpointView}, more_errors=(404,)),

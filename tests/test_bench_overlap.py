@@ -3,9 +3,16 @@ processes; ``test_network_run.py`` covers ``up --overlap`` end to end)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from node.cli import parse
+from node.cli import main, parse
+from node.cluster.up import UpConfig
+from node.research.bench import round_bench
+from node.research.bench import utilisation as overlap_bench
 from node.research.bench.utilisation import link_rate, markdown, schedules, utilisation
 
 
@@ -76,3 +83,33 @@ def test_schedules_are_read_with_their_merge_step() -> None:
 def test_the_command_takes_its_documented_flags() -> None:
     args = parse(["bench", "overlap", "--nodes", "3", "--preset", "small", "--link-share", "1"])
     assert (args.nodes, args.preset, args.link_share, args.variant) == (3, "small", 1.0, "merge")
+
+
+def test_both_benches_start_their_runs_from_the_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--nodes``, ``--rounds``, ``--preset`` and ``--dir`` reach every ``up`` run each bench
+    starts (``up`` faked: no processes), and its report."""
+    started: list[UpConfig] = []
+
+    def fake_up(cfg: UpConfig) -> dict[str, Any]:
+        started.append(cfg)
+        result = summary([9.0] * cfg.rounds, {"a": [3.0] * cfg.rounds}, 4000)
+        return {**result, "final_eval_loss": 2.5, "fingerprints_agree": True}
+
+    monkeypatch.setattr(round_bench, "up", fake_up)
+    monkeypatch.setattr(overlap_bench, "up", fake_up)
+    flags = ["--nodes", "2", "--rounds", "4", "--preset", "small", "--dir", str(tmp_path)]
+    out = tmp_path / "out.json"
+    assert main(["bench", "round", *flags, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["nodes"] == 2
+    assert main(["bench", "overlap", *flags, "--variant", "eager", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["schedules"] == ["eager"]
+    assert [cfg.run_dir for cfg in started] == [
+        tmp_path,
+        tmp_path / "uncapped",
+        tmp_path / "plain",
+        tmp_path / "eager",
+    ]
+    assert {(cfg.nodes, cfg.rounds, cfg.preset) for cfg in started} == {(2, 4, "small")}
+    assert [cfg.round_timeout_s for cfg in started] == [120.0, 600.0, 600.0, 600.0]

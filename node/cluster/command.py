@@ -15,6 +15,7 @@ from typing import Any
 
 from node.compute.presets import PRESETS as RUN_PRESETS
 from node.errors import UpError
+from node.flags import OVERLAP_FLAGS, device_flag, transfer_limit_flags
 from node.subcommand import Command, flag, values
 from protocol.errors import ConfigError, Problem, config_error
 
@@ -133,27 +134,13 @@ UP = Command(
             " later deadlines are learnt from the nodes' arrivals, at most this long"
             " (default: %(default)s)",
         ),
-        flag(
-            "--overlap",
-            nargs="?",
-            const="merge",
-            choices=("off", "delayed", "eager", "merge"),
-            help="train each round while the previous one's payloads travel (the run's overlap;"
-            " merge with the flag alone: their aggregate is merged at inner step --overlap-tau)",
-        ),
-        flag(
-            "--overlap-tau",
-            type=int,
-            help="with --overlap merge: the inner step (1..H) the aggregate in flight is merged at"
-            " (default: the run config's, README benchmark 12)",
-        ),
-        flag("--upload-limit", help="cap every node's uploads, e.g. 100Mbit (per second)"),
-        flag("--download-limit", help="cap every node's downloads, e.g. 100Mbit"),
-        flag(
-            "--device",
-            default="cpu",
-            help="where the nodes' inner steps run: cpu (the default), auto or cuda:N for all, or a"
-            " list the nodes take in turn, e.g. cuda:0,cuda:0,cpu",
+        *OVERLAP_FLAGS,
+        *transfer_limit_flags("every node's"),
+        device_flag(
+            "the nodes'",
+            "cpu",
+            more=" for all, or a list the nodes take in turn, e.g. cuda:0,cuda:0,cpu",
+            fill=True,
         ),
         flag(
             "--ranks",

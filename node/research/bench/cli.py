@@ -14,9 +14,10 @@
 - ``wan``: round time and utilisation across the WAN lab beside the projection (``wan``).
 
 A bench is one ``Bench`` row: its flags as data, and the function that runs it, called with one
-keyword per flag. Adding a bench is adding a row (and its module); the module prints its table
-and writes its ``--json`` report with ``node.research.report.publish``. Each module is imported
-only when its command runs, so ``--help`` stays fast and never loads torch.
+keyword per flag, or one value for flags that belong together (``Gather``: the ``up`` runs of
+``round`` and ``overlap``). Adding a bench is adding a row (and its module); the module prints
+its table and writes its ``--json`` report with ``node.research.report.publish``. Each module is
+imported only when its command runs, so ``--help`` stays fast and never loads torch.
 """
 
 from __future__ import annotations
@@ -56,13 +57,35 @@ def ints(text: str) -> list[int]:
     return [int(w) for w in words(text)]
 
 
+def load(target: str) -> Any:
+    """``module:name``, the module imported now."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Flags a bench takes as one value: its keyword ``keyword`` is ``target`` (``module:name``)
+    called with the values of the flags ``dests``, by dest."""
+
+    keyword: str
+    target: str
+    dests: tuple[str, ...]
+
+
+#: ``--nodes``, ``--rounds``, ``--preset`` and ``--dir`` of a bench that starts ``up`` runs, as
+#: its keyword ``runs``: the ``UpConfig`` its runs start from (``round_bench.one_run``).
+UP_RUNS = Gather("runs", "node.cluster.up:UpConfig", ("nodes", "rounds", "preset", "run_dir"))
+
+
 @dataclass(frozen=True)
 class Bench:
     """One ``sparseloco bench`` command.
 
     ``target`` is ``module:function`` in ``node.research.bench``; the function gets one keyword
     per flag (its ``dest``, or the name ``rename`` gives it), after ``convert`` has parsed the
-    values that are lists. Its return value is the report: the command's status is 0.
+    values that are lists, except the flags of a ``gather``, which come as one value. Its return
+    value is the report: the command's status is 0.
     """
 
     name: str
@@ -71,6 +94,7 @@ class Bench:
     flags: tuple[Flag, ...]
     rename: Mapping[str, str] = field(default_factory=dict)
     convert: Mapping[str, Callable[[str], Any]] = field(default_factory=dict)
+    gather: tuple[Gather, ...] = ()
 
     def add_to(self, p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add the flags to ``p``; running the command runs the bench."""
@@ -78,15 +102,15 @@ class Bench:
         return p
 
     def run(self, dests: Sequence[str], args: argparse.Namespace) -> int:
-        module, function = self.target.split(":")
-        bench = getattr(importlib.import_module(f"node.research.bench.{module}"), function)
         options = {}
         for dest in dests:
             value = getattr(args, dest)
             if value is not None and dest in self.convert:
                 value = self.convert[dest](value)
             options[self.rename.get(dest, dest)] = value
-        bench(**options)
+        for g in self.gather:
+            options[g.keyword] = load(g.target)(**{dest: options.pop(dest) for dest in g.dests})
+        load(f"node.research.bench.{self.target}")(**options)
         return 0
 
 
@@ -278,6 +302,7 @@ BENCHES = (
         "time of a networked round, phase by phase (runs up)",
         "round_bench:run",
         ROUND_FLAGS,
+        gather=(UP_RUNS,),
     ),
     Bench(
         "overlap",
@@ -285,6 +310,7 @@ BENCHES = (
         "utilisation:run",
         OVERLAP_FLAGS,
         rename={"variant": "overlap"},
+        gather=(UP_RUNS,),
     ),
     Bench(
         "coordinator",

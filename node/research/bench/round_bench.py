@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-from pathlib import Path
 from typing import Any
 
 from node.cluster.up import UpConfig, up
@@ -42,6 +41,9 @@ PHASES = (
     "eval",
 )
 
+
+#: What a bench's report says of the runs it timed (``UpConfig`` fields).
+DESCRIBED = {"nodes", "rounds", "preset"}
 
 #: The node's own work beside training: what is left when the network and the waits are not.
 OWN = ("encode", "decode", "aggregate_apply", "save", "eval")
@@ -89,26 +91,18 @@ def markdown(table: dict[str, float]) -> str:
     return "\n".join([head, *rows])
 
 
-def run(
-    json_out: str | None,
-    *,
-    nodes: int,
-    rounds: int,
-    preset: str,
-    run_dir: str | None,
-    eval_every: int | None = None,
-) -> dict[str, Any]:
-    cfg = UpConfig(
-        nodes=nodes,
-        rounds=rounds,
-        preset=preset,
-        run_dir=Path(run_dir) if run_dir else None,
-        data=None,
-        round_timeout_s=120.0,
-        eval_every=eval_every,
-    )
-    result = up(cfg)
+def one_run(runs: UpConfig, name: str | None = None, **changes: Any) -> UpConfig:
+    """One ``up`` run of a bench: ``runs`` (what the bench's flags set) with ``changes`` (checked
+    as ``UpConfig`` fields), in its own folder ``run_dir/name`` when named."""
+    fields = runs.model_dump(exclude_unset=True)
+    if name is not None and runs.run_dir is not None:
+        fields["run_dir"] = runs.run_dir / name
+    return UpConfig(**{**fields, **changes})
+
+
+def run(json_out: str | None, *, runs: UpConfig, eval_every: int | None = None) -> dict[str, Any]:
+    result = up(one_run(runs, data=None, round_timeout_s=120.0, eval_every=eval_every))
     table = phase_table(result)
-    report = {"nodes": nodes, "rounds": rounds, "preset": preset, "phases": table, "up": result}
+    report = {**runs.model_dump(include=DESCRIBED), "phases": table, "up": result}
     publish(markdown(table), report, json_out)
     return report

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import logging
 import statistics
-from pathlib import Path
 from typing import Any
 
 from node.cluster.up import UpConfig, up
-from node.research.bench.round_bench import phase_table
+from node.research.bench.round_bench import DESCRIBED, one_run, phase_table
 from node.research.report import publish
 
 log = logging.getLogger("sparseloco.bench.overlap")
@@ -124,29 +123,17 @@ def markdown(report: dict[str, Any]) -> str:
 def run(
     json_out: str | None,
     *,
-    nodes: int,
-    rounds: int,
-    preset: str,
-    run_dir: str | None,
+    runs: UpConfig,
     link_share: float = 1.0,
     overlap: str = "merge",
 ) -> dict[str, Any]:
-    if rounds < 3:
+    if runs.rounds < 3:
         raise ValueError("--rounds must be at least 3 (the first and last are not steady)")
     asked = schedules(overlap)
-    root = Path(run_dir) if run_dir else None
 
     def one(name: str, **options: Any) -> dict[str, Any]:
         log.info("event=bench_overlap_run run=%s", name)
-        cfg = UpConfig(
-            nodes=nodes,
-            rounds=rounds,
-            preset=preset,
-            run_dir=root / name if root else None,
-            round_timeout_s=600.0,
-            **options,
-        )
-        return up(cfg)
+        return up(one_run(runs, name, round_timeout_s=600.0, **options))
 
     calibration = one("uncapped")
     rate = link_rate(calibration, link_share)
@@ -159,9 +146,7 @@ def run(
             upload_limit=cap, download_limit=cap,
         )  # fmt: skip
     report = {
-        "nodes": nodes,
-        "rounds": rounds,
-        "preset": preset,
+        **runs.model_dump(include=DESCRIBED),
         "link_share": link_share,
         "rate_bytes_s": rate,
         "schedules": [label(name, tau) for name, tau in asked],
