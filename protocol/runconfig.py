@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from protocol.bounds import Count, Fraction, Natural, NonNegative, Positive
+
 #: What nodes exchange, as one version: 2 is payload format 2 (``protocol/FORMAT.md``) with
 #: fingerprint version 2 (``protocol.fingerprint``). Part of the run id (``RunConfig.canonical``).
 PROTOCOL = 2
@@ -34,18 +36,18 @@ class Timing(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     #: Deadline of a round with no history yet, counted from when its first node is expected.
-    first_round_s: float = Field(300.0, gt=0)
+    first_round_s: Positive = 300.0
     #: Later deadlines: ``factor`` times the median of recent round durations, plus ``margin_s``,
     #: clamped to [min_round_s, max_round_s].
     factor: float = Field(2.0, ge=1.0)
-    margin_s: float = Field(10.0, ge=0)
-    min_round_s: float = Field(15.0, gt=0)
-    max_round_s: float = Field(3600.0, gt=0)
+    margin_s: NonNegative = 10.0
+    min_round_s: Positive = 15.0
+    max_round_s: Positive = 3600.0
     #: A member with no heartbeat for this long is timed out and no longer expected.
-    heartbeat_timeout_s: float = Field(30.0, gt=0)
+    heartbeat_timeout_s: Positive = 30.0
     #: A member that submitted nothing in this many rounds in a row is no longer waited for: it
     #: stays a member and may submit, and is waited for again from the round after it does.
-    silent_rounds: int = Field(2, ge=1)
+    silent_rounds: Count = 2
 
     @model_validator(mode="after")
     def _check(self) -> Timing:
@@ -64,17 +66,17 @@ class RunConfig(BaseModel):
     name: str = Field("demo", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     #: Model preset name, resolved by the node (tiny, small, base, medium, large, 1b).
     model: str = Field("tiny", min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")
-    seed: int = Field(0, ge=0)
+    seed: Natural = 0
     #: Total rounds of the run; the inner learning-rate schedule spans rounds x inner_steps.
-    rounds: int = Field(20, ge=1)
-    inner_steps: int = Field(30, ge=1, description="H, inner AdamW steps per round")
-    batch_size: int = Field(8, ge=1)
+    rounds: Count = 20
+    inner_steps: Count = Field(30, description="H, inner AdamW steps per round")
+    batch_size: Count = 8
     # Codec
-    topk: int = Field(64, ge=1, description="kept entries per 4096-element tile")
+    topk: Count = Field(64, description="kept entries per 4096-element tile")
     tile: int = Field(64, ge=1, le=1024)
     # Outer step
-    beta: float = Field(0.95, ge=0.0, le=1.0)
-    alpha: float = Field(1.0, gt=0.0)
+    beta: Fraction = 0.95
+    alpha: Positive = 1.0
     clip: bool = True
     #: Screen peers by sign agreement and bound every value's influence (node.compute.robust).
     robust: bool = True
@@ -91,30 +93,30 @@ class RunConfig(BaseModel):
     overlap: Literal["off", "delayed", "eager", "merge"] = "off"
     #: (overlap = "merge") τ, the inner step of a round at which the previous round's aggregate
     #: is merged, 1 <= τ <= H; None: ``DEFAULT_MERGE_STEP`` (or H, if H is smaller).
-    overlap_tau: int | None = Field(None, ge=1)
+    overlap_tau: Count | None = None
     # Inner optimiser
-    inner_lr: float = Field(1e-3, gt=0.0)
-    warmup_frac: float = Field(0.05, ge=0.0, le=1.0)
+    inner_lr: Positive = 1e-3
+    warmup_frac: Fraction = 0.05
     #: Steps of linear re-warm-up for a node starting with a fresh AdamW state mid-run.
-    rewarmup_steps: int = Field(10, ge=0)
+    rewarmup_steps: Natural = 10
     # Membership and rounds
-    gather_size: int = Field(16, ge=1, description="G, most payloads aggregated per round")
+    gather_size: Count = Field(16, description="G, most payloads aggregated per round")
     #: Data is cut into this many disjoint streams; a node trains on stream slot % data_slots.
-    data_slots: int = Field(16, ge=1)
+    data_slots: Count = 16
     #: Rounds wait (state "waiting") until at least this many members are active.
-    min_nodes: int = Field(1, ge=1)
+    min_nodes: Count = 1
     # Checkpoints and retention
     #: A checkpoint of θ_R is taken at every round R that is a multiple of this (0: never).
-    checkpoint_every: int = Field(10, ge=0)
+    checkpoint_every: Natural = 10
     #: Payloads of rounds older than this many rounds, and older than the newest checkpoint,
     #: are deleted. Must exceed checkpoint_every so a joiner can always replay from a checkpoint.
-    retention_rounds: int = Field(30, ge=1)
+    retention_rounds: Count = 30
     #: Checkpoints kept in the store (the newest ones).
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: Count = 2
     # Evaluation
     #: Nodes measure the held-out loss of θ after the first round, after the last one and
     #: after every round R with (R + 1) a multiple of this (``evaluates``); 1: every round.
-    eval_every: int = Field(10, ge=1)
+    eval_every: Count = 10
     #: The prepared dataset every node trains on, by id (``sparseloco data prepare`` prints
     #: it); nodes stream their own shards of it from the store. None: each node's local data.
     dataset: str | None = Field(None, pattern=DATASET_ID_PATTERN)

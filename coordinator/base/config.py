@@ -46,6 +46,7 @@ from pydantic_settings import (
 from coordinator.base.config_file import ENV_PREFIX, read_toml
 from coordinator.base.limits import LimitsConfig
 from coordinator.base.redact import scrub, secrets_in, shown
+from protocol.bounds import Count, NonNegative
 from protocol.errors import ConfigError, Problem, problems
 from protocol.keys import check_id
 from protocol.runconfig import RunConfig
@@ -68,7 +69,7 @@ class ServerConfig(_Section):
     state_dir: Path
     max_body_bytes: int = Field(65536, ge=1024)
     presign_expiry_s: int = Field(900, ge=1, le=7 * 24 * 3600)
-    manifest_wait_max_s: float = Field(60.0, ge=0)
+    manifest_wait_max_s: NonNegative = 60.0
     status_rounds: int = Field(20, ge=1, le=100000)
     #: PEM certificate chain and private key: with both set the coordinator serves HTTPS itself
     #: (``coordinator.ops.server``); else plain HTTP, for loopback or behind a TLS proxy.
@@ -94,11 +95,11 @@ class StorageConfig(_Section):
     region: str = "us-east-1"
     access_key: str = Field(min_length=1)
     secret_key: str = Field(min_length=1)
-    max_payload_bytes: int = Field(268435456, ge=1)
+    max_payload_bytes: Count = 268435456
     #: Largest checkpoint (safetensors file) a node may upload. The coordinator streams each one
     #: back to verify it (``coordinator.store.verify``: one chunk in memory at a time), so this
     #: bounds the download and its time, not the coordinator's memory.
-    max_checkpoint_bytes: int = Field(16 * 1024**3, ge=1)
+    max_checkpoint_bytes: Count = 16 * 1024**3
 
 
 class CoordinatorConfig(BaseSettings):

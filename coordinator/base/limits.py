@@ -49,9 +49,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from coordinator.base.errors import RateLimited
+from protocol.bounds import Count, Positive
 
 log = logging.getLogger("sparseloco.coordinator.limits")
 
@@ -68,13 +69,13 @@ class LimitsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    auth_failures_burst: int = Field(30, ge=1)
-    auth_failures_per_s: float = Field(1.0, gt=0)
-    node_requests_burst: int = Field(600, ge=1)
-    node_requests_per_s: float = Field(50.0, gt=0)
-    body_timeout_s: float = Field(30.0, gt=0)
-    idle_timeout_s: float = Field(60.0, gt=0)
-    max_tracked_clients: int = Field(10000, ge=1)
+    auth_failures_burst: Count = 30
+    auth_failures_per_s: Positive = 1.0
+    node_requests_burst: Count = 600
+    node_requests_per_s: Positive = 50.0
+    body_timeout_s: Positive = 30.0
+    idle_timeout_s: Positive = 60.0
+    max_tracked_clients: Count = 10000
 
 
 def server_settings(config: LimitsConfig) -> dict[str, Any]:

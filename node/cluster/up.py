@@ -39,6 +39,7 @@ from node.daemon.settings import check_device_spec
 from node.errors import DataError, UpError
 from node.tools.offline import keep_agreed
 from node.tools.shards import upload
+from protocol.bounds import Count, Positive
 from protocol.dataset import MANIFEST_FILE, DatasetManifest, parse_manifest
 from protocol.runconfig import RunConfig, Timing
 from protocol.status import StatusView
@@ -50,18 +51,18 @@ class UpConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     nodes: int = Field(3, ge=1, le=32)
-    rounds: int = Field(5, ge=1)
+    rounds: Count = 5
     preset: str = "tiny"
     run_dir: Path | None = None
     data: str | None = None
     #: Seconds a round may run before it closes without missing nodes.
-    round_timeout_s: float = Field(120.0, gt=0)
+    round_timeout_s: Positive = 120.0
     #: Evaluate every this many rounds (and the first and last); None: the run config's default.
-    eval_every: int | None = Field(None, ge=1)
+    eval_every: Count | None = None
     #: The run's ``overlap`` (off, delayed, eager, merge); None: the run config's default (off).
     overlap: Literal["off", "delayed", "eager", "merge"] | None = None
     #: (merge) The run's ``overlap_tau``; None: its default.
-    overlap_tau: int | None = Field(None, ge=1)
+    overlap_tau: Count | None = None
     #: Every node's upload and download caps (``--upload-limit``, ``--download-limit``).
     upload_limit: str | None = None
     download_limit: str | None = None
@@ -69,7 +70,7 @@ class UpConfig(BaseModel):
     #: comma-separated list the nodes take in turn (``cuda:0,cuda:0,cpu``).
     device: str = "cpu"
     #: torch (and numba) threads per node.
-    threads: int = Field(1, ge=1)
+    threads: Count = 1
     #: Processes per node (torchrun): one count for all, or a comma-separated list the nodes
     #: take in turn (``1,2,4``). A node of N processes shards its state over them.
     ranks: str = "1"

@@ -19,10 +19,11 @@ import math
 from collections.abc import Callable, Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 from torch import Tensor
 
 from node.compute.model import LanguageModel, autocast
+from protocol.bounds import Count, Fraction, Natural, NonNegative, Positive
 
 
 class InnerOptimConfig(BaseModel):
@@ -30,15 +31,15 @@ class InnerOptimConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    lr: float = Field(default=1e-3, gt=0)
+    lr: Positive = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(default=1e-8, gt=0)
-    weight_decay: float = Field(default=0.1, ge=0)
-    grad_clip: float = Field(default=1.0, gt=0)
-    warmup_steps: int = Field(ge=0)
-    total_steps: int = Field(gt=0)
-    start_ratio: float = Field(default=0.1, ge=0, le=1)
-    final_ratio: float = Field(default=0.1, ge=0, le=1)
+    eps: Positive = 1e-8
+    weight_decay: NonNegative = 0.1
+    grad_clip: Positive = 1.0
+    warmup_steps: Natural
+    total_steps: Count
+    start_ratio: Fraction = 0.1
+    final_ratio: Fraction = 0.1
 
     @model_validator(mode="after")
     def _check(self) -> InnerOptimConfig:

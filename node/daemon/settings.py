@@ -30,6 +30,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from node.daemon.ratelimit import parse_rate
 from node.daemon.tls import check_coordinator_url
+from protocol.bounds import Count, Natural, NonNegative, Positive
 from protocol.errors import ConfigError, Problem, config_error
 from protocol.invite import decode_invite, normalize_fingerprint
 
@@ -84,28 +85,28 @@ class NodeSettings(ConnectionSettings):
     state_dir: Path = Field(description="local state (θ, error buffer, AdamW, round)")
     data: str | None = Field(None, description="text file, directory or glob; default: bundled")
     #: torch intra-op threads for this node's compute (0: torch's default).
-    threads: int = Field(0, ge=0)
+    threads: Natural = 0
     #: Where the inner steps run: ``auto`` (the first GPU if torch sees one, else the CPU),
     #: ``cpu`` or ``cuda[:N]`` (``node.compute.placement``); θ stays on the CPU either way.
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
-    eval_batches: int = Field(4, ge=1)
-    eval_batch_size: int = Field(8, ge=1)
+    eval_batches: Count = 4
+    eval_batch_size: Count = 8
     #: Evaluate the held-out loss every this many rounds (0: never); unset, the run's own
     #: schedule (``RunConfig.eval_every``) decides.
-    eval_every: int = Field(1, ge=0)
-    parallel_downloads: int = Field(8, ge=1)
-    connect_timeout_s: float = Field(10.0, gt=0)
-    request_timeout_s: float = Field(30.0, gt=0)
-    transfer_timeout_s: float = Field(120.0, gt=0)
+    eval_every: Natural = 1
+    parallel_downloads: Count = 8
+    connect_timeout_s: Positive = 10.0
+    request_timeout_s: Positive = 30.0
+    transfer_timeout_s: Positive = 120.0
     #: How long the coordinator or the store may be unreachable before the node gives up
     #: (default: never; an outage of any length is waited out).
-    outage_budget_s: float = Field(math.inf, gt=0)
+    outage_budget_s: Positive = math.inf
     #: Seconds a stop request (SIGTERM, Ctrl-C) waits for the round in hand before it is cut.
-    stop_grace_s: float = Field(3.0, ge=0)
+    stop_grace_s: NonNegative = 3.0
     #: Caps on this node's transfers to and from the store, in bytes per second (given as
     #: ``100Mbit``, ``12.5MB``...: ``node.daemon.ratelimit``); None: uncapped.
-    upload_limit: float | None = Field(None, gt=0)
-    download_limit: float | None = Field(None, gt=0)
+    upload_limit: Positive | None = None
+    download_limit: Positive | None = None
 
     @field_validator("device")
     @classmethod
