@@ -46,8 +46,9 @@ RUN = RunConfig(
 )
 #: node-1 sleeps this long after training rounds 3 and 6, before it uploads: each of those
 #: rounds stays open that long (its deadline is at least ``min_round_s``), which holds the run
-#: still while the backup is taken (round 3) and while the coordinator is killed (round 6).
-STALL_S = 30
+#: still while the backup is taken (round 3; the command takes about a second) and while the
+#: coordinator is killed (round 6; the kill waits for node-0's submission, which takes less).
+STALL_S = 12
 STALLS = f"slow:{STALL_S}@3,slow:{STALL_S}@6"
 
 
