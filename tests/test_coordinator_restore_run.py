@@ -50,11 +50,15 @@ RUN = RunConfig(
 #: coordinator is killed (round 6; the kill waits for node-0's submission, which takes less).
 STALL_S = 12
 STALLS = f"slow:{STALL_S}@3,slow:{STALL_S}@6"
+#: The longest the coordinator holds a manifest long-poll (``[server]``, 60 s by default): the
+#: restored one answers node-0's with "open, nothing from you" that much later, and node-0 only
+#: then sends its lost submission again; a few seconds keep that inside node-1's stall.
+MANIFEST_WAIT_S = 3.0
 
 
 @pytest.fixture
 def cluster(tmp_path: Path, store):
-    c = Cluster(tmp_path, store, RUN, 2)
+    c = Cluster(tmp_path, store, RUN, 2, server={"manifest_wait_max_s": MANIFEST_WAIT_S})
     yield c
     c.stop()
 
