@@ -13,7 +13,8 @@ the internet. Faults, each keyed to a round:
 
 No node may exit or be restarted (the runner counts any unexpected exit as a failure), every
 round must close with every node in its gather set, all invariants hold after every round, and
-the final loss matches the same run without faults.
+the final loss matches the same run without faults. That run goes on beside this one
+(``Scenario.baseline_beside``): it fits in the two minutes this one spends waiting.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ OUTAGE = Scenario(
         at(5, "coordinator_outage", min_s=60),
     ),
     timeout_s=600,
+    baseline_beside=True,
 )
 
 
