@@ -46,14 +46,19 @@ RUN = RunConfig(
 )
 #: node-1 sleeps this long after training rounds 3 and 6, before it uploads: each of those
 #: rounds stays open that long (its deadline is at least ``min_round_s``), which holds the run
-#: still while the backup is taken (round 3) and while the coordinator is killed (round 6).
-STALL_S = 30
+#: still while the backup is taken (round 3; the command takes about a second) and while the
+#: coordinator is killed (round 6; the kill waits for node-0's submission, which takes less).
+STALL_S = 12
 STALLS = f"slow:{STALL_S}@3,slow:{STALL_S}@6"
+#: The longest the coordinator holds a manifest long-poll (``[server]``, 60 s by default): the
+#: restored one answers node-0's with "open, nothing from you" that much later, and node-0 only
+#: then sends its lost submission again; a few seconds keep that inside node-1's stall.
+MANIFEST_WAIT_S = 3.0
 
 
 @pytest.fixture
 def cluster(tmp_path: Path, store):
-    c = Cluster(tmp_path, store, RUN, 2)
+    c = Cluster(tmp_path, store, RUN, 2, server={"manifest_wait_max_s": MANIFEST_WAIT_S})
     yield c
     c.stop()
 

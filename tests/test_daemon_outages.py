@@ -95,7 +95,10 @@ async def test_a_join_refused_with_token_in_use_ends_the_node_at_once(harness) -
 
 async def test_a_token_revoked_mid_training_ends_the_node_at_its_next_heartbeat(harness) -> None:
     steps = 100_000  # far more than the test lets it train
-    run = run_config(rounds=2, inner_steps=steps)
+    # Beats every 2 s of fake time: PATIENT's window would make the loop below advance the
+    # fake clock 2,500 s, half a second at a time, before the first heartbeat.
+    timing = PATIENT.model_copy(update={"heartbeat_timeout_s": 8.0})
+    run = run_config(rounds=2, inner_steps=steps, timing=timing)
     h = harness(run)
     daemon = h.daemon("node-0")
     task = h.start(daemon)

@@ -8,8 +8,8 @@ as its round's payload through the coordinator's grant (a multipart upload: 8 Mi
 in flight), has it completed, submits, and downloads it back twice (into memory, into a file),
 as every peer of a round does.
 
-The upload takes about a minute and the two downloads about 20 s at these rates, so resets
-land in both phases: the relay never lets 1.5 ``RESET_S`` pass without one. Verdicts are
+The upload takes about 40 s and the two downloads about 11 s at these rates, so resets land
+in both phases: the relay never lets 1.5 ``RESET_S`` pass without one. Verdicts are
 counts and bytes, not times: the payload arrives intact both ways and the submit is accepted;
 the relay reset connections; upload parts were sent again (a part cut mid-body fails alone,
 the others go on) and downloaded ranges were resumed from the byte they had reached
@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from node.cluster.seaweed import EmbeddedStore
+from node.daemon.multipart import MULTIPART_THRESHOLD, UPLOAD_PART_SIZE
 from node.research.wan.lab import WanLab
 from node.research.wan.profiles import PROFILES
 from protocol.runconfig import RunConfig, Timing
@@ -37,11 +38,13 @@ pytestmark = pytest.mark.skipif(
     WanLab.available() is not None, reason=f"WAN lab unavailable: {WanLab.available()}"
 )
 
-#: The synthetic payload: 128 MiB, two uploads' worth of resets at the flaky link's rates.
-SIZE = 128 << 20
-#: Mean seconds between the flaky link's resets (the profile's minute, shortened).
-RESET_S = 10.0
-#: Safety net for the node process (a healthy transfer takes about a minute and a half).
+#: The synthetic payload: the smallest that goes in parts (64 MiB, eight parts of 8 MiB: four
+#: in flight and more waiting).
+SIZE = MULTIPART_THRESHOLD
+#: Mean seconds between the flaky link's resets (the profile's minute, shortened): at most
+#: 7.5 s apart, shorter than the two downloads together, so resets land in both phases.
+RESET_S = 5.0
+#: Safety net for the node process (a healthy transfer takes about a minute).
 NODE_TIMEOUT_S = 900
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +99,7 @@ def test_a_large_payload_crosses_the_flaky_link_intact(tmp_path: Path) -> None:
         f" bytes_kept={down['bytes_kept'] - up['bytes_kept']}"
     )
     assert result["accepted"] and result["memory_intact"] and result["file_intact"]
-    assert result["parts"] == 16
+    assert result["parts"] == SIZE // UPLOAD_PART_SIZE
     assert resets >= 3, f"the flaky link reset only {resets} times; the test shows nothing"
     assert up["retried_parts"] >= 1, "no reset cut an upload part"
     assert down["resumed_ranges"] - up["resumed_ranges"] >= 1, "no download was resumed"

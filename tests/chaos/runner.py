@@ -9,6 +9,9 @@ gets its manifest checked in the bucket at once, before retention may prune it; 
 reports (agreement, mass) run on every poll and once more at the end; checkpoints, retention and
 the loss against the fault-free baseline at the end.
 
+``chaos_test`` runs the fault-free baseline first, or beside the scenario in a thread of its
+own when the scenario asks for it (``Scenario.baseline_beside``).
+
 The result is a JSON-ready dict (built in ``ScenarioRunner._finish``, with the fault list and
 recovery from ``results``), written to the test's tmp dir and, when ``CHAOS_RESULTS`` is set, to
 that file (or ``{name}.json`` in that directory).
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +92,8 @@ class ScenarioRunner:
         self.store_down = False
         self._killed: set[str] = set()
         self._coordinator_killed = False
+        #: Set from another thread to end the run early (its processes stopped, no result).
+        self.abandoned = threading.Event()
         self.t0 = time.monotonic()
 
     # ---- processes -------------------------------------------------------------------------
@@ -278,6 +285,8 @@ class ScenarioRunner:
         steps = list(sc.steps)
         try:
             while True:
+                if self.abandoned.is_set():
+                    raise RuntimeError(f"scenario {sc.name} abandoned: the run beside it failed")
                 if time.monotonic() > deadline:
                     left = [s.describe() for s in steps]
                     raise AssertionError(
@@ -367,10 +376,31 @@ def run_scenario(scenario: Scenario, tmp_path: Path, store: EmbeddedStore) -> di
         own.stop()
 
 
+def _beside(
+    scenario: Scenario, tmp_path: Path, store: EmbeddedStore
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The baseline in a thread while the scenario runs in this one: (baseline, result)."""
+    plain = scenario.baseline()
+    # Built here, before the thread starts: boto3 must not make two clients at once.
+    runner = ScenarioRunner(plain, tmp_path / plain.name, store)
+    with ThreadPoolExecutor(1, thread_name_prefix="chaos-baseline") as pool:
+        baseline = pool.submit(runner.run)
+        try:
+            result = run_scenario(scenario, tmp_path, store)
+        except BaseException:
+            runner.abandoned.set()  # Ctrl-C or a failure: stop the baseline's processes too
+            raise
+        return baseline.result(), result
+
+
 def chaos_test(scenario: Scenario, tmp_path: Path, store: EmbeddedStore) -> dict[str, Any]:
-    """Baseline, then the scenario; write the results; fail with every invariant broken."""
-    baseline = run_scenario(scenario.baseline(), tmp_path, store)
-    result = run_scenario(scenario, tmp_path, store)
+    """Baseline and scenario (one after the other, or side by side if the scenario says so);
+    write the results; fail with every invariant broken."""
+    if scenario.baseline_beside:
+        baseline, result = _beside(scenario, tmp_path, store)
+    else:
+        baseline = run_scenario(scenario.baseline(), tmp_path, store)
+        result = run_scenario(scenario, tmp_path, store)
     compare_to_baseline(result, baseline, scenario.loss_tolerance)
     path = write_results(result, tmp_path)
     problems = list(result["failures"]) + [f"baseline: {f}" for f in baseline["failures"]]

@@ -114,6 +114,10 @@ class Scenario:
     loss_tolerance: float = 0.05
     #: Safety net for the whole scenario; every wait inside is keyed to rounds.
     timeout_s: float = 600.0
+    #: Run the fault-free baseline at the same time as the scenario, not before it: for a
+    #: scenario that spends most of its time waiting out outages, with long deadlines, the cores
+    #: it leaves idle run the baseline (whose verdict and loss do not depend on time either).
+    baseline_beside: bool = False
 
     def __post_init__(self) -> None:
         names = set(self.names)

@@ -110,4 +110,3 @@ def test_long_chaos_scenario(tmp_path, store) -> None:
     # Every node that suffered a fault took part again before the end.
     for rec in result["recovery"]:
         assert rec["back_in_gather"] is not None, rec
-

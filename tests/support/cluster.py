@@ -17,6 +17,7 @@ import time
 import urllib.error
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -53,9 +54,11 @@ class Cluster:
         *,
         prefix: str | None = None,
         public_host: str | None = None,
+        server: dict[str, Any] | None = None,
     ) -> None:
         """``public_host``: the coordinator listens on every address and nodes are told to reach
-        it by this one (the WAN lab's service address), instead of loopback."""
+        it by this one (the WAN lab's service address), instead of loopback. ``server``: more
+        settings of the coordinator's ``[server]`` table (``coordinator.base.config``)."""
         self.root = root
         self.public_host = public_host
         self.run = run
@@ -72,7 +75,7 @@ class Cluster:
                 self.tokens,
                 self.state_dir,
                 prefix=self.prefix,
-                server=None if public_host is None else {"host": "0.0.0.0"},
+                server={**({} if public_host is None else {"host": "0.0.0.0"}), **(server or {})},
             )
         )
         self.coordinator: Process | None = None
