@@ -26,13 +26,13 @@ OVERLAP_FLAGS = (
         help="SparseLoCo: let each round's transfers overlap the next round's training; 'merge'"
         " (the default with the flag) merges the aggregate into that training at inner step"
         " --overlap-tau; 'delayed' applies it one round late, 'eager' too but starts that"
-        " training with an estimate of it applied (README benchmark 12)",
+        " training with an estimate of it applied (docs/benchmarks.md §12)",
     ),
     flag(
         "--overlap-tau",
         type=int,
         help="with --overlap merge: the inner step (1..H) at which the aggregate in flight is"
-        " merged (default: the run config's, README benchmark 12)",
+        " merged (default: the run config's, docs/benchmarks.md §12)",
     ),
 )
 

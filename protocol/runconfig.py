@@ -24,7 +24,7 @@ from protocol.bounds import Count, Fraction, Natural, NonNegative, Positive
 PROTOCOL = 2
 #: Hex digits of the sha256 of the canonical config kept as the run id.
 RUN_ID_HEX = 16
-#: τ of ``overlap = "merge"`` when the run does not set ``overlap_tau`` (README benchmark 12).
+#: τ of ``overlap = "merge"`` when the run does not set ``overlap_tau`` (docs/benchmarks.md §12).
 DEFAULT_MERGE_STEP = 1
 #: A dataset id: the sha256 of a prepared dataset's canonical manifest (``protocol.dataset``).
 DATASET_ID_PATTERN = r"^sha256:[0-9a-f]{64}$"

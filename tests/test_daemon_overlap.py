@@ -218,7 +218,7 @@ async def test_sigterm_while_the_next_round_trains_leaves_and_resumes(
 async def test_a_node_that_first_sees_round_zero_waiting_trains_it_before_overlapping(
     harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Found by ``bench wan`` (README benchmark 17): the first node to join saw round 0 still
+    # Found by ``bench wan`` (docs/benchmarks.md §17): the first node to join saw round 0 still
     # waiting for members, took that for "not expected" and trained round 1 beside round 0
     # without ever submitting round 0, which then waited for its deadline.
     h = harness(run_config(overlap="eager", min_nodes=2, rounds=3))

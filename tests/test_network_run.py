@@ -251,7 +251,7 @@ def test_up_with_overlap_on_capped_links(tmp_path, schedule: list[str]) -> None:
         tmp_path, "--nodes", "3", "--rounds", "4", "--overlap", *schedule,
         "--upload-limit", "400kbit", "--download-limit", "400kbit",
     )  # fmt: skip
-    # The flag alone is "merge" at the run's default τ (README benchmark 12).
+    # The flag alone is "merge" at the run's default τ (docs/benchmarks.md §12).
     assert result["run"]["overlap"] == (schedule[0] if schedule else "merge")
     assert result["run"].get("overlap_tau") == (3 if len(schedule) > 1 else None)
     assert result["fingerprints_agree"] is True

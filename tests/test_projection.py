@@ -108,8 +108,8 @@ def test_every_term_is_linear_so_utilisation_does_not_depend_on_size() -> None:
 
 def test_measured_defaults_match_the_readme_numbers() -> None:
     a = Assumptions()
-    assert a.bits_per_param == 0.1445  # README benchmark 1, EF-like, k=64 (format 2)
-    # README benchmark 10, the quiet rerun: the parts on the round's path add up to the total.
+    assert a.bits_per_param == 0.1445  # docs/benchmarks.md §1, EF-like, k=64 (format 2)
+    # docs/benchmarks.md §10, the quiet rerun: the parts on the round's path add up to the total.
     assert a.cpu_work_ns == pytest.approx(0.6 + 4.9 + 7.1 + 0.0 + 3.6 + 9.7 + 1.7 + 0.9)
     assert (a.peers, a.inner_steps, a.gpus, a.mfu) == (16, 30, 8, 0.40)
 

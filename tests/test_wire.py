@@ -24,7 +24,7 @@ HOME = Link(name="home", up_mbit=20, down_mbit=100, rtt_ms=40)
 OFFICE = Link(name="office", up_mbit=100, down_mbit=100, rtt_ms=20)
 FAR = Link(name="far", up_mbit=50, down_mbit=50, rtt_ms=150, jitter_ms=30)
 FLAKY = HOME.model_copy(update={"name": "flaky", "reset_every_s": 60.0})
-#: A 10.8 M-parameter payload (README benchmark 17's larger model), three peers.
+#: A 10.8 M-parameter payload (docs/benchmarks.md §17's larger model), three peers.
 PAYLOAD, PEERS = 183e3, 3
 
 

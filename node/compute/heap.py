@@ -5,7 +5,7 @@ above its mmap threshold, and that threshold *grows* each time such a block is f
 32 MB. A node frees large blocks every step: FSDP gathers a transformer block's parameters (tens
 of MB), uses them and frees them; the payload scratch comes and goes. Once the threshold has
 grown past them they come from the heap, and freed there they stay resident. Measured on the
-81 M benchmark shape with 4 ranks (README benchmark 15): one training step grew each rank's RSS
+81 M benchmark shape with 4 ranks (docs/benchmarks.md §15): one training step grew each rank's RSS
 by 1.0 GB instead of the 0.19 GB of its gradients and AdamW moments.
 
 ``return_large_blocks`` fixes the threshold (which also stops its growth) at ``THRESHOLD``:

@@ -19,7 +19,7 @@ what a single process applies, by construction rather than by careful reduction.
 The price is balance: a tensor cannot be split, so a rank may hold more than 1/N. Tensors are
 dealt largest first, each to the rank holding the fewest elements so far (ties: the lower rank;
 then the name), which is within one tensor of the ideal. ``balance`` measures it; for the
-presets the largest tensor is the embedding, a few percent of the model (README benchmark 15
+presets the largest tensor is the embedding, a few percent of the model (docs/benchmarks.md §15
 lists max/ideal per preset and rank count). The FSDP shards of the inner steps
 (``node.compute.fsdp``) are FSDP's own dim-0 chunks, independent of this.
 """

@@ -188,7 +188,7 @@ PROJECT_FLAGS = (
         dest="lab_links",
         metavar="PROFILES",
         help="WAN lab profiles too, comma-separated: home, office, far, flaky (rates,"
-        " RTT, resets; README benchmark 17); alone, only those",
+        " RTT, resets; docs/benchmarks.md §17); alone, only those",
     ),
     number("--parallel-downloads", help="a node's parallel GETs (default 8)"),
     flag(

@@ -16,14 +16,14 @@ the batch and the per-parameter costs, not on N. Per node and round, on a link o
 
 ``link``: ``6 + ⌈G / parallel_downloads⌉`` round trips the round waits for (requests to the
 coordinator, the PUT, the GETs' waves), TCP slow start from an idle connection for the PUT and
-for the GETs, and on a link that resets, the expected retries (issue 20; README benchmark 17
-measures them against the WAN lab). With overlap (README benchmark 12: round r's aggregate
+for the GETs, and on a link that resets, the expected retries (issue 20; docs/benchmarks.md §17
+measures them against the WAN lab). With overlap (docs/benchmarks.md §12: round r's aggregate
 applied one round late) the transfers run while the next round trains, and so can the payload
 checks (they need only the bytes); the rest of the work touches θ or the error buffer and stays
 between two trainings, with two round trips (the loop's round view, the report), which leave
 the transfers' chain one round trip shorter than plain's (the report) and one longer (the round
 view of the payload's round): ``comm − RTT`` beside training. Waits for a slower peer and the
-coordinator's close are left out (tens of ms, README benchmark 4).
+coordinator's close are left out (tens of ms, docs/benchmarks.md §4).
 
 Dense comparisons (their own work taken as 0): DiLoCo with an fp32 pseudo-gradient over a ring
 all-reduce among the G nodes (each node sends and receives 2(G−1)/G of it, concurrently, in
@@ -60,7 +60,7 @@ Method = Literal[
     "DDP bf16, all-reduce per step",
 ]
 Positive = Annotated[float, Field(gt=0.0)]
-#: README benchmark 15's fit of the busiest rank's CPU ns/param at 81 M (1, 2 and 4 ranks).
+#: docs/benchmarks.md §15's fit of the busiest rank's CPU ns/param at 81 M (1, 2 and 4 ranks).
 SHARD_FIXED_NS = 4.3
 SHARD_SCALED_NS = 22.1
 
@@ -83,7 +83,7 @@ class Assumptions(BaseModel):
     resume_bytes: float | None = Field(None, gt=0.0)
     #: G: payloads downloaded per round (issue 11's assumption).
     peers: int = Field(16, ge=1)
-    #: H: inner steps per round (issue 11's assumption; README benchmark 3 runs H=30 too).
+    #: H: inner steps per round (issue 11's assumption; docs/benchmarks.md §3 runs H=30 too).
     inner_steps: int = Field(30, ge=1)
     #: GPUs per node (issue 11's assumption).
     gpus: int = Field(8, ge=1)
@@ -94,24 +94,24 @@ class Assumptions(BaseModel):
     #: Tokens per inner step per node: 8 GPUs × 16 sequences × 2,048 tokens (chosen here; over
     #: G=16 nodes a 4.2 M-token global batch, the size of large open pre-training runs').
     tokens_per_step: int = Field(8 * 16 * 2048, ge=1)
-    #: Payload size, bits/param: README benchmark 1, our format, EF-like input, k=64.
+    #: Payload size, bits/param: docs/benchmarks.md §1, our format, EF-like input, k=64.
     bits_per_param: float = Field(0.1445, gt=0.0)
-    #: The node's own work on the round's path, ns/param, on the 2-core CPU: README benchmark 10,
-    #: 81 M, the rerun on a quiet machine (bookkeeping 0.6 + encode 4.9 + save 7.1 + fingerprint
+    #: The node's own work on the round's path, ns/param, on the 2-core CPU: docs/benchmarks.md
+    #: §10, 81 M, the rerun on a quiet machine (bookkeeping 0.6 + encode 4.9 + save 7.1 + fingerprint
     #: 0 + decode 3.6 + aggregate+apply 9.7 + settle 1.7 + after applying 0.9).
     cpu_work_ns: float = Field(28.5, ge=0.0)
-    #: Of that, the payload checks (README benchmark 10, the rerun's decode row), which can run
+    #: Of that, the payload checks (docs/benchmarks.md §10, the rerun's decode row), which can run
     #: while the next round trains when transfers overlap.
     cpu_overlappable_ns: float = Field(3.6, ge=0.0)
     #: ASSUMPTION, not measured (``tests/bench/gpu_check.py`` has not run on a GPU): the node's
-    #: work with the device path (README benchmark 9, "The device path"), ns/param: host checks
-    #: of the Rice streams 2.4 (README benchmark 9: about 0.2 s for 16 peers at 82.6 M, this
+    #: work with the device path (docs/benchmarks.md §9, "The device path"), ns/param: host checks
+    #: of the Rice streams 2.4 (docs/benchmarks.md §9: about 0.2 s for 16 peers at 82.6 M, this
     #: CPU) + the fsynced commit write of e, 4 B/param, at 2 GB/s NVMe 2.0 + the device codec
     #: and apply, about 100 B/param of HBM traffic at 3.35 TB/s with a 15x allowance, 0.5.
     device_work_ns: float = Field(5.0, ge=0.0)
-    #: Of that, the host checks (README benchmark 9), overlappable as on the CPU path.
+    #: Of that, the host checks (docs/benchmarks.md §9), overlappable as on the CPU path.
     device_overlappable_ns: float = Field(2.4, ge=0.0)
-    #: A node of ``gpus`` ranks, each with CPU cores of its own (README benchmark 15, the
+    #: A node of ``gpus`` ranks, each with CPU cores of its own (docs/benchmarks.md §15, the
     #: busiest rank's CPU time per round at 81 M on 1, 2 and 4 ranks, fitted as
     #: ``fixed + sharded / ranks``): the part that does not shrink with the rank count
     #: (rank 0 assembling and hashing the payload, the exchanges between ranks) ...

@@ -15,7 +15,7 @@ last round has nothing to overlap with, so rounds 2 .. R-2):
   slowest node (``measured_inputs``), the payload's bytes and the gather size;
   utilisation is the nodes' mean training over that round, as measured.
 
-The ratio measured / projected is what README benchmark 17 diagnoses. Besides, per run, the
+The ratio measured / projected is what docs/benchmarks.md §17 diagnoses. Besides, per run, the
 medians of the node's ``upload`` (grant + PUT), ``download`` (the GETs) and ``wait`` (submit to
 manifest) phases, the relays' resets and the load average, for the diagnosis.
 
@@ -51,7 +51,7 @@ MODELS: dict[str, tuple[str, dict[str, int]]] = {
 }
 #: The node's own work beside training, as ``bench round`` counts it (no network, no waits).
 WORK = ("encode", "decode", "aggregate_apply", "save")
-#: Of that, what overlap moves beside training: the payload checks (README benchmark 13).
+#: Of that, what overlap moves beside training: the payload checks (docs/benchmarks.md §13).
 FREE = ("decode",)
 #: Steady rounds start here (module docstring).
 FIRST_STEADY = 2

@@ -1,6 +1,6 @@
 """What a real link adds to ``bytes / rate``: round trips, slow start and resets (issue 20).
 
-``bench project`` (README benchmark 13) prices a round's transfers as ``bytes / rate`` on a
+``bench project`` (docs/benchmarks.md §13) prices a round's transfers as ``bytes / rate`` on a
 symmetric link with no delay. A commodity link differs in four ways, each a term here, each
 zero on the old link (rate only, RTT 0, no resets), so the old numbers are unchanged:
 
@@ -15,7 +15,7 @@ zero on the old link (rate only, RTT 0, no resets), so the old numbers are uncha
       the presigned PUT (the submit's own trip is the next round's)         1 RTT
 
   so ``6 + ⌈G / parallel⌉`` round trips. (The first version of this count had the manifest's
-  long-poll already waiting when the round closed, 5 + ⌈G / parallel⌉; README benchmark 17
+  long-poll already waiting when the round closed, 5 + ⌈G / parallel⌉; docs/benchmarks.md §17
   measured one round trip more on every link: the node asks for the manifest only once its
   submit is answered.) Connections are kept alive (aiohttp's pool), so no handshake per
   request; heartbeats run beside the round and cost nothing on its path. Overlapped
@@ -36,7 +36,7 @@ zero on the old link (rate only, RTT 0, no resets), so the old numbers are uncha
   exponentially often (``restarted_s``). And a round waits for its slowest node: with N nodes
   each hit with probability p in a round, it is delayed whenever any one is, by about one
   node's cost: ``cost · (1 − (1 − p)^N) / p`` (N times one node's cost while hits are rare,
-  one node's when every node is hit; README benchmark 17 measured the round at 1.27x the
+  one node's when every node is hit; docs/benchmarks.md §17 measured the round at 1.27x the
   first version of this term, one node's with a fifth of the pause, on ``flaky@5``).
 
 Jitter is left out (it averages out per request); that a round also waits for the most
