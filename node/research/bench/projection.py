@@ -97,8 +97,8 @@ class Assumptions(BaseModel):
     #: Payload size, bits/param: docs/benchmarks.md §1, our format, EF-like input, k=64.
     bits_per_param: float = Field(0.1445, gt=0.0)
     #: The node's own work on the round's path, ns/param, on the 2-core CPU: docs/benchmarks.md
-    #: §10, 81 M, the rerun on a quiet machine (bookkeeping 0.6 + encode 4.9 + save 7.1 + fingerprint
-    #: 0 + decode 3.6 + aggregate+apply 9.7 + settle 1.7 + after applying 0.9).
+    #: §10, 81 M, the rerun on a quiet machine (bookkeeping 0.6 + encode 4.9 + save 7.1 +
+    #: fingerprint 0 + decode 3.6 + aggregate+apply 9.7 + settle 1.7 + after applying 0.9).
     cpu_work_ns: float = Field(28.5, ge=0.0)
     #: Of that, the payload checks (docs/benchmarks.md §10, the rerun's decode row), which can run
     #: while the next round trains when transfers overlap.
