@@ -1,6 +1,6 @@
 """Run a chaos scenario against a local cluster of real processes and check every closed round.
 
-``run_scenario`` starts the coordinator and the nodes (``support.cluster``), then polls the
+``ScenarioRunner`` starts the coordinator and the nodes (``support.cluster``), then polls the
 coordinator's status: each step fires once its round is open or closed there, never after a
 sleep. On every poll it also reaps processes: a node that died from its own armed crash fault
 (exit 137) is restarted without faults, as a supervisor would; any other unexpected exit is a
@@ -8,9 +8,6 @@ failure (and the node is restarted so the run can be judged to the end). Each ne
 gets its manifest checked in the bucket at once, before retention may prune it; the checks over
 reports (agreement, mass) run on every poll and once more at the end; checkpoints, retention and
 the loss against the fault-free baseline at the end.
-
-``chaos_test`` runs the fault-free baseline first, or beside the scenario in a thread of its
-own when the scenario asks for it (``Scenario.baseline_beside``).
 
 The result is a JSON-ready dict (built in ``ScenarioRunner._finish``, with the fault list and
 recovery from ``results``), written to the test's tmp dir and, when ``CHAOS_RESULTS`` is set, to
@@ -24,7 +21,6 @@ import signal
 import threading
 import time
 import urllib.error
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,12 +46,10 @@ from .invariants import (
 )
 from .results import (
     check_recovery,
-    compare_to_baseline,
     fault_list,
     recovery,
     rejoins,
     trajectory,
-    write_results,
 )
 from .scenario import Scenario, Step
 
@@ -361,52 +355,3 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def run_scenario(scenario: Scenario, tmp_path: Path, store: EmbeddedStore) -> dict[str, Any]:
-    """Run ``scenario`` (on its own store if it stops the store) and return its result."""
-    root = tmp_path / scenario.name
-    if not scenario.needs_own_store:
-        return ScenarioRunner(scenario, root, store).run()
-    own = EmbeddedStore(tmp_path / f"{scenario.name}-store")
-    own.start()
-    try:
-        return ScenarioRunner(scenario, root, own).run()
-    finally:
-        own.stop()
-
-
-def _beside(
-    scenario: Scenario, tmp_path: Path, store: EmbeddedStore
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The baseline in a thread while the scenario runs in this one: (baseline, result)."""
-    plain = scenario.baseline()
-    # Built here, before the thread starts: boto3 must not make two clients at once.
-    runner = ScenarioRunner(plain, tmp_path / plain.name, store)
-    with ThreadPoolExecutor(1, thread_name_prefix="chaos-baseline") as pool:
-        baseline = pool.submit(runner.run)
-        try:
-            result = run_scenario(scenario, tmp_path, store)
-        except BaseException:
-            runner.abandoned.set()  # Ctrl-C or a failure: stop the baseline's processes too
-            raise
-        return baseline.result(), result
-
-
-def chaos_test(scenario: Scenario, tmp_path: Path, store: EmbeddedStore) -> dict[str, Any]:
-    """Baseline and scenario (one after the other, or side by side if the scenario says so);
-    write the results; fail with every invariant broken."""
-    if scenario.baseline_beside:
-        baseline, result = _beside(scenario, tmp_path, store)
-    else:
-        baseline = run_scenario(scenario.baseline(), tmp_path, store)
-        result = run_scenario(scenario, tmp_path, store)
-    compare_to_baseline(result, baseline, scenario.loss_tolerance)
-    path = write_results(result, tmp_path)
-    problems = list(result["failures"]) + [f"baseline: {f}" for f in baseline["failures"]]
-    if problems:
-        raise AssertionError(
-            f"{len(problems)} invariant failures in {scenario.name} (results: {path}):\n"
-            + "\n".join(problems)
-        )
-    return result

@@ -32,8 +32,8 @@ import pytest
 
 from protocol.runconfig import RunConfig, Timing
 
-from .runner import chaos_test
 from .scenario import Scenario, at
+from .suite import chaos_test
 
 pytestmark = pytest.mark.slow
 

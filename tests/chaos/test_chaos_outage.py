@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from protocol.runconfig import RunConfig, Timing
 
-from .runner import chaos_test
 from .scenario import Scenario, at
+from .suite import chaos_test
 
 TIMING = Timing(
     first_round_s=240,

@@ -22,8 +22,8 @@ from dataclasses import replace
 
 from protocol.runconfig import RunConfig, Timing
 
-from .runner import chaos_test
 from .scenario import Scenario, at
+from .suite import chaos_test
 
 TIMING = Timing(
     first_round_s=60,

@@ -28,7 +28,7 @@ from collections.abc import Generator
 
 import pytest
 
-from chaos.runner import chaos_test, run_scenario
+from chaos.suite import chaos_test, run_scenario
 from node.cluster.launch import start_coordinator, start_node
 from node.cluster.process import Process
 from node.research.bench.spawn import spawn as spawn_node
