@@ -173,7 +173,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "Complete the caller's multipart payload upload (write-once: created is false if"
              " the key already held an object)"),
     Endpoint("submit", "POST", "/v1/rounds/{round}/submit",
-             "Announce an uploaded payload; idempotent for an identical body", SubmitRequest,
+             "Announce an uploaded payload; idempotent for an identical body. Accepted at once"
+             " when it is the payload granted at the key: the round's close then confirms the"
+             " object and excludes it as a bad digest if it is not there", SubmitRequest,
              {200: SubmitResponse}, more_errors=(503,)),
     Endpoint("manifest", "GET", "/v1/rounds/{round}/manifest",
              "The signed manifest of a closed round, long-polling while it is open", None,

@@ -267,6 +267,11 @@ class FlakyStore:
             raise StorageError(f"head {key}: ClientConnectorError")
         return None
 
+    async def sizes(self, prefix: str) -> dict[str, int]:
+        if self.down:
+            raise StorageError(f"list {prefix}: ClientConnectorError")
+        return {}
+
     async def put_bytes(self, key: str, data: bytes) -> None:
         if key == "forbidden":
             raise StorageError("put forbidden: AccessDenied", code="AccessDenied")

@@ -193,8 +193,10 @@ def test_close_check_survives_rollback_and_restart(tmp_path: Path) -> None:
     machine = RoundMachine(db, RUN, signer, clock=lambda: 100.0)
     assert machine.progress.missing(0) == {"b", "c"}
     submit(machine, "b")
-    machine.leave("c")  # a membership change: the round stops waiting for c and closes
-    assert machine.manifest(0) is not None
+    machine.leave("c")  # a membership change: the round stops waiting for c and would close
+    # ...once the submission made before the restart is confirmed again (one listing).
+    assert machine.manifest(0) is None and machine.confirm_wanted() == (0, {"a": 10})
+    assert machine.confirm(0, {"a"}, set()) and machine.manifest(0) is not None
     db.close()
 
 

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from coordinator.api.confirm import confirm_forever
 from coordinator.api.handlers import HANDLERS
 from coordinator.api.handling import (
     TOKENS,
@@ -98,7 +99,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     ticker = asyncio.create_task(_ticker(coord), name="ticker")
     publisher = asyncio.create_task(coord.publisher.run(), name="publisher")
     retention = asyncio.create_task(coord.retention.run_forever(), name="retention")
-    tasks = [ticker, publisher, retention, watch]
+    confirmer = asyncio.create_task(confirm_forever(coord), name="confirmer")
+    tasks = [ticker, publisher, retention, watch, confirmer]
     if coord.storewatch is not None:
         folder = run_prefix(coord.config.storage.prefix, coord.machine.run_id)
         probe = coord.storewatch.probe_forever(coord.store, folder)

@@ -20,6 +20,7 @@ from importlib import resources
 
 from aiohttp import web
 
+from coordinator.api.confirm import matches
 from coordinator.api.handling import (
     Handler,
     heard_again,
@@ -44,7 +45,7 @@ from coordinator.api.uploads import (
 from coordinator.base.errors import ApiError, BadCheckpoint, Conflict
 from coordinator.monitoring.metrics import CONTENT_TYPE
 from coordinator.monitoring.status import build_status
-from coordinator.store.object_store import ObjectInfo, sha256_b64
+from coordinator.store.object_store import sha256_b64
 from protocol.dataset import MANIFEST_FILE, DatasetFiles, DatasetFilesRequest, DatasetView
 from protocol.keys import probe_key
 from protocol.messages import (
@@ -66,18 +67,6 @@ from protocol.reports import RoundReport
 from protocol.routes import MAX_STATUS_ROUNDS, ROUTES
 
 log = logging.getLogger("sparseloco.coordinator.app")
-
-
-def _matches(info: ObjectInfo | None, size: int, sha256: str) -> bool:
-    """Whether a stored object has this size and (if the store keeps one) this checksum.
-
-    An object uploaded in parts carries the digest of its parts' digests (``…-N``), not the
-    whole's: only its size is checked here, its sha256 by every node that downloads it
-    (``coordinator.store.multipart``)."""
-    if info is None or info.size != size:
-        return False
-    stored = info.sha256_b64
-    return stored is None or "-" in stored or stored == sha256_b64(sha256)
 
 
 async def join(request: web.Request) -> web.Response:
@@ -133,7 +122,9 @@ async def submit(request: web.Request) -> web.Response:
     if prior is not None:
         return ok(prior)
     key = own_payload_key(coord, node_id, round_)
-    digest_ok = _matches(await coord.store.head(key), req.size, req.sha256)
+    digest_ok: bool | None = None  # the only payload granted here: confirmed before the close
+    if not coord.machine.checks.trusts(round_, node_id, req.sha256, req.size):
+        digest_ok = matches(await coord.store.head(key), req.size, req.sha256)
     resp, closed = coord.machine.submit(node_id, round_, req, digest_ok)
     coord.metrics.submissions.labels(result=resp.reason or "accepted").inc()
     coord.after_close(closed)
@@ -216,7 +207,7 @@ async def checkpoint_commit(request: web.Request) -> web.Response:
         book.check_offer(round_, offer)
         key = book.key(round_)
         stored = await coord.store.head(key)
-        if not _matches(stored, offer.size, offer.sha256):
+        if not matches(stored, offer.size, offer.sha256):
             raise Conflict(
                 "missing", f"no object with this size and sha256 at the checkpoint of {round_}"
             )

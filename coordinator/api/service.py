@@ -12,6 +12,7 @@ until its URLs near half their lifetime (``manifest_body``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ class Coordinator:
     #: Long-polls of a waiting round, by round, released when it opens (or is no longer newest).
     open_waiters: Wakeups = field(default_factory=Wakeups)
     stopping: bool = False
+    #: Set when a close waits for submissions to be confirmed (``coordinator.api.confirm``).
+    confirm_kick: asyncio.Event = field(default_factory=asyncio.Event)
     #: round -> (the manifest answer's bytes, until when (monotonic) they may be served)
     manifests: OrderedDict[int, tuple[bytes, float]] = field(default_factory=OrderedDict)
 
@@ -100,7 +103,11 @@ class Coordinator:
         return body
 
     def after_close(self, closed: list[SignedManifest]) -> None:
-        """Rounds closed: wake their long-polls, count them, publish their manifests, prune."""
+        """After a call that may close rounds: a close that waits for submissions to be
+        confirmed gets them confirmed; rounds closed: wake their long-polls, count them,
+        publish their manifests, prune."""
+        if self.machine.checks.wanted:
+            self.confirm_kick.set()
         if not closed:
             return
         self.metrics.closed(closed)

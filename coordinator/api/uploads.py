@@ -80,6 +80,7 @@ async def upload(request: web.Request) -> web.Response:
     check_size(coord, req.size)
     key = own_payload_key(coord, node_id, round_)
     granted = await grant(coord, key, req.size, req.sha256, req.parts)
+    coord.machine.checks.grant(round_, node_id, req.sha256, req.size)
     parts = 0 if granted.multipart is None else len(granted.multipart.parts)
     log.info(
         "event=upload_granted round=%d node=%s size=%d parts=%d", round_, node_id, req.size, parts

@@ -11,6 +11,8 @@ May import ``base`` and ``state``.
     votes.py        the nodes' reports of closed rounds: only a round's participants vote
     machine.py      the round state machine over the database (synchronous, injected clock)
     submissions.py  who may submit to which round, the answer to a retry, a submission's verdict
+    payloadchecks.py  the open round's grants, and submissions answered before their object
+                    was confirmed (a close waits for them)
     closing.py      what opening and closing a round do: decide, sign, store, start the next
     tokens.py       node tokens: sha256 digests in the database, seeding rule, checked on every
                     request, reloaded when the operator changes them

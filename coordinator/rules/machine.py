@@ -29,12 +29,14 @@ from coordinator.rules import rounds
 from coordinator.rules.closing import RoundCloser
 from coordinator.rules.deadlines import Deadlines
 from coordinator.rules.membership import Membership
+from coordinator.rules.payloadchecks import PayloadChecks
 from coordinator.rules.progress import RoundProgress
 from coordinator.rules.submissions import SubmissionRules
 from coordinator.rules.votes import Votes
 from coordinator.state.db import Database, RoundRow
 from coordinator.state.signing import ManifestSigner
 from protocol.messages import (
+    Exclusion,
     NodeCondition,
     RoundState,
     RoundView,
@@ -78,7 +80,14 @@ class RoundMachine:
         self.deadlines = Deadlines(db, self.members, run.timing)
         self.submissions = SubmissionRules(db, run, self.members, self.progress, self.votes)
         self.closer = RoundCloser(db, run, signer, self.members, self.votes, prefix=prefix)
+        #: Submissions answered before their object was confirmed (``payloadchecks``).
+        self.checks = PayloadChecks()
         cur = self._current()
+        if cur.state == RoundState.OPEN:
+            # Which of them a previous process confirmed is not kept: all are confirmed again.
+            for row in db.submissions(cur.round):
+                if row.rejected is None:
+                    self.checks.defer(cur.round, row.node_id, row.size)
         if cur.state == RoundState.CLOSED:
             # A database written before members finished with the run may still list them as
             # active; they would otherwise "time out" of a run that is over.
@@ -233,9 +242,10 @@ class RoundMachine:
         return self.submissions.expected_base(round_)
 
     def submit(
-        self, node_id: str, round_: int, req: SubmitRequest, digest_ok: bool
+        self, node_id: str, round_: int, req: SubmitRequest, digest_ok: bool | None
     ) -> tuple[SubmitResponse, list[SignedManifest]]:
-        """Record a submission (``digest_ok``: the stored object matches size and sha256)."""
+        """Record a submission (``digest_ok``: the stored object matches size and sha256;
+        ``None``: not checked yet, it is confirmed before the round closes, ``confirm``)."""
         with self.db.tx():
             prior = self.previous_submission(node_id, round_, req)
             if prior is not None:
@@ -246,6 +256,8 @@ class RoundMachine:
                 round_, node_id, req.size, req.sha256, req.base_fingerprint, rejected, self.clock()
             )
         self.progress.add(round_, node_id)
+        if rejected is None and digest_ok is None:
+            self.checks.defer(round_, node_id, req.size)
         if rejected is None:
             self.deadlines.arrived(self._current(), self.clock())
         log.info(
@@ -271,8 +283,29 @@ class RoundMachine:
                 break
             if not self.deadlines.overdue(cur, now) and not self.progress.may_close(cur, now):
                 break  # early only when everyone waited for is in (coordinator.rules.progress)
+            if self.checks.pending(cur.round):
+                self.checks.wanted = True  # closes once they are confirmed (``confirm``)
+                break
             closed.append(self.close(cur.round, now))
         return closed
+
+    def confirm_wanted(self) -> tuple[int, dict[str, int]] | None:
+        """(round, node id -> size) of the unconfirmed submissions a close waits for, if any."""
+        checks = self.checks
+        return (checks.round, checks.pending(checks.round)) if checks.wanted else None
+
+    def confirm(self, round_: int, checked: set[str], bad: set[str]) -> list[SignedManifest]:
+        """The objects of ``checked`` submissions to ``round_`` were looked at; those of
+        ``bad`` are missing or not what was submitted: rejected as a bad digest, as a HEAD
+        at the submit would have. Then the round closes if it is due."""
+        if bad:
+            with self.db.tx():
+                for node_id in sorted(bad):
+                    self.db.reject_submission(round_, node_id, Exclusion.BAD_DIGEST)
+            for node_id in sorted(bad):
+                log.info("event=submission_unconfirmed round=%d node=%s", round_, node_id)
+        self.checks.settle(round_, checked | bad)
+        return self._maybe_close(self.clock())
 
     def waited(self, round_: int) -> set[str]:
         """The members open round ``round_`` waits for before it may close early."""

@@ -9,8 +9,10 @@ The rules, applied inside the round machine's transactions:
 - the same submission again (size, sha256, base) is a retry and gets the first answer, even after
   the round closed; a different one is ``already_submitted``;
 - a new submission is accepted unless the stored object does not match its size and sha256
-  (``bad_digest``) or, once the reports of the round it builds on settle the base fingerprint
-  (``coordinator.rules.votes``), it was built on another (``wrong_base``).
+  (``bad_digest``: looked at before the answer, or, for a payload whose upload this process
+  granted, before the round closes, ``coordinator.rules.payloadchecks``) or, once the reports
+  of the round it builds on settle the base fingerprint (``coordinator.rules.votes``), it was
+  built on another (``wrong_base``).
 """
 
 from __future__ import annotations
@@ -72,11 +74,11 @@ class SubmissionRules:
         voted = self.run.base_round(round_)
         return None if voted is None else self.votes.majority(voted)
 
-    def verdict(self, round_: int, req: SubmitRequest, digest_ok: bool) -> Exclusion | None:
+    def verdict(self, round_: int, req: SubmitRequest, digest_ok: bool | None) -> Exclusion | None:
         """Why a new submission is rejected, or ``None`` when it is accepted (``digest_ok``: the
-        stored object matches its size and sha256)."""
+        stored object matches its size and sha256; ``None``: it is confirmed later)."""
         base = self.expected_base(round_)
-        if not digest_ok:
+        if digest_ok is False:
             return Exclusion.BAD_DIGEST
         if base is not None and req.base_fingerprint != base:
             return Exclusion.WRONG_BASE

@@ -73,6 +73,15 @@ class SubmissionTables:
         )
         return int(seq)
 
+    def reject_submission(self, round_: int, node_id: str, reason: Exclusion) -> bool:
+        """Turn an accepted submission into a rejected one (its object, confirmed after the
+        answer, was not what it named); False if there was no accepted one."""
+        cur = self._conn.execute(
+            "UPDATE submissions SET rejected=? WHERE round=? AND node_id=? AND rejected IS NULL",
+            (reason.value, round_, node_id),
+        )
+        return cur.rowcount == 1
+
     def submitters(self, first: int, last: int) -> set[str]:
         """Node ids with a submission (any, even a rejected one) to a round in [first, last]."""
         rows = self._conn.execute(

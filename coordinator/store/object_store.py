@@ -75,6 +75,10 @@ class ObjectStore(Protocol):
         """Size and checksum of ``key``, or ``None`` if it does not exist."""
         ...
 
+    async def sizes(self, prefix: str) -> dict[str, int]:
+        """Every object whose key starts with ``prefix``: key -> size (a listing)."""
+        ...
+
     async def put_bytes(self, key: str, data: bytes) -> None: ...
 
     async def get_bytes(self, key: str, max_size: int) -> bytes | None:

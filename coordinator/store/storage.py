@@ -278,17 +278,19 @@ class S3Store:
                 )
         return len(keys)
 
-    async def delete_prefix(self, prefix: str) -> int:
-        keys: list[str] = []
+    async def sizes(self, prefix: str) -> dict[str, int]:
+        found: dict[str, int] = {}
         token: str | None = None
         while True:
             extra = {} if token is None else {"ContinuationToken": token}
             resp = await self._call(f"list {prefix}", "list_objects_v2", Prefix=prefix, **extra)
-            keys += [obj["Key"] for obj in resp.get("Contents") or []]
+            found.update((obj["Key"], int(obj["Size"])) for obj in resp.get("Contents") or [])
             if not resp.get("IsTruncated"):
-                break
+                return found
             token = resp["NextContinuationToken"]
-        return await self.delete_keys(keys)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        return await self.delete_keys(list(await self.sizes(prefix)))
 
 
 def _too_large(key: str, max_size: int) -> TooLarge:

@@ -132,6 +132,9 @@ class WatchedStore:
     async def head(self, key: str) -> ObjectInfo | None:
         return await self.watch.watched(f"head {key}", self.inner.head(key))
 
+    async def sizes(self, prefix: str) -> dict[str, int]:
+        return await self.watch.watched(f"list {prefix}", self.inner.sizes(prefix))
+
     async def put_bytes(self, key: str, data: bytes) -> None:
         await self.watch.watched(f"put {key}", self.inner.put_bytes(key, data))
 
