@@ -7,6 +7,8 @@ whose object is not there (``coordinator.rules.payloadchecks``, ``coordinator.ap
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -103,3 +105,30 @@ async def test_a_restarted_coordinator_confirms_the_open_rounds_submissions_agai
     manifest = (await closed_manifest(again, 0)).manifest
     assert [e.node_id for e in manifest.gather] == ["n0", "n1"] and manifest.excluded == {}
     assert len(listings) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_submit_is_answered_while_the_disk_is_still_syncing(
+    make_api: ApiFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submission's answer does not wait for the group fsync (a node re-sends one that a
+    machine crash lost, ``node.daemon.rounds``); a join's answer still does."""
+    api = await make_api(run_config(min_nodes=2, gather_size=4, rounds=3))
+    for node in ("n0", "n1"):
+        assert (await api.call("POST", "/v1/join", node, {}))[0] == 200
+    sync = api.coord.sync
+    assert sync is not None
+    release = threading.Event()
+    inner = sync._fsync
+    monkeypatch.setattr(sync, "_fsync", lambda: (release.wait(60), inner())[1])
+    try:
+        body = b"n0 while the disk is busy" * 10
+        assert await api.put_payload("n0", 0, body, claimed=body) == 200
+        assert await api.submit("n0", 0, body, FP_A) == (200, {"accepted": True, "reason": None})
+        assert sync.pending()  # answered before its commit was synced
+        join = asyncio.create_task(api.call("POST", "/v1/join", "n2", {}))
+        await asyncio.sleep(0.5)
+        assert not join.done()  # a join waits for the disk
+    finally:
+        release.set()
+    assert (await join)[0] == 200

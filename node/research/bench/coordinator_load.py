@@ -10,8 +10,12 @@ on every node" per round (from when the last submit was sent to when the last no
 manifest), the coordinator's CPU share over the rounds (from ``/proc``, 100 % = one core), this
 process's CPU and event-loop lag (so a saturated client shows), and how many members the
 coordinator timed out. Once every node has started, this process's objects are frozen out of
-its garbage collector (see ``drive``). Targets (issue 11, benchmark 4): heartbeat p99 < 100 ms,
-submit p99 < 250 ms, manifest everywhere < 2 s after the last submit, zero errors.
+its garbage collector (see ``drive``). Every request of a member counts as its heartbeat, so
+the nodes send few heartbeats of their own; a probe process sends one for a random node every
+50 ms (``node.research.bench.heartbeat_probe``), so the heartbeat target is judged on hundreds
+of samples, timed outside this busy loop. Targets (issue 11,
+benchmark 4): heartbeat p99 < 100 ms, submit p99 < 250 ms, manifest everywhere < 2 s after the
+last submit, zero errors.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import gc
 import json
 import logging
+import multiprocessing
 import os
 import secrets
 import tempfile
@@ -33,6 +38,7 @@ import uvloop
 from node.cluster.launch import coordinator_toml, start_coordinator
 from node.cluster.seaweed import EmbeddedStore
 from node.cluster.status import fetch_status
+from node.research.bench import heartbeat_probe
 from node.research.bench.sim_node import Recorder, SimNode
 from protocol.messages import MemberState
 from protocol.runconfig import RunConfig, Timing
@@ -84,7 +90,16 @@ async def drive(
         # N nodes in one process: a full collection of them all would stall this loop for
         # ~0.1 s and count as the coordinator's latency (real nodes are processes of their own).
         gc.freeze()
+        ctx = multiprocessing.get_context("spawn")
+        stop, (answers, sent) = ctx.Event(), ctx.Pipe(duplex=False)
+        probe = ctx.Process(
+            target=heartbeat_probe.run, args=(url, [n.headers for n in nodes], stop, sent)
+        )
+        probe.start()
         _, unfinished = await asyncio.wait(tasks, timeout=timeout_s)
+        stop.set()
+        rec.latency["heartbeat_probe"] = await asyncio.to_thread(answers.recv)
+        probe.join()
         for task in unfinished:
             task.cancel()
         await asyncio.gather(*unfinished, return_exceptions=True)
@@ -102,8 +117,10 @@ async def drive(
             "last_submit_to_all_manifests_s": max(got) - last_sent if got and last_sent else None,
         })  # fmt: skip
     lag.sort()
+    beats = sorted(rec.latency.get("heartbeat", []) + rec.latency.get("heartbeat_probe", []))
     return {
         "latency": rec.summary(),
+        "heartbeat_p99_ms": 1000 * beats[int(0.99 * (len(beats) - 1))] if beats else None,
         "errors": dict(rec.errors),
         "rounds": per_round,
         "wall_s": wall,
@@ -125,7 +142,7 @@ def verdict(result: dict[str, Any]) -> dict[str, bool]:
     lat = result["latency"]
     worst = [r["last_submit_to_all_manifests_s"] for r in result["rounds"]]
     return {
-        "heartbeat": lat.get("heartbeat", {}).get("p99_ms", 1e9) < TARGETS["heartbeat_p99_ms"],
+        "heartbeat": (result.get("heartbeat_p99_ms") or 1e9) < TARGETS["heartbeat_p99_ms"],
         "submit": lat.get("submit", {}).get("p99_ms", 1e9) < TARGETS["submit_p99_ms"],
         "manifest": all(w is not None and w < TARGETS["manifest_all_s"] for w in worst),
         "errors": not (result["errors"] or result["timed_out"] or result["unfinished_nodes"]),
@@ -191,6 +208,7 @@ def table(result: dict[str, Any]) -> str:
         f" {', '.join('-' if w is None else f'{w:.2f}' for w in worst)};"
         f" errors {sum(result['errors'].values())} {result['errors'] or ''};"
         f" timed out {result['timed_out']}; unfinished {result['unfinished_nodes']};"
+        f" heartbeat p99 (the nodes' and the probe's) {result.get('heartbeat_p99_ms') or 0:.1f} ms;"
         f" coordinator CPU {result['coordinator_cpu_pct']:.0f} %;"
         f" client CPU {result['client_cpu_pct']:.0f} %; machine CPU pressure"
         f" {result['cpu_pressure_end']}; client loop lag p99"
