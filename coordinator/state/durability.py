@@ -11,7 +11,9 @@ log file, in a thread of its own, covers every commit made before it started; re
 while it runs wait for the next one, which then covers them all.
 
 A crash of the process alone loses nothing either way (the log's pages are in the kernel); this
-is about the machine. Answers that change nothing do not wait when nothing is pending.
+is about the machine. Answers that change nothing do not wait when nothing is pending, and a
+submission's answer does not wait at all: a node re-sends a submission the coordinator lost
+(``coordinator.api.handling.SELF_REPAIRED``).
 
 Checkpoints (copying the log into the main file, two more fsyncs) run on the same thread, on a
 connection of its own, once the log passes ``CHECKPOINT_BYTES``: the server's connection has
