@@ -116,34 +116,63 @@ def encode_tensor(
     """Compress one tensor; returns its record and its dense fp32 reconstruction, written into
     ``out`` (and ``out`` returned) when it is a contiguous fp32 CPU tensor of the right shape.
     """
-    x = x.detach().to(torch.float32).contiguous()
-    g = geometry
-    if g.n_tiles == 0:
+    return _encode_all([(name, x, geometry, out)])[0]
+
+
+#: One tensor to encode: its name, values, geometry and the buffer for its reconstruction.
+_Job = tuple[str, torch.Tensor, TileGeometry, torch.Tensor | None]
+#: One tensor's kept entries, tile by tile: positions in the tile (n_tiles, k), values.
+_Kept = tuple[torch.Tensor, torch.Tensor]
+
+
+def _encode_all(jobs: list[_Job]) -> list[tuple[TensorRecord, torch.Tensor]]:
+    """Records and reconstructions of ``jobs``, in their order, on ``kernels.map_threads``'
+    threads: first the Top-k of every tensor's tiles, then each tensor's quantiser,
+    reconstruction and index coding, tensors side by side (the largest first). Raises
+    ``CodecError`` for the first tensor, in order, that cannot be encoded."""
+    xs = [x.detach().to(torch.float32).contiguous() for _, x, _, _ in jobs]
+    picked = [i for i, (_, _, g, _) in enumerate(jobs) if g.n_tiles and g.k < g.tile_len]
+    selected = kernels.select_topk_many(
+        [(xs[i].view(jobs[i][2].rows, jobs[i][2].cols).numpy(), *_hwk(jobs[i][2])) for i in picked]
+    )
+    kept: list[_Kept | None] = [None] * len(jobs)
+    for i, (pos, _, vals, finite) in zip(picked, selected, strict=True):
+        if not finite:
+            raise CodecError(f"tensor {jobs[i][0]!r} contains NaN or infinite values")
+        kept[i] = torch.from_numpy(pos), torch.from_numpy(vals)
+    for i, (name, _, g, _) in enumerate(jobs):
+        if g.n_tiles and g.k >= g.tile_len:  # everything is kept
+            if not bool(torch.isfinite(xs[i]).all()):
+                raise CodecError(f"tensor {name!r} contains NaN or infinite values")
+            positions = torch.arange(g.tile_len, dtype=torch.int64).expand(g.n_tiles, g.tile_len)
+            kept[i] = positions, xs[i].view(-1)[g.flat_index(positions)]
+    return kernels.map_threads(
+        lambda i: _finish(jobs[i][0], jobs[i][2], kept[i], jobs[i][3]),
+        range(len(jobs)),
+        cost=[g.numel for _, _, g, _ in jobs],
+    )
+
+
+def _hwk(g: TileGeometry) -> tuple[int, int, int]:
+    return g.h, g.w, g.k
+
+
+def _finish(
+    name: str, g: TileGeometry, kept: _Kept | None, out: torch.Tensor | None
+) -> tuple[TensorRecord, torch.Tensor]:
+    """One tensor's record and reconstruction from its kept entries (None: no tiles)."""
+    if kept is None:
         q = quantize(torch.zeros(0))
         recon = torch.zeros(g.shape, dtype=torch.float32)
         return TensorRecord(name, g.shape, 0, q.stats_bytes(), b"", b"", b""), recon
-    recon = _recon_buffer(out, g)
-    recon_np = recon.numpy().reshape(g.rows, g.cols)  # every entry written below
-    if g.k >= g.tile_len:  # everything is kept
-        if not bool(torch.isfinite(x).all()):
-            raise CodecError(f"tensor {name!r} contains NaN or infinite values")
-        positions = torch.arange(g.tile_len, dtype=torch.int64).expand(g.n_tiles, g.tile_len)
-        flat = g.flat_index(positions)
-        values = x.view(-1)[flat]
-    else:
-        pos, idx, vals, finite = kernels.select_topk(x.view(g.rows, g.cols).numpy(), g.h, g.w, g.k)
-        if not finite:
-            raise CodecError(f"tensor {name!r} contains NaN or infinite values")
-        positions, flat, values = (
-            torch.from_numpy(pos),
-            torch.from_numpy(idx),
-            torch.from_numpy(vals),
-        )
+    positions, values = kept
     q = quantize(values)
     if not bool(torch.isfinite(q.table()).all()):
         # Near the top of the fp32 range a level or level + shift overflows; such a buffer
         # means training diverged, and a payload the decoders would reject helps nobody.
         raise CodecError(f"tensor {name!r}: values too large to quantise in fp32")
+    recon = _recon_buffer(out, g)
+    recon_np = recon.numpy().reshape(g.rows, g.cols)  # every entry written below
     pos_np = np.ascontiguousarray(positions.numpy())
     kernels.fill_dense(recon_np, pos_np, q.codes.numpy(), q.table().numpy(), g.h, g.w)
     rice_bits, unary, rem = encode_positions(positions)
@@ -201,7 +230,7 @@ def encode_records(
     names and shapes the format cannot carry.
     """
     check_codec_params(topk, tile)
-    records, recon = [], {}
+    jobs: list[_Job] = []
     for name in sorted(tensors):
         x = tensors[name]
         if not isinstance(x, torch.Tensor) or x.is_complex() or not x.is_floating_point():
@@ -212,10 +241,9 @@ def encode_records(
                 f"characters and tensors have at most {MAX_DIMS} dimensions"
             )
         geometry = TileGeometry.of(tuple(x.shape), topk=topk, tile=tile)
-        buffer = None if out is None else out.get(name)
-        record, recon[name] = encode_tensor(x.cpu(), geometry, name, out=buffer)
-        records.append(record)
-    return records, recon
+        jobs.append((name, x.cpu(), geometry, None if out is None else out.get(name)))
+    done = _encode_all(jobs)
+    return [r for r, _ in done], {job[0]: recon for job, (_, recon) in zip(jobs, done, strict=True)}
 
 
 def assemble(
