@@ -29,8 +29,10 @@ from ``shapes``, which come from the run's model, never from the payload.
 
 Selection: the kept positions of a tile are exactly its ``k`` largest entries by magnitude, ties
 broken towards the lower position, so the payload is a deterministic function of the input. The
-selection and the index decoding run as compiled loops (``protocol.kernels``,
-``protocol.rice_kernels``).
+selection and the index coding run as compiled loops (``protocol.kernels``,
+``protocol.rice_kernels``). Encoding runs on ``kernels.map_threads``' threads in two steps: the
+Top-k of every tensor's tiles, in pieces, then each tensor's quantiser, reconstruction and index
+coding, tensors side by side; the bytes are those of one thread doing it all in name order.
 """
 
 from __future__ import annotations
