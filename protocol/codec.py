@@ -133,30 +133,33 @@ def _encode_all(jobs: list[_Job]) -> list[tuple[TensorRecord, torch.Tensor]]:
     reconstruction and index coding, tensors side by side (the largest first). Raises
     ``CodecError`` for the first tensor, in order, that cannot be encoded."""
     xs = [x.detach().to(torch.float32).contiguous() for _, x, _, _ in jobs]
-    picked = [i for i, (_, _, g, _) in enumerate(jobs) if g.n_tiles and g.k < g.tile_len]
+    gs = [g for _, _, g, _ in jobs]
+    picked = [i for i, g in enumerate(gs) if g.n_tiles and g.k < g.tile_len]
     selected = kernels.select_topk_many(
-        [(xs[i].view(jobs[i][2].rows, jobs[i][2].cols).numpy(), *_hwk(jobs[i][2])) for i in picked]
+        [(xs[i].view(gs[i].rows, gs[i].cols).numpy(), gs[i].h, gs[i].w, gs[i].k) for i in picked]
     )
     kept: list[_Kept | None] = [None] * len(jobs)
     for i, (pos, _, vals, finite) in zip(picked, selected, strict=True):
         if not finite:
             raise CodecError(f"tensor {jobs[i][0]!r} contains NaN or infinite values")
         kept[i] = torch.from_numpy(pos), torch.from_numpy(vals)
-    for i, (name, _, g, _) in enumerate(jobs):
-        if g.n_tiles and g.k >= g.tile_len:  # everything is kept
-            if not bool(torch.isfinite(xs[i]).all()):
-                raise CodecError(f"tensor {name!r} contains NaN or infinite values")
-            positions = torch.arange(g.tile_len, dtype=torch.int64).expand(g.n_tiles, g.tile_len)
-            kept[i] = positions, xs[i].view(-1)[g.flat_index(positions)]
-    return kernels.map_threads(
-        lambda i: _finish(jobs[i][0], jobs[i][2], kept[i], jobs[i][3]),
-        range(len(jobs)),
-        cost=[g.numel for _, _, g, _ in jobs],
-    )
+    for i, g in enumerate(gs):
+        if g.n_tiles and g.k >= g.tile_len and not bool(torch.isfinite(xs[i]).all()):
+            raise CodecError(f"tensor {jobs[i][0]!r} contains NaN or infinite values")
+
+    def finish(i: int) -> tuple[TensorRecord, torch.Tensor]:
+        # Where every entry is kept, the values are gathered here, one tensor at a time.
+        return _finish(jobs[i][0], gs[i], kept[i] or _everything(xs[i], gs[i]), jobs[i][3])
+
+    return kernels.map_threads(finish, range(len(jobs)), cost=[g.numel for g in gs])
 
 
-def _hwk(g: TileGeometry) -> tuple[int, int, int]:
-    return g.h, g.w, g.k
+def _everything(x: torch.Tensor, g: TileGeometry) -> _Kept | None:
+    """Every entry as kept, tile by tile (a tile that keeps all it has); None without tiles."""
+    if not g.n_tiles:
+        return None
+    positions = torch.arange(g.tile_len, dtype=torch.int64).expand(g.n_tiles, g.tile_len)
+    return positions, x.view(-1)[g.flat_index(positions)]
 
 
 def _finish(
