@@ -29,8 +29,10 @@ from ``shapes``, which come from the run's model, never from the payload.
 
 Selection: the kept positions of a tile are exactly its ``k`` largest entries by magnitude, ties
 broken towards the lower position, so the payload is a deterministic function of the input. The
-selection and the index decoding run as compiled loops (``protocol.kernels``,
-``protocol.rice_kernels``).
+selection and the index coding run as compiled loops (``protocol.kernels``,
+``protocol.rice_kernels``). Encoding runs on ``kernels.map_threads``' threads in two steps: the
+Top-k of every tensor's tiles, in pieces, then each tensor's quantiser, reconstruction and index
+coding, tensors side by side; the bytes are those of one thread doing it all in name order.
 """
 
 from __future__ import annotations
@@ -116,34 +118,66 @@ def encode_tensor(
     """Compress one tensor; returns its record and its dense fp32 reconstruction, written into
     ``out`` (and ``out`` returned) when it is a contiguous fp32 CPU tensor of the right shape.
     """
-    x = x.detach().to(torch.float32).contiguous()
-    g = geometry
-    if g.n_tiles == 0:
+    return _encode_all([(name, x, geometry, out)])[0]
+
+
+#: One tensor to encode: its name, values, geometry and the buffer for its reconstruction.
+_Job = tuple[str, torch.Tensor, TileGeometry, torch.Tensor | None]
+#: One tensor's kept entries, tile by tile: positions in the tile (n_tiles, k), values.
+_Kept = tuple[torch.Tensor, torch.Tensor]
+
+
+def _encode_all(jobs: list[_Job]) -> list[tuple[TensorRecord, torch.Tensor]]:
+    """Records and reconstructions of ``jobs``, in their order, on ``kernels.map_threads``'
+    threads: first the Top-k of every tensor's tiles, then each tensor's quantiser,
+    reconstruction and index coding, tensors side by side (the largest first). Raises
+    ``CodecError`` for the first tensor, in order, that cannot be encoded."""
+    xs = [x.detach().to(torch.float32).contiguous() for _, x, _, _ in jobs]
+    gs = [g for _, _, g, _ in jobs]
+    picked = [i for i, g in enumerate(gs) if g.n_tiles and g.k < g.tile_len]
+    selected = kernels.select_topk_many(
+        [(xs[i].view(gs[i].rows, gs[i].cols).numpy(), gs[i].h, gs[i].w, gs[i].k) for i in picked]
+    )
+    kept: list[_Kept | None] = [None] * len(jobs)
+    for i, (pos, _, vals, finite) in zip(picked, selected, strict=True):
+        if not finite:
+            raise CodecError(f"tensor {jobs[i][0]!r} contains NaN or infinite values")
+        kept[i] = torch.from_numpy(pos), torch.from_numpy(vals)
+    for i, g in enumerate(gs):
+        if g.n_tiles and g.k >= g.tile_len and not bool(torch.isfinite(xs[i]).all()):
+            raise CodecError(f"tensor {jobs[i][0]!r} contains NaN or infinite values")
+
+    def finish(i: int) -> tuple[TensorRecord, torch.Tensor]:
+        # Where every entry is kept, the values are gathered here, one tensor at a time.
+        return _finish(jobs[i][0], gs[i], kept[i] or _everything(xs[i], gs[i]), jobs[i][3])
+
+    return kernels.map_threads(finish, range(len(jobs)), cost=[g.numel for g in gs])
+
+
+def _everything(x: torch.Tensor, g: TileGeometry) -> _Kept | None:
+    """Every entry as kept, tile by tile (a tile that keeps all it has); None without tiles."""
+    if not g.n_tiles:
+        return None
+    positions = torch.arange(g.tile_len, dtype=torch.int64).expand(g.n_tiles, g.tile_len)
+    return positions, x.view(-1)[g.flat_index(positions)]
+
+
+def _finish(
+    name: str, g: TileGeometry, kept: _Kept | None, out: torch.Tensor | None
+) -> tuple[TensorRecord, torch.Tensor]:
+    """One tensor's record and reconstruction from its kept entries (None: no tiles)."""
+    if kept is None:
         q = quantize(torch.zeros(0))
         recon = torch.zeros(g.shape, dtype=torch.float32)
         return TensorRecord(name, g.shape, 0, q.stats_bytes(), b"", b"", b""), recon
-    recon = _recon_buffer(out, g)
-    recon_np = recon.numpy().reshape(g.rows, g.cols)  # every entry written below
-    if g.k >= g.tile_len:  # everything is kept
-        if not bool(torch.isfinite(x).all()):
-            raise CodecError(f"tensor {name!r} contains NaN or infinite values")
-        positions = torch.arange(g.tile_len, dtype=torch.int64).expand(g.n_tiles, g.tile_len)
-        flat = g.flat_index(positions)
-        values = x.view(-1)[flat]
-    else:
-        pos, idx, vals, finite = kernels.select_topk(x.view(g.rows, g.cols).numpy(), g.h, g.w, g.k)
-        if not finite:
-            raise CodecError(f"tensor {name!r} contains NaN or infinite values")
-        positions, flat, values = (
-            torch.from_numpy(pos),
-            torch.from_numpy(idx),
-            torch.from_numpy(vals),
-        )
+    positions, values = kept
     q = quantize(values)
     if not bool(torch.isfinite(q.table()).all()):
         # Near the top of the fp32 range a level or level + shift overflows; such a buffer
         # means training diverged, and a payload the decoders would reject helps nobody.
         raise CodecError(f"tensor {name!r}: values too large to quantise in fp32")
+    recon = _recon_buffer(out, g)
+    recon_np = recon.numpy().reshape(g.rows, g.cols)  # every entry written below
     pos_np = np.ascontiguousarray(positions.numpy())
     kernels.fill_dense(recon_np, pos_np, q.codes.numpy(), q.table().numpy(), g.h, g.w)
     rice_bits, unary, rem = encode_positions(positions)
@@ -201,7 +235,7 @@ def encode_records(
     names and shapes the format cannot carry.
     """
     check_codec_params(topk, tile)
-    records, recon = [], {}
+    jobs: list[_Job] = []
     for name in sorted(tensors):
         x = tensors[name]
         if not isinstance(x, torch.Tensor) or x.is_complex() or not x.is_floating_point():
@@ -212,10 +246,9 @@ def encode_records(
                 f"characters and tensors have at most {MAX_DIMS} dimensions"
             )
         geometry = TileGeometry.of(tuple(x.shape), topk=topk, tile=tile)
-        buffer = None if out is None else out.get(name)
-        record, recon[name] = encode_tensor(x.cpu(), geometry, name, out=buffer)
-        records.append(record)
-    return records, recon
+        jobs.append((name, x.cpu(), geometry, None if out is None else out.get(name)))
+    done = _encode_all(jobs)
+    return [r for r, _ in done], {job[0]: recon for job, (_, recon) in zip(jobs, done, strict=True)}
 
 
 def assemble(

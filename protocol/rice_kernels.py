@@ -144,16 +144,25 @@ def rice_encode(positions, max_bits):
     rem = np.zeros((n * b + 7) // 8, dtype=np.uint8)
     bit = 0
     mask = (1 << b) - 1
+    # Remainders go through an accumulator, whole bytes out as they fill: setting them bit by
+    # bit branched on every (random) bit, and the mispredictions were most of the encoder.
+    acc = 0  # the pending bits, fewer than 8 between gaps (at most 7 + b <= 27 inside one)
+    pending = 0
+    out = 0
     for j in range(n):
         g = gaps[j]
         bit += g >> b
         unary[bit >> 3] |= np.uint8(0x80 >> (bit & 7))
         bit += 1
-        r = g & mask
-        s = j * b
-        for i in range(b):
-            if (r >> (b - 1 - i)) & 1:
-                rem[(s + i) >> 3] |= np.uint8(0x80 >> ((s + i) & 7))
+        acc = (acc << b) | (g & mask)
+        pending += b
+        while pending >= 8:
+            pending -= 8
+            rem[out] = (acc >> pending) & 0xFF
+            out += 1
+        acc &= (1 << pending) - 1
+    if pending:
+        rem[out] = (acc << (8 - pending)) & 0xFF
     return b, unary, rem
 
 

@@ -80,3 +80,41 @@ def test_threshold_carried_from_tile_to_tile_is_only_a_guess() -> None:
     x[64:, 128:192] = 0.25  # a constant tile: every entry ties
     for k in (1, 64, 200):
         check(x, k)
+
+
+def test_selection_in_small_pieces_over_several_matrices_is_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The encoder selects every tensor's tiles at once, cut into pieces handed to threads; the
+    # cut (here a piece of one or two tiles) and the company of other matrices change nothing.
+    rng = np.random.default_rng(11)
+    jobs = [
+        (rng.standard_t(3, size=(128, 192)).astype(np.float32), 64, 64, 64),
+        (rng.normal(size=(1, 640)).astype(np.float32), 1, 64, 1),
+        (rng.normal(size=(96, 96)).astype(np.float32), 48, 32, 30),
+    ]
+    alone = [kernels.select_topk(*job) for job in jobs]
+    for piece in (64 * 64, 2 * 64 * 64):
+        monkeypatch.setattr(kernels, "PIECE_ENTRIES", piece)
+        together = kernels.select_topk_many(jobs, flat=True)
+        for (pos, flat, vals, ok), (pos1, flat1, vals1, ok1) in zip(together, alone, strict=True):
+            assert ok and ok1
+            assert np.array_equal(pos, pos1) and np.array_equal(flat, flat1)
+            assert np.array_equal(vals, vals1)
+
+
+def test_map_threads_keeps_item_order_and_raises_the_first_failure_in_that_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kernels, "pool_threads", lambda: 2)
+    items = list(range(40))
+    cost = [(i * 7) % 13 for i in items]  # handed out in an order unlike the items'
+    assert kernels.map_threads(lambda i: i * i, items, cost=cost) == [i * i for i in items]
+
+    def fails(i: int) -> int:
+        if i in (9, 30):
+            raise ValueError(f"item {i}")
+        return i
+
+    with pytest.raises(ValueError, match="item 9"):  # 30 is handed out, and fails, first
+        kernels.map_threads(fails, items, cost=[float(i) for i in items])
