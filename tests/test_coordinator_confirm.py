@@ -8,12 +8,14 @@ whose object is not there (``coordinator.rules.payloadchecks``, ``coordinator.ap
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
+from coordinator.base.errors import StorageError
 from protocol.messages import SignedManifest
 from protocol.runconfig import RunConfig
 from support.api import FP_A, Api, ApiFactory
@@ -132,3 +134,30 @@ async def test_a_submit_is_answered_while_the_disk_is_still_syncing(
     finally:
         release.set()
     assert (await join)[0] == 200
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_refuses_the_listing_gets_a_head_per_submission(
+    make_api: ApiFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    api = await make_api(run_config(min_nodes=2, gather_size=4, rounds=3))
+    for node in ("n0", "n1"):
+        assert (await api.call("POST", "/v1/join", node, {}))[0] == 200
+
+    async def refused(prefix: str) -> dict[str, int]:
+        raise StorageError(f"list {prefix}: AccessDenied", code="AccessDenied")
+
+    api.coord.store.sizes = refused  # type: ignore[method-assign]
+    heads = count_calls(api, "head")
+    body = b"n0's payload" * 20
+    assert await api.put_payload("n0", 0, body, claimed=body) == 200
+    assert (await api.submit("n0", 0, body, FP_A))[1]["accepted"] is True
+    ghost = b"n1's payload" * 20
+    assert await api.put_payload("n1", 0, b"Z" * len(ghost), claimed=ghost) in (400, 403)
+    with caplog.at_level(logging.WARNING, "sparseloco.coordinator"):
+        assert (await api.submit("n1", 0, ghost, FP_A))[1]["accepted"] is True
+        manifest = (await closed_manifest(api, 0)).manifest
+    assert [e.node_id for e in manifest.gather] == ["n0"]
+    assert manifest.excluded == {"n1": "bad digest"}
+    assert len(heads) == 2
+    assert any("event=confirm_list_refused round=0" in m for m in caplog.messages)

@@ -4,7 +4,8 @@ Submissions of payloads whose upload this process granted are answered without a
 the round would close, the machine holds the close and asks for them (``confirm_wanted``);
 ``confirm_forever`` then lists the round's folder once, confirms every submission whose object
 is there with the size it named, HEADs the others once more (a listing may lag a write on some
-stores; a HEAD also sees a checksum where the store keeps one) and hands the verdicts to
+stores; a HEAD also sees a checksum where the store keeps one; a store that refuses the listing
+gets a HEAD per submission) and hands the verdicts to
 ``RoundMachine.confirm``, which closes the round. One listing of up to 1,000 keys a page
 replaces a HEAD per node and round. While the store does not answer, it tries again every
 ``RETRY_S``; the round stays open meanwhile (its deadline is paused while the store is down).
@@ -16,6 +17,7 @@ import asyncio
 import logging
 
 from coordinator.api.service import Coordinator
+from coordinator.base.errors import StorageError
 from coordinator.store.object_store import ObjectInfo, retry_logged, sha256_b64
 from protocol.keys import payload_key, round_prefix
 
@@ -41,7 +43,16 @@ async def check_round(coord: Coordinator, round_: int, pending: dict[str, int]) 
     """The nodes of ``pending`` (node id -> size) whose object is not what they submitted."""
     storage = coord.config.storage
     run_id = coord.machine.run_id
-    listed = await coord.store.sizes(round_prefix(storage.prefix, run_id, round_))
+    folder = round_prefix(storage.prefix, run_id, round_)
+    try:
+        listed = await coord.store.sizes(folder)
+    except StorageError as exc:
+        if exc.unreachable:
+            raise  # tried again once the store answers
+        # A refusal (a credential without the list permission) would refuse every try: each
+        # object is looked at on its own instead, as before this check existed.
+        log.warning("event=confirm_list_refused round=%d cause=%r fallback=head", round_, exc.code)
+        listed = {}
     bad: set[str] = set()
     for node_id, size in sorted(pending.items()):
         key = payload_key(storage.prefix, run_id, round_, node_id)
