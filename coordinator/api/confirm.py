@@ -74,8 +74,7 @@ async def confirm_forever(coord: Coordinator) -> None:
             round_, pending = wanted
             try:
                 bad = await check_round(coord, round_, pending)
-            except Exception as exc:
+                coord.after_close(coord.machine.confirm(round_, set(pending), bad))
+            except Exception as exc:  # a round must not stay unclosable for one failure
                 retry_logged(log, "confirm_retry", RETRY_S, exc)
                 await asyncio.sleep(RETRY_S)
-                continue
-            coord.after_close(coord.machine.confirm(round_, set(pending), bad))
