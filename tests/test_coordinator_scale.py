@@ -84,6 +84,13 @@ async def test_manifest_answer_is_built_once_per_round(make_api: ApiFactory) -> 
         assert (await api.call("POST", "/v1/join", node, {}))[0] == 200
     for node in ("n0", "n1"):
         await api.contribute(node, 0, FP_A)
+
+    # The round closes once the payloads are confirmed (one listing), just after the answer.
+    async def closed() -> None:
+        while api.coord.machine.manifest(0) is None:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(closed(), 30)
     store = api.coord.store
     calls: list[str] = []
     real = store.presign_get
