@@ -5,10 +5,13 @@ store that really accepts them.
   and keys with characters that must be encoded, the presigner gives exactly boto3's URL for
   the same request at the same second, for each kind the coordinator hands out (PUT bound to
   size, checksum and write-once; GET; HEAD asking for the checksum; a multipart upload's part,
-  bound to size and checksum, with its upload id and number in the query);
+  bound to size and checksum, with its upload id and number in the query; a listing's page);
 - ``S3Store`` uses it only when that holds when it is built, and boto3 otherwise;
 - against the session's SeaweedFS store: a presigned PUT stores the payload once (a second is
-  refused), its GET reads it back, and ``head`` sees its size and checksum.
+  refused), its GET reads it back, and ``head`` sees its size and checksum; ``sizes`` lists a
+  folder page by page through presigned URLs (not boto3), keys that need encoding included, and
+  a listing the store refuses is a refusal, not an outage;
+- a store's answer that is not a listing is a ``StorageError``, never a partial listing.
 """
 
 from __future__ import annotations
@@ -22,9 +25,17 @@ import boto3
 import pytest
 from botocore.config import Config
 
+from coordinator.base.errors import StorageError
 from coordinator.store import storage
+from coordinator.store.head import parse_list_page
 from coordinator.store.object_store import sha256_b64
-from coordinator.store.presign import BucketAccess, SigV4Presigner, matches_botocore, signed_at
+from coordinator.store.presign import (
+    BucketAccess,
+    SigV4Presigner,
+    list_request,
+    matches_botocore,
+    signed_at,
+)
 from coordinator.store.storage import S3Store
 from node.cluster.seaweed import EmbeddedStore
 
@@ -104,6 +115,12 @@ def test_presigner_gives_boto3s_urls(endpoint: str, region: str, key: str) -> No
         query = [("uploadId", upload_id), ("partNumber", "12")]
         assert matches_botocore(signer, part, "PUT", key, 900, part_headers, query)
         assert not matches_botocore(signer, part, "PUT", key, 900, part_headers, query[:1])
+    for prefix, token in (("runs/r 1/00012/", None), (key, "1/tok+en=="), ("", None)):
+        request = list_request(prefix, token, max_keys=2)
+        listing = client.generate_presigned_url(
+            "list_objects_v2", Params={"Bucket": "sparseloco", **request.params}, ExpiresIn=60
+        )
+        assert matches_botocore(signer, listing, "GET", "", 60, None, request.query)
     # The signing key is kept per day; a URL of another day is signed with that day's key.
     later = signer.presign("GET", key, 600, now=signed_at(get) + 86400)
     assert "X-Amz-Date=" in later and later != get
@@ -162,3 +179,70 @@ async def test_presigned_urls_work_against_seaweedfs(store: EmbeddedStore) -> No
     finally:
         await s3.delete_keys([key])
         await s3.close()
+
+
+@pytest.mark.asyncio
+async def test_listing_is_presigned_and_paged_against_seaweedfs(
+    store: EmbeddedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoint = store.endpoint
+    access = {
+        "endpoint_url": endpoint.endpoint_url,
+        "bucket": endpoint.bucket,
+        "access_key": endpoint.access_key,
+        "region": endpoint.region,
+    }
+    s3 = S3Store(secret_key=endpoint.secret_key, **access)  # type: ignore[arg-type]
+    assert s3._presigner is not None
+
+    def no_boto3(**kwargs: Any) -> None:
+        raise AssertionError("the listing went through boto3")
+
+    monkeypatch.setattr(s3._client, "list_objects_v2", no_boto3)
+    monkeypatch.setattr(storage, "LIST_PAGE_KEYS", 2)  # 5 objects: three pages
+    folder = "list-test/run 1/00003/"
+    names = ["a.bin", "n~0+a.bin", "nöde%20b.bin", "z z.bin", "sub/c.bin"]
+    expected = {folder + name: 10 + i for i, name in enumerate(names)}
+    for key, size in expected.items():
+        await s3.put_bytes(key, bytes(size))
+    await s3.put_bytes("list-test/run 1/00004/other.bin", b"x")  # another folder: not listed
+    wrong = S3Store(secret_key="not-the-secret", **access)  # type: ignore[arg-type]
+    try:
+        assert await s3.sizes(folder) == expected
+        assert await s3.sizes("list-test/nothing-here/") == {}
+        with pytest.raises(StorageError) as refused:
+            await wrong.sizes(folder)
+        assert not refused.value.unreachable  # the confirmer then HEADs instead (confirm.py)
+    finally:
+        await s3.delete_prefix("list-test/")
+        await s3.close()
+        await wrong.close()
+
+
+NS = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"<html>a proxy's error page</html>",
+        f"<ListBucketResult {NS}><Contents><Key>k</Key></Contents></ListBucketResult>".encode(),
+        f"<ListBucketResult {NS}><Contents><Key>k</Key><Size>x</Size></Contents>"
+        "</ListBucketResult>".encode(),
+        f"<ListBucketResult {NS}><IsTruncated>true</IsTruncated></ListBucketResult>".encode(),
+    ],
+)
+def test_an_answer_that_is_not_a_listing_is_a_storage_error(body: bytes) -> None:
+    with pytest.raises(StorageError, match="not a listing"):
+        parse_list_page(body)
+
+
+def test_a_listing_page_decodes_its_keys() -> None:
+    body = (
+        f"<ListBucketResult {NS}><EncodingType>url</EncodingType><Contents><Key>r+1/n%7E%2B.bin"
+        "</Key><Size>7</Size></Contents><IsTruncated>true</IsTruncated>"
+        "<NextContinuationToken>t+1</NextContinuationToken></ListBucketResult>"
+    ).encode()
+    page = parse_list_page(body)
+    assert page.sizes == {"r 1/n~+.bin": 7} and page.next_token == "t+1"

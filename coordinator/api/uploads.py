@@ -82,7 +82,8 @@ async def upload(request: web.Request) -> web.Response:
     granted = await grant(coord, key, req.size, req.sha256, req.parts)
     coord.machine.checks.grant(round_, node_id, req.sha256, req.size)
     parts = 0 if granted.multipart is None else len(granted.multipart.parts)
-    log.info(
+    # DEBUG: one line per node and round (the round's close line sums them up).
+    log.debug(
         "event=upload_granted round=%d node=%s size=%d parts=%d", round_, node_id, req.size, parts
     )
     return ok(granted)

@@ -235,7 +235,10 @@ class RoundMachine:
     ) -> SubmitResponse | None:
         """The answer already given to this submission (a retry, answered even after the round
         closed), or ``None`` if it is new; a different one is refused."""
-        return self.submissions.previous(self._current(), node_id, round_, req)
+        cur = self._current()
+        if round_ == cur.round and node_id not in self.progress.submitted(round_):
+            return None  # the current round's submitters are in memory: a first needs no read
+        return self.submissions.previous(cur, node_id, round_, req)
 
     def expected_base(self, round_: int) -> str | None:
         """The base fingerprint round ``round_`` must use, if the reports already settle it."""
@@ -260,7 +263,9 @@ class RoundMachine:
             self.checks.defer(round_, node_id, req.size)
         if rejected is None:
             self.deadlines.arrived(self._current(), self.clock())
-        log.info(
+        # An accepted submission is a line per node and round (DEBUG); a rejection stands out.
+        log.log(
+            logging.DEBUG if rejected is None else logging.INFO,
             "event=submitted round=%d node=%s seq=%d rejected=%s",
             round_,
             node_id,
@@ -320,6 +325,9 @@ class RoundMachine:
     # ---- manifests and reports -----------------------------------------------------------
     def manifest(self, round_: int) -> SignedManifest | None:
         """The signed manifest of closed ``round_``; ``None`` while it is waiting or open."""
+        cur = self._current()  # in memory: the long-polls of the open round need no read
+        if round_ == cur.round and cur.state != RoundState.CLOSED:
+            return None
         row = self.db.get_round(round_)
         if row is None or round_ < 0:
             raise UnknownRound(round_)

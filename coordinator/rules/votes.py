@@ -15,8 +15,10 @@ uses it (and the checkpoint book, which asks it for the same majority).
 Every submission asks for the previous round's majority and every report for the round's
 participants, so both are kept in memory for the newest rounds (``CACHED_ROUNDS``): a closed
 round's participants never change, and reports are only ever added, so a tally stays right
-while the round's count of report rows is the one it was built from (one indexed count; a
-report recorded through another ``Votes`` on the same database makes it rebuild).
+while no report was written through the database since it was built (``Database.report_writes``,
+a counter in memory: a report recorded through another ``Votes`` on the same database, or one
+rolled back, makes it rebuild; at 1,000 nodes a count of the rows per submission was most of
+the submit's reads). Reports come in over this process's HTTP API only.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Votes:
     def __init__(self, db: Database) -> None:
         self.db = db
         self._participants: OrderedDict[int, frozenset[str]] = OrderedDict()
-        #: round -> (report rows it was counted from, fingerprint -> participants' votes)
+        #: round -> (``db.report_writes`` when it was counted, fingerprint -> participants' votes)
         self._tally: OrderedDict[int, tuple[int, Counter[str]]] = OrderedDict()
 
     def participants(self, round_: int) -> frozenset[str]:
@@ -64,15 +66,15 @@ class Votes:
 
     def tally(self, round_: int) -> Counter[str]:
         """How many of ``round_``'s participants reported each fingerprint."""
-        rows = self.db.count_reports(round_)
+        stamp = self.db.report_writes
         cached = self._tally.get(round_)
-        if cached is not None and cached[0] == rows:
+        if cached is not None and cached[0] == stamp:
             return cached[1]
         voters = self.participants(round_)
         reported = self.db.reported_fingerprints(round_)
         counts = Counter(fp for node, fp in reported.items() if node in voters)
         if voters:  # a round not closed yet has no tally to keep
-            _remember(self._tally, round_, (len(reported), counts))
+            _remember(self._tally, round_, (stamp, counts))
         return counts
 
     def reported(self, round_: int) -> list[str]:
@@ -89,7 +91,8 @@ class Votes:
         ``unknown_round`` (404) for a round that does not exist, ``round_open`` while it is not
         closed, ``not_member`` from a node that took no part in it.
         """
-        state = self.db.round_state(round_)
+        # Participants are kept for closed rounds only: a round among them needs no read.
+        state = RoundState.CLOSED if round_ in self._participants else self.db.round_state(round_)
         if state is None:
             raise UnknownRound(round_)
         if state != RoundState.CLOSED:
@@ -98,15 +101,17 @@ class Votes:
             raise Conflict(
                 "not_member", f"{node_id} took no part in round {round_}; it cannot report on it"
             )
+        before = self.db.report_writes
         with self.db.tx():
             first = self.db.record_report(
                 round_, node_id, report.fingerprint, report.model_dump_json()
             )
         cached = self._tally.get(round_)
-        if first and cached is not None:
-            cached[1][report.fingerprint] += 1
-            self._tally[round_] = (cached[0] + 1, cached[1])
-        log.info(
+        if cached is not None and cached[0] == before:  # nothing else written since: add it
+            if first:
+                cached[1][report.fingerprint] += 1
+            self._tally[round_] = (self.db.report_writes, cached[1])
+        log.debug(  # a line per node and round; GET /v1/status lists every node's fingerprint
             "event=reported round=%d node=%s fingerprint=%s", round_, node_id, report.fingerprint
         )
         return first

@@ -55,6 +55,9 @@ class Database(RoundTables, SubmissionTables, CheckpointTables):
         self.path = path
         self._conn = connect(path, synchronous="FULL" if durable else "NORMAL")
         self._depth = 0
+        #: Writes of ``meta`` through this connection (``data_version`` does not count them).
+        self.meta_writes = 0
+        self.report_writes = 0
         #: Called after a rollback, so in-memory views of the tables can be rebuilt.
         self.on_rollback: list[Callable[[], None]] = [self._forget_newest]
         #: The newest round's row, read once and dropped by every write to the rounds table:
@@ -102,12 +105,18 @@ class Database(RoundTables, SubmissionTables, CheckpointTables):
         finally:
             self._depth = 0
 
+    def data_version(self) -> int:
+        """SQLite's ``PRAGMA data_version``: it moves when another connection (another
+        process: ``sparseloco coordinator token``) commits, never for this one's commits."""
+        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+
     # meta
     def get_meta(self, key: str) -> str | None:
         row = self._conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return None if row is None else str(row[0])
 
     def set_meta(self, key: str, value: str) -> None:
+        self.meta_writes += 1
         self._conn.execute(
             "INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=?",
             (key, value, value),

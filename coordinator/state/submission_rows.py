@@ -34,6 +34,9 @@ class SubmissionTables:
     """Reads and writes of ``submissions`` and ``reports`` (on ``Database``)."""
 
     _conn: sqlite3.Connection
+    #: Reports written through this connection (rolled back or not): what a tally in memory
+    #: compares to see whether it may still be right (``coordinator.rules.votes``).
+    report_writes: int
 
     def submissions(self, round_: int) -> list[SubmissionRow]:
         rows = self._conn.execute(
@@ -96,6 +99,7 @@ class SubmissionTables:
         it held when it took part, with its mass account and timings) is the history to keep,
         including a fingerprint that was wrong at the time.
         """
+        self.report_writes += 1
         cur = self._conn.execute(
             "INSERT INTO reports(round, node_id, fingerprint, report) VALUES(?,?,?,?)"
             " ON CONFLICT(round, node_id) DO NOTHING",
@@ -109,13 +113,6 @@ class SubmissionTables:
             "SELECT node_id, fingerprint FROM reports WHERE round=? ORDER BY node_id", (round_,)
         )
         return {str(r[0]): str(r[1]) for r in rows}
-
-    def count_reports(self, round_: int) -> int:
-        """How many reports of ``round_`` are stored (anyone's)."""
-        (n,) = self._conn.execute(
-            "SELECT COUNT(*) FROM reports WHERE round=?", (round_,)
-        ).fetchone()
-        return int(n)
 
     def reports(self, round_: int) -> dict[str, dict[str, object]]:
         """Node id -> its stored report of ``round_`` as parsed JSON (the caller validates it)."""

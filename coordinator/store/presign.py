@@ -5,14 +5,16 @@ round at a thousand nodes; through boto3 each costs the event loop a request mod
 ruleset, an event chain and a signer, most of a millisecond. The signature itself is two SHA-256
 digests and five HMACs, and four of those HMACs (the signing key) only change with the UTC day,
 so ``SigV4Presigner`` keeps the key per day and builds the rest directly. It signs exactly what
-boto3 signs for the coordinator's requests: a PUT, a GET, a HEAD, and a multipart upload's part,
+boto3 signs for the coordinator's requests: a PUT, a GET, a HEAD, a multipart upload's part,
 whose URL also carries ``uploadId`` and ``partNumber`` (a payload of 1 GB has 128 parts, each
-its own URL). The canonical request is AWS's "Signature Version 4, query string
-authentication": method, path, sorted query, sorted lower-case headers with ``host``,
-``UNSIGNED-PAYLOAD``; addressing is path-style (``{endpoint}/{bucket}/{key}``).
+its own URL), and a page of a listing (the bucket's URL with the listing's parameters). The
+canonical request is AWS's "Signature Version 4, query string authentication": method, path,
+sorted query, sorted lower-case headers with ``host``, ``UNSIGNED-PAYLOAD``; addressing is
+path-style (``{endpoint}/{bucket}/{key}``).
 
 ``Request`` describes each kind once (``put_request``, ``get_request``, ``head_request``,
-``part_request``), for both signers: what boto3 is asked, what this signer signs.
+``part_request``, ``list_request``), for both signers: what boto3 is asked, what this signer
+signs.
 
 Whether this endpoint and botocore agree is not assumed: ``matches_botocore`` (called when the
 ``S3Store`` is built) asks boto3 for each kind of URL the coordinator hands out, signs the same
@@ -121,7 +123,9 @@ class SigV4Presigner:
         ]
         own = [(_encode(name), _encode(value)) for name, value in query]
         signed_query = "&".join(f"{name}={value}" for name, value in sorted(auth + own))
-        path = f"{self._path}/{_encode(key, safe='/~')}"
+        # An empty key addresses the bucket itself (a listing), without a trailing slash.
+        tail = f"/{_encode(key, safe='/~')}" if key else ""
+        path = f"{self._path}{tail}"
         canonical = "\n".join(
             (
                 method,
@@ -137,7 +141,7 @@ class SigV4Presigner:
         signature = hmac.new(self._signing_key(day), to_sign.encode(), hashlib.sha256).hexdigest()
         # boto3's order in the URL: the operation's parameters, then the signature's.
         url_query = "&".join(f"{name}={value}" for name, value in [*own, *auth])
-        return f"{self.base}/{_encode(key, safe='/~')}?{url_query}&X-Amz-Signature={signature}"
+        return f"{self.base}{tail}?{url_query}&X-Amz-Signature={signature}"
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,19 @@ def head_request(key: str) -> Request:
     """A HEAD that asks for the stored checksum."""
     headers = {"x-amz-checksum-mode": "ENABLED"}
     return Request("head_object", {"Key": key, "ChecksumMode": "ENABLED"}, "HEAD", key, headers)
+
+
+def list_request(prefix: str, token: str | None = None, max_keys: int = 1000) -> Request:
+    """A page of at most ``max_keys`` of the objects under ``prefix``, after the page that
+    answered ``token``; keys come percent-encoded (``encoding-type=url``, as boto3 asks)."""
+    params: dict[str, Any] = {"Prefix": prefix}
+    query = [("list-type", "2"), ("prefix", prefix)]
+    if token is not None:
+        params["ContinuationToken"] = token
+        query.append(("continuation-token", token))
+    params["MaxKeys"] = max_keys
+    query += [("max-keys", str(max_keys)), ("encoding-type", "url")]
+    return Request("list_objects_v2", params, "GET", "", None, tuple(query))
 
 
 def signed_at(url: str) -> float:

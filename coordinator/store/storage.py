@@ -4,10 +4,12 @@ What the coordinator asks of a store is ``coordinator.store.object_store``. boto
 so every call that talks to the network runs in a thread executor; presigning is local
 computation.
 
-The HEAD that checks every submission is the exception: ``head`` presigns it and sends it with
-aiohttp on the event loop, at a third of boto3's CPU (``coordinator.store.head``).
+The HEAD that checks a submission and the listing that confirms a round's submissions are the
+exceptions: ``head`` and ``sizes`` presign them and send them with aiohttp on the event loop, at
+a fraction of boto3's CPU (``coordinator.store.head``); ``sizes`` goes through boto3 where the
+fast signer is not used (below).
 
-Presigned URLs (an upload grant, a manifest's downloads, that HEAD) are signed by
+Presigned URLs (an upload grant, a manifest's downloads, that HEAD and listing) are signed by
 ``coordinator.store.presign`` once it has shown, when the store is built, that it gives exactly
 the URLs boto3 gives for this endpoint; boto3 signs them otherwise. Both are local computation.
 
@@ -32,7 +34,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from coordinator.base.errors import StorageError, TooLarge
-from coordinator.store.head import HeadSender
+from coordinator.store.head import PresignedSender
 from coordinator.store.object_store import (
     READ_CHUNK,
     Consumer,
@@ -46,6 +48,7 @@ from coordinator.store.presign import (
     SigV4Presigner,
     get_request,
     head_request,
+    list_request,
     matches_botocore,
     part_request,
     put_request,
@@ -61,6 +64,12 @@ STORE_TIMEOUT_S = 20.0
 DELETE_BATCH = 1000
 #: Seconds a HEAD's presigned URL is valid (it is sent at once).
 HEAD_EXPIRY_S = 60
+#: Seconds a listing page's presigned URL is valid (it is sent at once).
+LIST_EXPIRY_S = 60
+#: Keys a listing page asks for (the S3 limit).
+LIST_PAGE_KEYS = 1000
+#: The prefix a listing is checked with (characters a run's folder may hold).
+PROBE_PREFIX = "presign-check/run 1/00000/"
 #: The key the presigner is checked against boto3 with (characters a key may hold).
 PROBE_KEY = "presign-check/run 1/00000/node_a-~+%.bin"
 #: The upload id it is checked with (characters an upload id may hold).
@@ -84,8 +93,8 @@ class S3Store:
         self.expiry_s = expiry_s
         #: Whether the store answers; logs once when it stops, once when it is back.
         self.link = Link("store", logger=log)
-        #: Sends ``head``'s presigned HEADs (on the event loop, not through boto3).
-        self._heads = HeadSender(self.link, STORE_TIMEOUT_S)
+        #: Sends ``head``'s HEADs and ``sizes``' listing pages, presigned, on the event loop.
+        self._sender = PresignedSender(self.link, STORE_TIMEOUT_S)
         self._client: Any = boto3.client(
             "s3",
             endpoint_url=endpoint_url,
@@ -128,10 +137,11 @@ class S3Store:
             (get_request(key), self.expiry_s),
             (head_request(key), HEAD_EXPIRY_S),
             (part_request(key, PROBE_UPLOAD_ID, 7, 1, checksum), self.expiry_s),
+            (list_request(PROBE_PREFIX, PROBE_UPLOAD_ID), LIST_EXPIRY_S),
         ]
         for r, expires_s in cases:
             url = self._boto_url(r, expires_s)
-            if not matches_botocore(presigner, url, r.method, key, expires_s, r.headers, r.query):
+            if not matches_botocore(presigner, url, r.method, r.key, expires_s, r.headers, r.query):
                 log.warning(
                     "event=presign_fallback reason=%s",
                     f"the SigV4 signer disagrees with boto3 on {r.operation}; boto3 signs",
@@ -204,11 +214,11 @@ class S3Store:
         """A presigned HEAD sent with aiohttp (``coordinator.store.head``); ``None`` on 404."""
         request = head_request(key)
         url = self._sign(request, HEAD_EXPIRY_S)
-        return await self._heads.send(key, url, dict(request.headers or {}))
+        return await self._sender.head(key, url, dict(request.headers or {}))
 
     async def close(self) -> None:
-        """Close the HTTP session of ``head`` (the app's shutdown)."""
-        await self._heads.close()
+        """Close the HTTP session of ``head`` and ``sizes`` (the app's shutdown)."""
+        await self._sender.close()
 
     def _body(self, key: str, max_size: int) -> Any:
         """The streaming body of ``key`` (a blocking call: on a thread); ``TooLarge`` if the store
@@ -281,6 +291,13 @@ class S3Store:
     async def sizes(self, prefix: str) -> dict[str, int]:
         found: dict[str, int] = {}
         token: str | None = None
+        while self._presigner is not None:  # presigned, parsed here (``coordinator.store.head``)
+            url = self._sign(list_request(prefix, token, LIST_PAGE_KEYS), LIST_EXPIRY_S)
+            page = await self._sender.list_page(prefix, url)
+            found.update(page.sizes)
+            if page.next_token is None:
+                return found
+            token = page.next_token
         while True:
             extra = {} if token is None else {"ContinuationToken": token}
             resp = await self._call(f"list {prefix}", "list_objects_v2", Prefix=prefix, **extra)
