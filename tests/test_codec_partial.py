@@ -9,9 +9,10 @@ payload, from memory, a file or by byte ranges. These tests pin that:
   whatever it reads, with the same field;
 - ``read_payload_file`` and ``read_payload_ranges`` give what ``read_payload`` gives on the same
   bytes, reading only the prefix, the header and the chosen records, and decompressing only
-  the chosen records' zstd frames of codes;
-- records shipped between ranks (``records_to_bytes``) come back equal, and bad ones are a
-  ``PayloadError``; records encoded in disjoint sets and merged give ``encode``'s bytes exactly.
+  the chosen records' zstd frames of codes.
+
+The payload they read is ``support.partial_payload``'s; its prefix, header and envelope alone,
+and records shipped between ranks and assembled, are ``test_codec_records.py``'s.
 """
 
 from __future__ import annotations
@@ -21,82 +22,38 @@ import os
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 import torch
 
 from protocol import envelope
 from protocol.codec import (
-    assemble,
     decode,
-    encode,
-    encode_records,
     header_limit,
-    payload_base,
     read_payload,
     read_payload_file,
     read_payload_ranges,
 )
 from protocol.envelope import (
     PREFIX,
-    Envelope,
-    TensorRecord,
-    header_length,
-    pack_envelope,
     read_index,
-    read_record,
-    records_from_bytes,
-    records_to_bytes,
-    unpack_envelope,
 )
-from protocol.errors import CodecError, PayloadError
+from protocol.errors import PayloadError
 from support import reference_codec as ref
 from support.codec_inputs import bits
-
-SHAPES: dict[str, tuple[int, ...]] = {
-    "emb": (96, 128),
-    "head.bias": (130,),
-    "layer.0.w": (64, 64),
-    "layer.1.w": (3, 5, 7),
-    "norm": (),
-    "unused": (0, 4),
-}
-NAMES = sorted(SHAPES)
-HEADER: dict[str, Any] = {"run_id": "run-p", "round": 5, "node_id": "node-3", "base": "ab" * 32}
-
-
-def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
-    # Half of "emb" is +-1: fewer distinct codes, so its record stores them as a zstd frame.
-    out["emb"][:48] = out["emb"][:48].sign()
-    return out
-
-
-PAYLOAD, RECON = encode(_inputs(), **HEADER)
-SPLIT = ref.split_payload(PAYLOAD)
-#: The records whose codes are a zstd frame (the others' are raw).
-ZSTD_CODED = [e[0] for e in SPLIT.header["tensors"] if e[ref.ZSTD]]
+from support.partial_payload import (
+    HEADER,
+    NAMES,
+    PAYLOAD,
+    RECON,
+    SHAPES,
+    SPLIT,
+    ZSTD_CODED,
+    assert_same,
+)
 
 
 def _only_sets() -> list[list[str]]:
     return [[], *([n] for n in NAMES), NAMES[::2], NAMES]
-
-
-def _assert_same(a: Any, b: Any) -> None:
-    assert (a.run_id, a.round, a.node_id, a.base, a.tile, a.topk) == (
-        b.run_id,
-        b.round,
-        b.node_id,
-        b.base,
-        b.tile,
-        b.topk,
-    )
-    assert list(a.tensors) == list(b.tensors)
-    for name in a.tensors:
-        x, y = a.tensors[name], b.tensors[name]
-        assert torch.equal(x.index, y.index) and torch.equal(x.codes, y.codes)
-        assert torch.equal(bits(x.table), bits(y.table))
 
 
 def _field(fn: Any) -> str | None:
@@ -306,7 +263,7 @@ def test_read_payload_file_equals_read_payload(lazy: bool, tmp_path: Path) -> No
     for only in [None, *_only_sets()]:
         want = read_payload(PAYLOAD, SHAPES, only=only, lazy=lazy, topk=64, tile=64)
         got = read_payload_file(str(path), SHAPES, only=only, lazy=lazy, topk=64, tile=64)
-        _assert_same(got, want)
+        assert_same(got, want)
 
 
 def test_read_payload_file_reads_only_the_needed_bytes(
@@ -351,7 +308,7 @@ def test_read_payload_ranges_fetches_merged_ranges() -> None:
     index = read_index(PAYLOAD, max_header=header_limit(SHAPES))
     only = ["head.bias", "layer.0.w", "norm"]  # the first two are adjacent: one range
     got = read_payload_ranges(fetch, len(PAYLOAD), SHAPES, only=only)
-    _assert_same(got, read_payload(PAYLOAD, SHAPES, only=only))
+    assert_same(got, read_payload(PAYLOAD, SHAPES, only=only))
     a, b, c = (index.entry(n) for n in only)
     assert index.ranges(only) == [(a.offset, b.offset + b.size), (c.offset, c.offset + c.size)]
     assert fetched == [(0, 14), (14, index.data_start), *index.ranges(only)]
@@ -361,134 +318,3 @@ def test_a_short_fetch_is_a_payload_error() -> None:
     with pytest.raises(PayloadError) as err:
         read_payload_ranges(lambda a, b: PAYLOAD[a : b - 1], len(PAYLOAD), SHAPES)
     assert err.value.field == "size"
-
-
-def test_payload_base_needs_only_the_prefix_and_the_header() -> None:
-    index = read_index(PAYLOAD, max_header=header_limit(SHAPES))
-    assert payload_base(PAYLOAD, SHAPES) == HEADER["base"]
-    assert payload_base(PAYLOAD[: index.data_start], SHAPES) == HEADER["base"]
-    with pytest.raises(PayloadError) as err:
-        payload_base(PAYLOAD[: index.data_start - 1], SHAPES)
-    assert err.value.field == "header"
-
-
-@pytest.mark.parametrize(
-    ("prefix", "field"),
-    [
-        (b"", "header"),
-        (PAYLOAD[:13], "header"),
-        (b"SLCQ" + PAYLOAD[4:14], "header.magic"),
-        (PAYLOAD[:4] + b"\x01" + PAYLOAD[5:14], "header.version"),
-        (PAYLOAD[:5] + b"\x02" + PAYLOAD[6:14], "header.flags"),
-        (None, "payload"),
-    ],
-)
-def test_header_length_checks_the_prefix(prefix: Any, field: str) -> None:
-    with pytest.raises(PayloadError) as err:
-        header_length(prefix)
-    assert err.value.field == field
-
-
-def test_header_length_and_the_limit() -> None:
-    length = header_length(PAYLOAD[:14])
-    assert length == SPLIT.header_length
-    assert header_length(PAYLOAD, max_header=length) == length
-    with pytest.raises(PayloadError) as err:
-        header_length(PAYLOAD, max_header=length - 1)
-    assert err.value.field == "header.length"
-
-
-def test_unpack_envelope_and_read_record_round_trip() -> None:
-    limit = header_limit(SHAPES)
-    env = unpack_envelope(PAYLOAD, max_header=limit)
-    assert pack_envelope(env) == PAYLOAD
-    index = read_index(PAYLOAD, max_header=limit)
-    for entry, rec in zip(index.entries, env.tensors, strict=True):
-        blob = PAYLOAD[entry.offset : entry.offset + entry.size]
-        assert read_record(entry, blob) == rec
-        with pytest.raises(PayloadError) as err:
-            read_record(entry, blob + b"\x00")
-        assert err.value.field == entry.field
-    with pytest.raises(PayloadError) as err:
-        unpack_envelope(PAYLOAD + b"\x00", max_header=limit)
-    assert err.value.field == "size"
-
-
-# ---- records between ranks, and assembly --------------------------------------------------
-
-
-def test_records_to_bytes_round_trip() -> None:
-    records, _ = encode_records(_inputs(), topk=64, tile=64)
-    assert [r.name for r in records if r.codes_zstd] == ZSTD_CODED  # shipped as stored
-    assert records_from_bytes(records_to_bytes(records)) == records
-    assert records_from_bytes(records_to_bytes([])) == []
-    assert records_from_bytes(bytearray(records_to_bytes(records[:1]))) == records[:1]
-
-
-def _row(**changes: Any) -> list:
-    row: list[Any] = ["w", [4, 4], 0, b"\x00" * 20, b"", b"", b"", 0]
-    fields = ["name", "shape", "rice_bits", "stats", "codes", "unary", "rem", "codes_zstd"]
-    for at, value in changes.items():
-        row[fields.index(at)] = value
-    return row
-
-
-@pytest.mark.parametrize(
-    ("data", "field"),
-    [
-        (b"", "records"),
-        (b"\xc1", "records"),
-        (b"\x90\x00", "records"),  # trailing bytes
-        (None, "records"),
-        (msgpack.packb({"a": 1}), "records"),
-        (msgpack.packb([1]), "records[0]"),
-        (msgpack.packb([_row()[:7]]), "records[0]"),
-        (msgpack.packb([[*_row(), b""]]), "records[0]"),
-        (msgpack.packb([_row(name=1)]), "records[0].name"),
-        (msgpack.packb([_row(name="n" * 257)]), "records[0].name"),
-        (msgpack.packb([_row(shape=[-1])]), "records[0].shape"),
-        (msgpack.packb([_row(shape=[1] * 9)]), "records[0].shape"),
-        (msgpack.packb([_row(rice_bits=65)]), "records[0].rice_bits"),
-        (msgpack.packb([_row(stats=b"\x00")], use_bin_type=True), "records[0].stats"),
-        (msgpack.packb([_row(codes="text")], use_bin_type=True), "records[0].codes"),
-        (msgpack.packb([_row(), _row(unary=None)], use_bin_type=True), "records[1].unary"),
-        (msgpack.packb([_row(rem=[1])], use_bin_type=True), "records[0].remainders"),
-        (msgpack.packb([_row(codes_zstd=2)], use_bin_type=True), "records[0].codes_zstd"),
-        (msgpack.packb([_row(codes_zstd=True)], use_bin_type=True), "records[0].codes_zstd"),
-        (msgpack.packb([_row(codes_zstd=None)], use_bin_type=True), "records[0].codes_zstd"),
-    ],
-)
-def test_records_from_bytes_rejects_bad_input(data: Any, field: str) -> None:
-    with pytest.raises(PayloadError) as err:
-        records_from_bytes(data)
-    assert err.value.field == field
-
-
-@pytest.mark.parametrize(
-    "split", [["emb", "norm"], ["head.bias"], [], NAMES], ids=["two", "one", "none", "all"]
-)
-def test_records_encoded_apart_assemble_to_encodes_bytes(split: list[str]) -> None:
-    x = _inputs()
-    mine = {n: x[n] for n in split}
-    theirs = {n: x[n] for n in NAMES if n not in split}
-    rec_a, recon_a = encode_records(mine, topk=64, tile=64)
-    rec_b, recon_b = encode_records(theirs, topk=64, tile=64)
-    shipped = records_from_bytes(records_to_bytes(rec_b))  # from another rank
-    assert assemble(shipped + rec_a, topk=64, tile=64, **HEADER) == PAYLOAD
-    merged = tuple(sorted(rec_a + shipped, key=lambda r: r.name))
-    env = Envelope(HEADER["run_id"], 5, HEADER["node_id"], HEADER["base"], 64, 64, merged)
-    assert pack_envelope(env) == PAYLOAD
-    for name, t in {**recon_a, **recon_b}.items():
-        assert torch.equal(bits(t), bits(RECON[name]))
-
-
-def test_pack_envelope_refuses_what_no_reader_accepts() -> None:
-    records, _ = encode_records(_inputs(), topk=64, tile=64)
-    for bad in (records[::-1], [records[0], records[0]]):
-        with pytest.raises(CodecError):
-            pack_envelope(Envelope("", 0, "", "", 64, 64, tuple(bad)))
-    short = TensorRecord("x", (1,), 0, b"\x00" * 19, b"\x00", b"\x80", b"")
-    with pytest.raises(CodecError):
-        pack_envelope(Envelope("", 0, "", "", 64, 64, (short,)))
-    with pytest.raises(CodecError):
-        assemble(records + records[:1], topk=64, tile=64)
