@@ -10,6 +10,8 @@ token would try it:
 - an uploaded file that is not the offered θ (other tensors, or not safetensors at all) is
   refused with ``bad_checkpoint``, deleted, and its grant dropped so that another member may
   offer at once; nothing is pruned on its strength;
+- the tally kept in memory follows every report written through the database, through this
+  ``Votes`` or another one on it, and a base-fingerprint check uses it;
 - ``GET /v1/checkpoints`` lists the committed ones, newest first, with working presigned GETs;
 - retention relies on verified checkpoints only, and never deletes the newest verified one; a
   database from before verification keeps its checkpoints as unverified.
@@ -26,6 +28,7 @@ import torch
 from aiohttp import ClientSession
 from yarl import URL
 
+from coordinator.rules.votes import Votes
 from coordinator.state.db import CheckpointRow, Database
 from coordinator.state.schema import DB_FILE, SCHEMA_VERSION
 from coordinator.store.retention import (
@@ -35,6 +38,7 @@ from coordinator.store.retention import (
     stale_checkpoints,
 )
 from protocol.messages import CheckpointInfo
+from protocol.reports import RoundReport
 from protocol.runconfig import RunConfig, Timing
 from support.api import Api, ApiFactory
 from support.theta_files import THETA, THETA_FP, offer, theta_file
@@ -45,7 +49,8 @@ CALM = Timing(first_round_s=3600, min_round_s=3600, max_round_s=7200, heartbeat_
 
 
 def run_config(**kw: Any) -> RunConfig:
-    return RunConfig(name="votes", min_nodes=2, rounds=20, checkpoint_every=2, timing=CALM, **kw)
+    fields: dict[str, Any] = {"min_nodes": 2, **kw}
+    return RunConfig(name="votes", rounds=20, checkpoint_every=2, timing=CALM, **fields)
 
 
 async def put(url: str, headers: dict[str, str], body: bytes) -> int:
@@ -94,6 +99,27 @@ async def test_a_report_from_a_non_member_is_refused_and_not_counted(make_api: A
     assert (status, err["error"]) == (409, "not_member")
     status, st = await api.call("GET", "/v1/status", None)
     assert st["rounds"][0]["fingerprints"] == {"n0": F}
+
+
+@pytest.mark.asyncio
+async def test_the_tally_follows_every_report_written(make_api: ApiFactory) -> None:
+    api = await make_api(run_config(min_nodes=3))
+    for node in ("n0", "n1", "n2"):
+        assert (await api.call("POST", "/v1/join", node, {}))[0] == 200
+    for node in ("n0", "n1", "n2"):
+        assert (await api.contribute(node, 0, F))["accepted"]
+    assert (await api.manifest("n0", 0))[0] == 200
+    votes = api.coord.machine.votes
+    assert (await report(api, "n0", 0, F))[0] == 200
+    assert votes.majority(0) == F  # counted, and kept
+    assert (await report(api, "n1", 0, ZERO))[0] == 200
+    assert (await report(api, "n1", 0, F))[0] == 200  # a second report of n1 does not count
+    assert votes.tally(0) == {F: 1, ZERO: 1} and votes.majority(0) == ZERO  # a tie: smallest
+    # A report written through another Votes on the same database: the kept tally is redone.
+    Votes(api.coord.machine.db).record("n2", 0, RoundReport(fingerprint=F))
+    assert votes.tally(0) == {F: 2, ZERO: 1}
+    # And a submission to round 1 is checked against that majority: F is the base now.
+    assert (await api.contribute("n0", 1, F)) == {"accepted": True, "reason": None}
 
 
 @pytest.mark.asyncio
