@@ -63,6 +63,7 @@ _SIM_FIELDS = (
     "clip",
     "overlap",
     "overlap_tau",
+    "merge_estimate",
     "inner_lr",
     "outer_lr",
     "seed",
@@ -161,6 +162,14 @@ SIMULATE = Command(
             help="disable median-norm clipping of peers",
         ),
         *OVERLAP_FLAGS,
+        flag(
+            "--merge-estimate",
+            action="store_true",
+            default=None,
+            help="with --overlap merge: start each round from θ less eager's estimate of the"
+            " aggregate in flight, taken back at the merge (simulator only; docs/benchmarks.md"
+            " §12)",
+        ),
         flag("--inner-lr", type=float, help="inner AdamW lr (default by algorithm)"),
         flag("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)"),
         flag("--seed", type=int),

@@ -80,6 +80,30 @@ def test_merge_at_the_last_step_is_delayed_and_earlier_is_not() -> None:
     assert early["config"]["overlap_tau"] == 1
 
 
+def test_merge_with_the_estimate_at_the_last_step_is_eager_and_earlier_is_not() -> None:
+    # Starting from θ less eager's estimate and taking it back at the merge: at τ = H that is
+    # eager's training (the same start, the same pseudo-gradient); at τ = 1 it differs from
+    # both eager and the merge without the estimate. Four rounds, so the estimate is in use
+    # from round 2 on.
+    tiny = {"algo": "sparseloco", "rounds": 4}
+    eager = simulate(build_config("tiny", overlap="eager", **tiny))
+    late = simulate(
+        build_config("tiny", overlap="merge", overlap_tau=10, merge_estimate=True, **tiny)
+    )
+    early = simulate(
+        build_config("tiny", overlap="merge", overlap_tau=1, merge_estimate=True, **tiny)
+    )
+    plain_merge = simulate(build_config("tiny", overlap="merge", overlap_tau=1, **tiny))
+    losses = [[loss for _, loss in r["eval_loss_curve"]] for r in (eager, late)]
+    assert losses[1] == pytest.approx(losses[0], abs=1e-4)
+    last = [r["eval_loss_curve"][-1][1] for r in (eager, early, plain_merge)]
+    assert last[1] != pytest.approx(last[0], abs=1e-3)
+    assert last[1] != pytest.approx(last[2], abs=1e-3)
+    assert early["config"]["merge_estimate"] is True
+    with pytest.raises(ConfigError, match="merge-estimate"):
+        build_config("tiny", overlap="eager", merge_estimate=True, **tiny)
+
+
 def test_bad_config_names_the_field() -> None:
     with pytest.raises(ConfigError, match="workers"):
         build_config("tiny", algo="sparseloco", workers=0)

@@ -45,8 +45,9 @@ log = logging.getLogger("sparseloco.simulate")
 #: One worker's model and its inner optimiser.
 Replica = tuple[LanguageModel, torch.optim.Optimizer]
 
-#: An aggregate to merge during a round's training: (τ, the step θ_old - θ_new to subtract).
-Merge = tuple[int, dict[str, torch.Tensor]]
+#: An aggregate to merge during a round's training: (τ, per worker the step to subtract, θ_old -
+#: θ_new less the estimate it started from, if any).
+Merge = tuple[int, list[dict[str, torch.Tensor]]]
 
 Algo = Literal["sparseloco", "diloco", "ddp"]
 
@@ -80,6 +81,11 @@ class SimConfig(RunConfig):
     #: Where the workers' inner steps run (``auto``, ``cpu``, ``cuda:N``). θ, the codec and the
     #: outer steps stay on the CPU in fp32, as on a node; evaluation runs on the device.
     device: str = "cpu"
+    #: (overlap = "merge", simulator only: not built in the node daemon) Start each round from
+    #: θ less eager's estimate of the aggregate in flight (``_eager_offsets``) instead of θ, and
+    #: take the estimate back at the merge: the first τ steps are taken nearer θ_{r+1}, the
+    #: pseudo-gradient is the same sum of inner steps (docs/benchmarks.md §12).
+    merge_estimate: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -93,6 +99,10 @@ class SimConfig(RunConfig):
     @model_validator(mode="after")
     def _check_model(self) -> SimConfig:
         get_preset(self.model)  # raises ValueError listing the valid names
+        if self.merge_estimate and self.overlap != "merge":
+            raise ValueError(
+                "merge_estimate (--merge-estimate) needs overlap = 'merge' (--overlap merge)"
+            )
         return self
 
     @property
@@ -184,8 +194,9 @@ class Simulation:
     ) -> float:
         """H inner steps on every worker from its current parameters; mean last-step loss.
 
-        ``merge`` = (τ, step): after τ inner steps every worker subtracts ``step`` (θ_old -
-        θ_new, the aggregate that arrived) from its parameters, as ``node.compute.merge`` does."""
+        ``merge`` = (τ, steps): after τ inner steps worker w subtracts ``steps[w]`` (θ_old -
+        θ_new, the aggregate that arrived, less the estimate it started from) from its
+        parameters, as ``Worker.merge`` does."""
         losses = []
         H = self.cfg.inner_steps
         for w, (model, opt) in enumerate(workers):
@@ -194,7 +205,7 @@ class Simulation:
                 x, y = self.batch(w, step)
                 loss = inner_step(model, opt, x, y, step=step, cfg=self.optim_cfg)
                 if merge is not None and h + 1 == merge[0]:
-                    merge_into(model, merge[1])
+                    merge_into(model, merge[1][w])
             losses.append(loss)
         return sum(losses) / len(losses)
 
@@ -238,17 +249,20 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
         merge = None
         if cfg.merge_step is not None and in_flight is not None:
             # Round r-1's aggregate arrives while round r trains: θ moves now (the workers
-            # started from the θ before), and each worker takes the step at inner step τ.
+            # started from the θ before, less their estimate if any), and each worker takes
+            # the step at inner step τ, less the estimate it already took.
             old = {n: t.clone() for n, t in theta.items()}
             apply_aggregate(theta, in_flight, step)
-            merge = (cfg.merge_step, {n: old[n] - theta[n] for n in theta})
+            taken = {n: old[n] - theta[n] for n in theta}
+            steps = [taken if o is None else {n: taken[n] - o[n] for n in theta} for o in offsets]
+            merge = (cfg.merge_step, steps)
             in_flight = None
         base = fingerprint(theta)
         train_loss = sim.train_workers(workers, r, merge)
         payloads, recons = {}, []
         for w, (model, _) in enumerate(workers):
             delta = pseudo_gradient(theta, sim.host_params(model))
-            if offsets[w] is not None:
+            if offsets[w] is not None and merge is None:  # (a merge took the estimate back)
                 for n, d in delta.items():
                     d.sub_(offsets[w][n])  # type: ignore[index]
             feed_error(errors[w], delta, cfg.beta)
@@ -270,6 +284,10 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
                     apply_aggregate(theta, due, step)
             if cfg.overlap == "eager" and before is not None and in_flight and not last:
                 offsets = _eager_offsets(before, theta, len(in_flight), recons, cfg.alpha)
+            elif cfg.merge_estimate and merge is not None and not last:
+                # The next round starts from θ less the estimate of this round's aggregate,
+                # taken from the step the one merged in this round took.
+                offsets = _eager_offsets(old, theta, len(payloads), recons, cfg.alpha)
             in_flight = None if last else payloads
         sim.record(r + 1, train_loss)
     return {"bytes_sent_per_worker": sent / cfg.workers}
