@@ -82,6 +82,15 @@ async def drive(
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         nodes = [SimNode(n, t, url, session, rec) for n, t in tokens.items()]
+        # The probe beats from the first join on: it is started, and has said it is ready,
+        # before any node starts (a process starting on a busy machine takes seconds).
+        ctx = multiprocessing.get_context("spawn")
+        stop, (answers, sent) = ctx.Event(), ctx.Pipe(duplex=False)
+        probe = ctx.Process(
+            target=heartbeat_probe.run, args=(url, [n.headers for n in nodes], stop, sent)
+        )
+        probe.start()
+        await asyncio.to_thread(answers.recv)  # ready
         start, cpu0, own0 = time.monotonic(), _cpu_s(coordinator_pid), _cpu_s(os.getpid())
         tasks = []
         for i, node in enumerate(nodes):
@@ -90,12 +99,6 @@ async def drive(
         # N nodes in one process: a full collection of them all would stall this loop for
         # ~0.1 s and count as the coordinator's latency (real nodes are processes of their own).
         gc.freeze()
-        ctx = multiprocessing.get_context("spawn")
-        stop, (answers, sent) = ctx.Event(), ctx.Pipe(duplex=False)
-        probe = ctx.Process(
-            target=heartbeat_probe.run, args=(url, [n.headers for n in nodes], stop, sent)
-        )
-        probe.start()
         _, unfinished = await asyncio.wait(tasks, timeout=timeout_s)
         stop.set()
         rec.latency["heartbeat_probe"] = await asyncio.to_thread(answers.recv)

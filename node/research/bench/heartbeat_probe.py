@@ -40,11 +40,14 @@ async def _beat(
         pass  # the nodes' own requests count the coordinator's errors
 
 
-async def _probe(url: str, members: list[dict[str, str]], stop: Event) -> list[float]:
+async def _probe(
+    url: str, members: list[dict[str, str]], stop: Event, out: Connection
+) -> list[float]:
     took: list[float] = []
     pending: set[asyncio.Task[None]] = set()
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
+        out.send("ready")  # the load generator starts its nodes now
         while not stop.is_set():
             await asyncio.sleep(PROBE_S)
             task = asyncio.create_task(_beat(session, url, random.choice(members), took))
@@ -55,7 +58,8 @@ async def _probe(url: str, members: list[dict[str, str]], stop: Event) -> list[f
 
 
 def run(base_url: str, members: list[dict[str, str]], stop: Event, out: Connection) -> None:
-    """(the probe process) Heartbeat until ``stop`` is set; send the latencies (s) to ``out``."""
+    """(the probe process) Say "ready" on ``out``, heartbeat until ``stop`` is set, then send
+    the latencies (s) to ``out``."""
     url = base_url + ROUTES["heartbeat"].url(None)
-    out.send(asyncio.run(_probe(url, members, stop)))
+    out.send(asyncio.run(_probe(url, members, stop, out)))
     out.close()

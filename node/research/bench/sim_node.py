@@ -71,9 +71,12 @@ class Recorder:
         self.errors[what] += 1
 
     def summary(self) -> dict[str, dict[str, float]]:
-        out = {}
+        out: dict[str, dict[str, float]] = {}
         for name, values in sorted(self.latency.items()):
             ordered = sorted(values)
+            if not ordered:  # e.g. a probe that got no answer it could time
+                out[name] = {"n": 0}
+                continue
             out[name] = {
                 "n": len(ordered),
                 "p50_ms": 1000 * ordered[len(ordered) // 2],
