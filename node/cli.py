@@ -63,6 +63,7 @@ _SIM_FIELDS = (
     "clip",
     "overlap",
     "overlap_tau",
+    "overlap_rows",
     "merge_estimate",
     "inner_lr",
     "outer_lr",

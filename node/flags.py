@@ -16,7 +16,8 @@ from node.subcommand import Flag, flag
 #: The values of ``RunConfig.overlap``, as ``--overlap`` takes them.
 OVERLAP_CHOICES = ("off", "delayed", "eager", "merge")
 
-#: ``--overlap`` and ``--overlap-tau``: the run's overlap schedule (``simulate``, ``up``).
+#: ``--overlap``, ``--overlap-tau`` and ``--overlap-rows``: the run's overlap schedule
+#: (``simulate``, ``up``).
 OVERLAP_FLAGS = (
     flag(
         "--overlap",
@@ -24,15 +25,23 @@ OVERLAP_FLAGS = (
         const="merge",
         choices=OVERLAP_CHOICES,
         help="SparseLoCo: let each round's transfers overlap the next round's training; 'merge'"
-        " (the default with the flag) merges the aggregate into that training at inner step"
-        " --overlap-tau; 'delayed' applies it one round late, 'eager' too but starts that"
+        " (the default with the flag) merges the aggregate into that training a quarter into"
+        " its first step (or at --overlap-tau, --overlap-rows); 'delayed' applies it one round"
+        " late, 'eager' too but starts that"
         " training with an estimate of it applied (docs/benchmarks.md §12)",
     ),
     flag(
         "--overlap-tau",
         type=int,
-        help="with --overlap merge: the inner step (1..H) at which the aggregate in flight is"
-        " merged (default: the run config's, docs/benchmarks.md §12)",
+        help="with --overlap merge: the inner step (1..H) after which the aggregate in flight"
+        " is merged (default: the run config's, docs/benchmarks.md §12)",
+    ),
+    flag(
+        "--overlap-rows",
+        type=int,
+        help="with --overlap merge: merge inside step --overlap-tau, after the gradients of"
+        " this many rows of its batch (1..batch size - 1); the rest of the step's rows are"
+        " taken at the merged parameters (default: the run config's, docs/benchmarks.md §12)",
     ),
 )
 

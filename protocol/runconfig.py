@@ -26,6 +26,9 @@ PROTOCOL = 2
 RUN_ID_HEX = 16
 #: τ of ``overlap = "merge"`` when the run does not set ``overlap_tau`` (docs/benchmarks.md §12).
 DEFAULT_MERGE_STEP = 1
+#: With neither ``overlap_tau`` nor ``overlap_rows`` set, "merge" comes inside the first step,
+#: after the gradients of this share of its batch (at least one row; docs/benchmarks.md §12).
+DEFAULT_MERGE_SHARE = 0.25
 #: A dataset id: the sha256 of a prepared dataset's canonical manifest (``protocol.dataset``).
 DATASET_ID_PATTERN = r"^sha256:[0-9a-f]{64}$"
 
@@ -94,6 +97,11 @@ class RunConfig(BaseModel):
     #: (overlap = "merge") τ, the inner step of a round at which the previous round's aggregate
     #: is merged, 1 <= τ <= H; None: ``DEFAULT_MERGE_STEP`` (or H, if H is smaller).
     overlap_tau: Count | None = None
+    #: (overlap = "merge") Rows of step τ's batch whose gradients are taken before the merge,
+    #: 1 <= rows < batch_size: the merge then comes inside step τ, between those rows and the
+    #: rest, and step τ itself is taken after it. None: the merge follows the whole of step τ
+    #: if the run sets ``overlap_tau``, else it comes ``DEFAULT_MERGE_SHARE`` into step 1.
+    overlap_rows: Count | None = None
     # Inner optimiser
     inner_lr: Positive = 1e-3
     warmup_frac: Fraction = 0.05
@@ -151,6 +159,18 @@ class RunConfig(BaseModel):
                     f"overlap_tau={self.overlap_tau} exceeds inner_steps={self.inner_steps}: the"
                     " aggregate must be merged within the round; lower overlap_tau"
                 )
+        if self.overlap_rows is not None:
+            if self.overlap != "merge":
+                raise ValueError(
+                    f'overlap_rows={self.overlap_rows} applies to overlap = "merge" only'
+                    f' (overlap is {self.overlap!r}); set overlap = "merge" or drop overlap_rows'
+                )
+            if self.overlap_rows >= self.batch_size:
+                raise ValueError(
+                    f"overlap_rows={self.overlap_rows} must be below batch_size="
+                    f"{self.batch_size}: the merge comes between two parts of a step's batch"
+                    " (leave overlap_rows out to merge after the whole step)"
+                )
         return self
 
     def canonical(self) -> bytes:
@@ -167,8 +187,9 @@ class RunConfig(BaseModel):
             document["overlap"] = document["overlap"] == "delayed"
         if document["dataset"] is None:
             del document["dataset"]  # likewise for runs on local data
-        if document["overlap_tau"] is None:
-            del document["overlap_tau"]  # likewise for runs before "merge" existed
+        for key in ("overlap_tau", "overlap_rows"):
+            if document[key] is None:
+                del document[key]  # likewise for runs before "merge" and its settings existed
         return canonical_json(document)
 
     @property
@@ -195,6 +216,18 @@ class RunConfig(BaseModel):
         if self.overlap_tau is not None:
             return self.overlap_tau
         return min(DEFAULT_MERGE_STEP, self.inner_steps)
+
+    @property
+    def merge_rows(self) -> int | None:
+        """(overlap = "merge") The rows of step τ's batch taken before the merge; None: the
+        merge follows the whole step (and for the other schedules). A run that sets neither
+        τ nor the rows merges ``DEFAULT_MERGE_SHARE`` of the way into its first step."""
+        if self.overlap != "merge":
+            return None
+        if self.overlap_rows is not None or self.overlap_tau is not None:
+            return self.overlap_rows
+        rows = max(1, round(DEFAULT_MERGE_SHARE * self.batch_size))
+        return rows if rows < self.batch_size else None
 
     def base_round(self, round_: int) -> int | None:
         """The round whose aggregate was the last one in θ that round ``round_``'s payloads are

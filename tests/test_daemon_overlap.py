@@ -33,14 +33,28 @@ from support.diverge import diverge, once
 pytestmark = pytest.mark.asyncio
 
 
-@pytest.mark.parametrize("variant", ["delayed", "eager", "merge"])
+def _schedule(variant: str, **changes: object) -> dict[str, object]:
+    """A variant's run settings: "merge-rows" merges inside step τ, after one row of two;
+    "merge-step" after the whole first step; "merge" alone at the default point (inside the
+    first step, ``DEFAULT_MERGE_SHARE`` of its rows in)."""
+    if variant == "merge-rows":
+        return {"overlap": "merge", "overlap_rows": 1, **changes}
+    if variant == "merge-step":
+        return {"overlap": "merge", "overlap_tau": 1, **changes}
+    return {"overlap": variant, **changes}
+
+
+@pytest.mark.parametrize("variant", ["delayed", "eager", "merge", "merge-step"])
 async def test_one_node_runs_the_whole_run_bit_for_bit(harness, variant: str) -> None:
-    run = run_config(overlap=variant, rounds=4)
+    run = run_config(**_schedule(variant, rounds=4))
     h = harness(run)
     assert await h.daemon("node-0").run(handle_signals=False) == 0
     expected = reference_fingerprints(run)
     if variant != "eager":  # (eager, alone, guesses the aggregate exactly: its own update)
         assert expected != reference_fingerprints(run_config(rounds=4))
+    if variant == "merge":  # by default inside the first step, which is not after it
+        assert run.merge_rows == 1
+        assert expected != reference_fingerprints(run_config(**_schedule("merge-step", rounds=4)))
     for r in range(run.rounds):
         report = h.reports(r)["node-0"]
         assert report.fingerprint == expected[r]
@@ -92,7 +106,7 @@ async def test_merged_payloads_are_trained_from_the_theta_after_the_aggregate_in
             assert signed.base_fingerprint == h.reports(r - 1)["node-0"].fingerprint
 
 
-@pytest.mark.parametrize("variant", ["delayed", "merge"])
+@pytest.mark.parametrize("variant", ["delayed", "merge", "merge-rows"])
 @pytest.mark.parametrize(
     "point", ["after_train", "mid_upload", "after_upload", "after_submit", "mid_apply"]
 )
@@ -102,9 +116,8 @@ async def test_a_crash_anywhere_in_an_overlapped_round_loses_nothing(
     # "delayed" and "merge" keep nothing beside the saved state (the merge writes nothing: a
     # crash before "submitting r+1" is committed merges again at the same step), so the run
     # is the uninterrupted one.
-    run = run_config(
-        overlap=variant, rounds=4, inner_steps=3, overlap_tau=2 if variant == "merge" else None
-    )
+    tau = {} if variant == "delayed" else {"overlap_tau": 2}
+    run = run_config(**_schedule(variant, rounds=4, inner_steps=3, **tau))
     h = harness(run)
     with pytest.raises(Crash):
         await h.daemon("node-0", faults=crash_at(2, point)).run(handle_signals=False)

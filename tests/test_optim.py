@@ -126,3 +126,78 @@ def test_inner_step_rejects_non_finite_loss() -> None:
     for p, q in zip(model.parameters(), before, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
     assert all(p.grad is None for p in model.parameters())
+
+
+def _moved(model: torch.nn.Module, by: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(by)
+
+
+def test_a_step_paused_between_its_rows_takes_the_rest_at_the_moved_parameters() -> None:
+    # overlap "merge" inside a step: rows :1 are differentiated at θ, the pause moves the
+    # parameters (the merge), rows 1: are differentiated there, and the step is taken from there
+    # with the two gradients weighted by their share of the batch.
+    cfg = InnerOptimConfig(warmup_steps=1, total_steps=4)
+    ours, ref = build_model(TINY, seed=3), build_model(TINY, seed=3)
+    opt, ref_opt = make_adamw(ours, cfg), make_adamw(ref, cfg)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (4, TINY.ctx_len), generator=gen)
+    y = torch.randint(0, 256, (4, TINY.ctx_len), generator=gen)
+    calls = []
+
+    def merge() -> None:
+        calls.append(1)
+        _moved(ours, 0.01)
+
+    loss = inner_step(ours, opt, x, y, step=2, cfg=cfg, pause=(1, merge))
+    assert calls == [1]
+
+    first = ref.loss(x[:1], y[:1])
+    (first * 0.25).backward()
+    _moved(ref, 0.01)
+    rest = ref.loss(x[1:], y[1:])
+    (rest * 0.75).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.grad_clip)
+    for group in ref_opt.param_groups:
+        group["lr"] = lr_at(2, cfg)
+    ref_opt.step()
+    assert loss == pytest.approx(0.25 * first.item() + 0.75 * rest.item(), rel=1e-6)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    assert all(p.grad is None for p in ours.parameters())
+
+
+def test_a_pause_that_moves_nothing_is_one_pass_over_the_batch() -> None:
+    cfg = InnerOptimConfig(warmup_steps=1, total_steps=4)
+    paused, whole = build_model(TINY, seed=4), build_model(TINY, seed=4)
+    opts = make_adamw(paused, cfg), make_adamw(whole, cfg)
+    x = torch.randint(0, 256, (4, TINY.ctx_len), generator=torch.Generator().manual_seed(2))
+    a = inner_step(paused, opts[0], x, x, step=1, cfg=cfg, pause=(3, lambda: None))
+    b = inner_step(whole, opts[1], x, x, step=1, cfg=cfg)
+    assert a == pytest.approx(b, rel=1e-6)
+    for p, q in zip(paused.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    for rows in (0, 4):
+        with pytest.raises(ValueError, match=f"pause after {rows}"):
+            inner_step(paused, opts[0], x, x, step=2, cfg=cfg, pause=(rows, lambda: None))
+
+
+def test_a_pause_that_raises_leaves_no_gradient_and_takes_no_step() -> None:
+    # An abandoned merge raises inside the step: the parameters keep their values and the
+    # first rows' gradient is not carried into the next step the model takes.
+    cfg = InnerOptimConfig(warmup_steps=1, total_steps=4)
+    model = build_model(TINY, seed=5)
+    opt = make_adamw(model, cfg)
+    before = [p.clone() for p in model.parameters()]
+    x = torch.randint(0, 256, (2, TINY.ctx_len), generator=torch.Generator().manual_seed(3))
+
+    def abandon() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        inner_step(model, opt, x, x, step=1, cfg=cfg, pause=(1, abandon))
+    assert all(p.grad is None for p in model.parameters())
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+    assert not opt.state

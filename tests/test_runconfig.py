@@ -51,3 +51,26 @@ def test_merge_names_its_step_and_checks_the_base_after_the_aggregate_in_flight(
         RunConfig(overlap="eager", overlap_tau=3)
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         RunConfig(overlap="merge", overlap_tau=0)
+
+
+def test_a_merge_inside_a_step_names_its_rows() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    rows = RunConfig(overlap="merge", inner_steps=30, batch_size=8, overlap_tau=2, overlap_rows=3)
+    assert (rows.merge_step, rows.merge_rows) == (2, 3)
+    assert RunConfig(overlap="merge", overlap_tau=2).merge_rows is None  # after the whole step
+    # Neither set: a quarter into the first step, at least one row, never the whole batch.
+    assert RunConfig(overlap="merge", batch_size=12).merge_rows == 3
+    assert [RunConfig(overlap="merge", batch_size=b).merge_rows for b in (1, 2, 4)] == [None, 1, 1]
+    assert RunConfig(overlap="merge", batch_size=12, overlap_rows=5).merge_rows == 5
+    assert RunConfig(overlap="eager").merge_rows is None
+    # The rows are part of the run id; a run without them keeps the id it had before.
+    assert "overlap_rows" not in RunConfig(overlap="merge", overlap_tau=2).canonical().decode()
+    assert '"overlap_rows":3' in rows.canonical().decode()
+    with pytest.raises(ValidationError, match="must be below batch_size=8"):
+        RunConfig(overlap="merge", batch_size=8, overlap_rows=8)
+    with pytest.raises(ValidationError, match="applies to overlap"):
+        RunConfig(overlap="delayed", overlap_rows=1)
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        RunConfig(overlap="merge", overlap_rows=0)

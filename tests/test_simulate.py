@@ -80,6 +80,18 @@ def test_merge_at_the_last_step_is_delayed_and_earlier_is_not() -> None:
     assert early["config"]["overlap_tau"] == 1
 
 
+def test_a_merge_inside_the_first_step_is_neither_the_merge_after_it_nor_plain() -> None:
+    tiny = {"algo": "sparseloco", "rounds": 3, "batch_size": 4}
+    inside = simulate(build_config("tiny", overlap="merge", overlap_rows=1, **tiny))
+    after = simulate(build_config("tiny", overlap="merge", overlap_tau=1, **tiny))
+    plain = simulate(build_config("tiny", **tiny))
+    prints = {r["final_fingerprint"] for r in (inside, after, plain)}
+    assert len(prints) == 3
+    assert inside["config"]["overlap_rows"] == 1
+    with pytest.raises(ConfigError, match="overlap_rows=4 must be below batch_size=4"):
+        build_config("tiny", overlap="merge", overlap_rows=4, **tiny)
+
+
 def test_merge_with_the_estimate_at_the_last_step_is_eager_and_earlier_is_not() -> None:
     # Starting from θ less eager's estimate and taking it back at the merge: at τ = H that is
     # eager's training (the same start, the same pseudo-gradient); at τ = 1 it differs from
@@ -133,6 +145,7 @@ def test_cli_flags_are_pinned() -> None:
         "--topk",
         "--seed",
         "--json",
+        "--overlap-rows",
     } <= flags
 
 

@@ -87,6 +87,7 @@ _UP_FIELDS = (
     "data",
     "overlap",
     "overlap_tau",
+    "overlap_rows",
     "upload_limit",
     "download_limit",
     "device",

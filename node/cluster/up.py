@@ -63,6 +63,8 @@ class UpConfig(BaseModel):
     overlap: Literal["off", "delayed", "eager", "merge"] | None = None
     #: (merge) The run's ``overlap_tau``; None: its default.
     overlap_tau: Count | None = None
+    #: (merge) The run's ``overlap_rows``; None: its default.
+    overlap_rows: Count | None = None
     #: Every node's upload and download caps (``--upload-limit``, ``--download-limit``).
     upload_limit: str | None = None
     download_limit: str | None = None
@@ -128,6 +130,7 @@ def run_config(
         **({} if cfg.eval_every is None else {"eval_every": cfg.eval_every}),
         **({} if cfg.overlap is None else {"overlap": cfg.overlap}),
         **({} if cfg.overlap_tau is None else {"overlap_tau": cfg.overlap_tau}),
+        **({} if cfg.overlap_rows is None else {"overlap_rows": cfg.overlap_rows}),
     )
     if run_overrides:
         run = RunConfig.model_validate({**run.model_dump(), **run_overrides})

@@ -69,15 +69,21 @@ class InnerLoop:
         lr_scale: Callable[[], float],
         stop: threading.Event,
         on_step: Callable[[], None] | None = None,
+        pause: tuple[int, int, Callable[[], None]] | None = None,
     ) -> list[float]:
         """H inner steps of round ``round_`` on the model as it is; the batch losses.
 
         ``lr_scale`` is asked before each step (the re-warm-up factor moves with the node's
         step count, which ``on_step`` advances). Raises ``Abandoned`` if ``stop`` is set
         between two steps; the model then holds a partly trained state the caller discards.
+        ``pause`` = (τ, rows, fn): inside the round's τ-th step, ``fn`` runs between the
+        gradients of the batch's first ``rows`` rows and the rest (``inner_step``); one process
+        only (a node's processes each hold other rows of the batch).
         """
         H = self.run.inner_steps
         group = self.group
+        if pause is not None and group.world > 1:
+            raise RanksError("a pause inside an inner step needs the whole batch in one process")
         losses = []
         for h in range(H):
             if group.any(stop.is_set(), "agreeing whether to stop"):
@@ -106,6 +112,7 @@ class InnerLoop:
                     lr_scale=lr_scale(),
                     weight=weight,
                     node_loss=node_loss,
+                    pause=pause[1:] if pause is not None and h + 1 == pause[0] else None,
                 )
             )
             if on_step is not None:

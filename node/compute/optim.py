@@ -115,6 +115,7 @@ def inner_step(
     lr_scale: float = 1.0,
     weight: float = 1.0,
     node_loss: Callable[[Tensor], float] | None = None,
+    pause: tuple[int, Callable[[], None]] | None = None,
 ) -> float:
     """One inner training step at global step ``step``; returns the batch loss in nats.
 
@@ -129,13 +130,27 @@ def inner_step(
     FSDP's averaged gradient is the gradient of the node's whole batch (rows of unequal count
     weigh what they hold), and ``node_loss`` turns the rank's loss into the node's (the same
     value on every rank, so all of them take the same branch at the finiteness check).
+
+    ``pause`` = (rows, fn) (overlap "merge" inside a step): the gradient of the first ``rows``
+    rows is taken, ``fn`` runs (it may move the parameters), then the gradient of the other
+    rows is added at the parameters as they are now, each part weighted by its share of the
+    batch, and the step is taken from there: the same mean-loss gradient as one pass when
+    ``fn`` changes nothing.
     """
     device = next(model.parameters()).device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     set_lr(opt, lr_at(step, cfg) * lr_scale)
-    with autocast(device):
-        loss = model.loss(x, y)
-    (loss if weight == 1.0 else loss * weight).backward()
+    if pause is None:
+        with autocast(device):
+            loss = model.loss(x, y)
+        (loss if weight == 1.0 else loss * weight).backward()
+    else:
+        try:
+            loss = _split_backward(model, x, y, weight, *pause)
+        except BaseException:
+            # (the merge was abandoned) No half-batch gradient is left for the next step.
+            opt.zero_grad(set_to_none=True)
+            raise
     value = node_loss(loss) if node_loss is not None else loss.item()
     if not math.isfinite(value):
         opt.zero_grad(set_to_none=True)
@@ -144,6 +159,26 @@ def inner_step(
     opt.step()
     opt.zero_grad(set_to_none=True)
     return value
+
+
+def _split_backward(
+    model: LanguageModel, x: Tensor, y: Tensor, weight: float, rows: int, fn: Callable[[], None]
+) -> Tensor:
+    """The gradients of rows ``:rows`` and ``rows:`` of the batch with ``fn`` run between them;
+    the batch's mean loss (every row holds as many tokens)."""
+    batch = x.shape[0]
+    if not 0 < rows < batch:
+        raise ValueError(f"a step of {batch} rows cannot pause after {rows} of them")
+    device = x.device
+    parts = []
+    for part, share in ((slice(None, rows), rows / batch), (slice(rows, None), 1 - rows / batch)):
+        if part.start is not None:
+            fn()
+        with autocast(device):
+            loss = model.loss(x[part], y[part])
+        (loss * (share * weight)).backward()
+        parts.append(loss.detach() * share)
+    return parts[0] + parts[1]
 
 
 def adam_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -103,7 +103,7 @@ class Worker(Share):
         self,
         round_: int | None = None,
         offset: Mapping[str, torch.Tensor] | None = None,
-        merge: tuple[int, Callable[[], None]] | None = None,
+        merge: tuple[int, int | None, Callable[[], None]] | None = None,
     ) -> TrainResult:
         """Steps 1-5: H inner steps from θ, pseudo-gradient, error feedback, encode.
 
@@ -113,10 +113,11 @@ class Worker(Share):
         aggregate's step: training then starts from θ - offset and the pseudo-gradient is taken
         from there, while the payload's base stays θ's fingerprint.
 
-        ``merge`` = (τ, fn) (overlap "merge"): ``fn`` runs after τ inner steps; it applies the
-        aggregate in flight to θ and the same step to the parameters being trained
-        (``Worker.merge``), so the pseudo-gradient is taken from the new θ, which the payload
-        names as its base.
+        ``merge`` = (τ, rows, fn) (overlap "merge"): ``fn`` runs after τ inner steps, or
+        inside step τ after the gradients of its first ``rows`` rows (``RunConfig.merge_rows``);
+        it applies the aggregate in flight to θ and the same step to the parameters being
+        trained (``Worker.merge``), so the pseudo-gradient is taken from the new θ, which the
+        payload names as its base.
 
         Afterwards the model holds θ again and ``error`` has the sent part subtracted.
         Raises ``node.errors.Abandoned`` (θ and e untouched) if ``stop`` is set between inner steps.
@@ -130,12 +131,19 @@ class Worker(Share):
         try:
             t_inner = time.perf_counter()
             self.steps.start()
-            on_step = self._count_step if merge is None else self._merging_at(*merge)
+            on_step, pause = self._count_step, None
+            if merge is not None:
+                tau, rows, fn = merge
+                if rows is None:
+                    on_step = self._merging_at(tau, fn)
+                else:
+                    pause = (tau, rows, fn)
             losses = self.inner.train(
                 trained_round,
                 lr_scale=lambda: self.lr_scale(trained_round),
                 stop=self.stop,
                 on_step=on_step,
+                pause=pause,
             )
             self.placement.synchronize()
             inner_s = time.perf_counter() - t_inner

@@ -164,12 +164,16 @@ def train(
     tau = worker.run.merge_step
     if merge is None or tau is None:
         return worker.train_and_compress(round_, offset)
-    return worker.train_and_compress(round_, offset, merge=(tau, lambda: merge_now(ctx, merge)))
+    rows = worker.run.merge_rows
+    return worker.train_and_compress(
+        round_, offset, merge=(tau, rows, lambda: merge_now(ctx, merge))
+    )
 
 
 def merge_now(ctx: RankContext, handoff: Handoff) -> None:
-    """(compute thread, after τ inner steps) Wait for round ``handoff.round``'s gather set,
-    check θ against its base, validate and merge it (``Worker.merge``)."""
+    """(compute thread, after τ inner steps or inside step τ) Wait for round
+    ``handoff.round``'s gather set, check θ against its base, validate and merge it
+    (``Worker.merge``)."""
     gathered = handoff.wait()
     worker = ctx.worker
     base = gathered.manifest.base_fingerprint

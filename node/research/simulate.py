@@ -45,9 +45,10 @@ log = logging.getLogger("sparseloco.simulate")
 #: One worker's model and its inner optimiser.
 Replica = tuple[LanguageModel, torch.optim.Optimizer]
 
-#: An aggregate to merge during a round's training: (τ, per worker the step to subtract, θ_old -
-#: θ_new less the estimate it started from, if any).
-Merge = tuple[int, list[dict[str, torch.Tensor]]]
+#: An aggregate to merge during a round's training: (τ, the rows of step τ taken before it or
+#: None for the whole step, per worker the step to subtract: θ_old - θ_new less the estimate it
+#: started from, if any).
+Merge = tuple[int, int | None, list[dict[str, torch.Tensor]]]
 
 Algo = Literal["sparseloco", "diloco", "ddp"]
 
@@ -194,18 +195,23 @@ class Simulation:
     ) -> float:
         """H inner steps on every worker from its current parameters; mean last-step loss.
 
-        ``merge`` = (τ, steps): after τ inner steps worker w subtracts ``steps[w]`` (θ_old -
-        θ_new, the aggregate that arrived, less the estimate it started from) from its
-        parameters, as ``Worker.merge`` does."""
+        ``merge`` = (τ, rows, steps): after τ inner steps (or inside step τ, after the
+        gradients of its first ``rows`` rows) worker w subtracts ``steps[w]`` (θ_old - θ_new,
+        the aggregate that arrived, less the estimate it started from) from its parameters, as
+        ``Worker.merge`` does."""
         losses = []
         H = self.cfg.inner_steps
         for w, (model, opt) in enumerate(workers):
             for h in range(H):
                 step = round_ * H + h
                 x, y = self.batch(w, step)
-                loss = inner_step(model, opt, x, y, step=step, cfg=self.optim_cfg)
-                if merge is not None and h + 1 == merge[0]:
-                    merge_into(model, merge[1][w])
+                at = merge is not None and h + 1 == merge[0]
+                pause = None
+                if at and merge[1] is not None:  # type: ignore[index]
+                    pause = (merge[1], lambda m=model, s=merge[2][w]: merge_into(m, s))  # type: ignore[index]
+                loss = inner_step(model, opt, x, y, step=step, cfg=self.optim_cfg, pause=pause)
+                if at and pause is None:
+                    merge_into(model, merge[2][w])  # type: ignore[index]
             losses.append(loss)
         return sum(losses) / len(losses)
 
@@ -255,7 +261,7 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
             apply_aggregate(theta, in_flight, step)
             taken = {n: old[n] - theta[n] for n in theta}
             steps = [taken if o is None else {n: taken[n] - o[n] for n in theta} for o in offsets]
-            merge = (cfg.merge_step, steps)
+            merge = (cfg.merge_step, cfg.merge_rows, steps)
             in_flight = None
         base = fingerprint(theta)
         train_loss = sim.train_workers(workers, r, merge)

@@ -205,7 +205,7 @@ def _merged_reference(w: Worker, run: RunConfig, node_id: str) -> list[str]:
         payloads = {node_id: w.read(result.payload)}
         if r + 1 < run.rounds:
             result = w.train_and_compress(
-                r + 1, merge=(tau, functools.partial(_merge, w, payloads))
+                r + 1, merge=(tau, run.merge_rows, functools.partial(_merge, w, payloads))
             )
         else:
             w.apply(payloads)
