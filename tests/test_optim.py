@@ -178,9 +178,26 @@ def test_a_pause_that_moves_nothing_is_one_pass_over_the_batch() -> None:
     assert a == pytest.approx(b, rel=1e-6)
     for p, q in zip(paused.parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
-    for rows in (0, 4):
+    for rows in (-1, 5):
         with pytest.raises(ValueError, match=f"pause after {rows}"):
             inner_step(paused, opts[0], x, x, step=2, cfg=cfg, pause=(rows, lambda: None))
+
+
+@pytest.mark.parametrize("rows", [0, 4])
+def test_a_pause_with_no_rows_on_one_side_runs_that_pass_on_a_stand_in_weighted_zero(rows) -> None:
+    # A rank of an FSDP node whose rows all fall on one side of the merge still takes both
+    # passes (FSDP's collectives): the empty side runs on a one-row stand-in that adds nothing.
+    cfg = InnerOptimConfig(warmup_steps=1, total_steps=4)
+    paused, whole = build_model(TINY, seed=4), build_model(TINY, seed=4)
+    opts = make_adamw(paused, cfg), make_adamw(whole, cfg)
+    x = torch.randint(0, 256, (4, TINY.ctx_len), generator=torch.Generator().manual_seed(3))
+    calls = []
+    a = inner_step(paused, opts[0], x, x, step=1, cfg=cfg, pause=(rows, lambda: calls.append(1)))
+    b = inner_step(whole, opts[1], x, x, step=1, cfg=cfg)
+    assert calls == [1]
+    assert a == pytest.approx(b, rel=1e-6)
+    for p, q in zip(paused.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
 def test_a_pause_that_raises_leaves_no_gradient_and_takes_no_step() -> None:

@@ -13,7 +13,8 @@ one process side by side on the same inputs and check, bit for bit:
   e unchanged;
 
 and that FSDP's inner steps train what one process trains (to rounding: FSDP sums gradients in
-another order). The integration tests run torchrun nodes of 2 and 4 processes in a real run.
+another order), also with overlap "merge" pausing inside a step (θ after the merge bit for
+bit). The integration tests run torchrun nodes of 2 and 4 processes in a real run.
 """
 
 from __future__ import annotations
@@ -117,11 +118,28 @@ def _node(group: Group, out: Path, peers_dir: str, state_from: str | None) -> No
     delta = t.placement.finish()
     trained = {n: (t.params[n] - d).contiguous() for n, d in delta.items()}
     save_file(trained, str(out / f"{tag}-trained-{rank}.st"))
+    # 6. Overlap "merge" inside a step on FSDP: round 0 from θ_0, the peers' payloads merged
+    # after 2 of the 5 rows of its second step (on 4 ranks some ranks hold rows on one side).
+    m = _worker(group)
+    gathered = {p.stem: m.read(str(p)) for p in sorted(Path(peers_dir).glob("*.slc"))}
+    merged: list[list[str]] = []
+    m.placement.begin()
+    merge_losses = m.inner.train(
+        0, lr_scale=lambda: 0.7, stop=threading.Event(),
+        pause=(2, 2, lambda: merged.append(sorted(m.merge(gathered)))),
+    )  # fmt: skip
+    delta = m.placement.finish()
+    save_file(
+        {n: (m.params[n] - d).contiguous() for n, d in delta.items()},
+        str(out / f"{tag}-merged-{rank}.st"),
+    )
+    merge_fp = m.fingerprint()  # a collective: every rank
     if rank == 0:
         (out / f"{tag}-payload.slc").write_bytes(payload)
         facts = {
             "fingerprint": fp, "screened": sorted(screened), "checkpoint": [size, sha, ckpt_fp],
-            "losses": losses, "loaded": loaded,
+            "losses": losses, "loaded": loaded, "merged": merged,
+            "merge_fingerprint": merge_fp, "merge_losses": merge_losses,
         }  # fmt: skip
         (out / f"{tag}.json").write_text(json.dumps(facts))
 
@@ -217,6 +235,26 @@ def test_fsdp_inner_steps_train_what_one_process_trains(nodes, world) -> None:
     initial = _worker().params
     for name, value in reference.items():
         assert not torch.equal(value, initial[name]), name  # it trained
+        torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_merge_inside_a_step_on_fsdp_trains_what_one_process_trains(nodes, world) -> None:
+    # θ after the merge is bit for bit the single process's (and the plain apply's); the
+    # parameters trained through it agree to rounding, as FSDP's inner steps do.
+    out = nodes["out"]
+    one = json.loads((out / "solo.json").read_text())
+    many = json.loads((out / f"t{world}.json").read_text())
+    assert one["merged"] == [[FLIPPED]]  # merged once, the hostile peer screened out
+    assert many["merged"] == one["merged"]
+    assert one["merge_fingerprint"] == one["fingerprint"]
+    assert many["merge_fingerprint"] == one["fingerprint"]
+    assert many["merge_losses"] == pytest.approx(one["merge_losses"], rel=1e-5)
+    reference = _theta(out, "solo", 1, "merged")
+    sharded = _theta(out, f"t{world}", world, "merged")
+    plain = _theta(out, "solo", 1, "trained")
+    for name, value in reference.items():
+        assert not torch.equal(value, plain[name]), name  # the merge moved the training
         torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6)
 
 

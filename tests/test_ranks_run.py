@@ -133,3 +133,33 @@ def test_torchrun_nodes_of_2_and_4_processes_train_beside_single_ones(tmp_path, 
     assert set(last.gather) == {"node-0", "node-1", "node-2", "node-3"}
     assert set(last.fingerprints) == {"node-0", "node-1", "node-2", "node-3"}
     assert {0, 1} <= set(_gathered(status, "node-1"))  # the 4-rank node's rounds counted
+
+
+def test_a_torchrun_node_merges_inside_a_step_beside_a_single_one(tmp_path, store) -> None:
+    # The default overlap (merge a quarter into the first step) on a node of 2 processes: rank 0
+    # waits at the merge for the transfers while rank 1 waits for its word, both merge their
+    # tensors, and the node holds what the single-process node holds after every round.
+    shape = get_run_preset("tiny")
+    run = RunConfig(
+        name="ranks-merge", model=shape.model, rounds=5, inner_steps=shape.inner_steps,
+        batch_size=shape.batch_size, min_nodes=2, overlap="merge", timing=TIMING,
+    )  # fmt: skip
+    assert run.merge_step == 1 and run.merge_rows == 2  # inside the first step
+    cluster = Cluster(tmp_path, store, run, 2)
+    try:
+        cluster.start_coordinator()
+        two = cluster.start_node("node-0", ranks=2)
+        cluster.start_node("node-1")
+        status = cluster.wait_finished()
+    finally:
+        cluster.stop()
+    log = two.output()
+    closed = [r for r in status.rounds if r.state == RoundState.CLOSED]
+    assert [r.round for r in closed] == list(range(run.rounds))
+    for summary in closed:
+        assert set(summary.gather) == {"node-0", "node-1"}, (summary.round, summary.gather)
+        assert len(set(summary.fingerprints.values())) == 1, (summary.round, summary.fingerprints)
+    assert set(closed[-1].fingerprints) == {"node-0", "node-1"}
+    # Every round after the first was trained beside the previous one and merged into it.
+    assert len(re.findall(r"event=trained .*beside=\d+", log)) == run.rounds - 1, log[-3000:]
+    assert "merge_abandoned" not in log and "Traceback" not in log, log[-3000:]

@@ -10,12 +10,15 @@ in bf16 with fp32 master weights and gradient reductions in fp32 (``MixedPrecisi
 over NCCL; on the CPU everything stays fp32, over gloo.
 
 The outer state is sharded differently (``node.compute.sharding``: whole tensors, one owner
-each), so θ meets the FSDP chunks twice a round, one tensor at a time:
+each), so θ meets the FSDP chunks twice a round (three times with overlap "merge"), one
+tensor at a time:
 
 - ``begin``: each tensor's owner sends every rank the rows of its FSDP chunk of θ_r (or of
   θ_r - offset): the model starts the round at θ_r;
+- ``shift`` (overlap "merge", at the merge): each owner sends every rank the rows of its FSDP
+  chunk of the outer step θ_r - θ_{r+1} it just applied, subtracted from the chunks there;
 - ``finish``: every rank sends its chunk of the trained tensor back to the owner, which forms
-  the pseudo-gradient θ_r - θ_trained in its own memory.
+  the pseudo-gradient θ - θ_trained in its own memory.
 
 Both go bucket by bucket of tensors (``BUCKET_ELEMENTS`` of the model each), one
 ``all_to_all_single`` a bucket. Nothing here holds a whole model: a rank has its chunks, its own
@@ -122,7 +125,15 @@ class ShardedPlacement:
         """Every rank's FSDP chunks := θ (minus ``offset``, given for the owned tensors)."""
         with torch.no_grad(), phase("sending θ to the FSDP chunks"):
             for bucket in self._buckets:
-                self._scatter(bucket, offset)
+                self._scatter(bucket, self.theta, offset)
+
+    def shift(self, step: Mapping[str, Tensor]) -> None:
+        """(overlap "merge", between inner steps or inside one) Every rank's FSDP chunks -=
+        ``step`` (θ_old - θ_new of the owned tensors, the outer step just applied to θ);
+        AdamW's moments stay. The same exchange as ``begin``, subtracted instead of copied."""
+        with torch.no_grad(), phase("merging the outer step into the FSDP chunks"):
+            for bucket in self._buckets:
+                self._scatter(bucket, step, subtract=True)
 
     def _rows(self, name: str) -> tuple[int, list[int], list[int]]:
         """A tensor's row width, its FSDP chunks' row counts and their first rows."""
@@ -131,9 +142,17 @@ class ShardedPlacement:
         starts = [sum(chunks[:q]) for q in range(self.group.world)]
         return cols, chunks, starts
 
-    def _scatter(self, bucket: list[str], offset: Mapping[str, Tensor] | None) -> None:
+    def _scatter(
+        self,
+        bucket: list[str],
+        source: Mapping[str, Tensor],
+        offset: Mapping[str, Tensor] | None = None,
+        *,
+        subtract: bool = False,
+    ) -> None:
         """One ``all_to_all_single`` for ``bucket``: each owner sends every rank the rows of
-        its FSDP chunk of each tensor it owns there; each rank copies them into its chunks."""
+        its FSDP chunk of each tensor of ``source`` (minus ``offset``) it owns there; each
+        rank copies them into its chunks (or, with ``subtract``, subtracts them)."""
         world, rank = self.group.world, self.group.rank
         dev = self._local_device()
         outgoing: list[list[Tensor]] = [[] for _ in range(world)]
@@ -145,7 +164,7 @@ class ShardedPlacement:
                 if cols == 0:  # an empty tensor: nothing to send
                     continue
                 rows = slice(starts[q], starts[q] + chunks[q])
-                part = self.theta[name].reshape(-1, cols)[rows]
+                part = source[name].reshape(-1, cols)[rows]
                 if offset is not None:
                     part = part - offset[name].reshape(-1, cols)[rows]
                 to_q.append(part.reshape(-1).to(dev, torch.float32))
@@ -163,7 +182,11 @@ class ShardedPlacement:
         received = self._exchange(outgoing, out_splits)
         for name, begin, n in places:
             local = self._params[name].to_local()
-            local.copy_(received[begin : begin + n].view_as(local))
+            values = received[begin : begin + n].view_as(local)
+            if subtract:
+                local.sub_(values)
+            else:
+                local.copy_(values)
 
     def _local_device(self) -> torch.device:
         """Where this rank's chunks live."""

@@ -77,13 +77,13 @@ class InnerLoop:
         step count, which ``on_step`` advances). Raises ``Abandoned`` if ``stop`` is set
         between two steps; the model then holds a partly trained state the caller discards.
         ``pause`` = (τ, rows, fn): inside the round's τ-th step, ``fn`` runs between the
-        gradients of the batch's first ``rows`` rows and the rest (``inner_step``); one process
-        only (a node's processes each hold other rows of the batch).
+        gradients of the batch's first ``rows`` rows and the rest (``inner_step``); on a node
+        of several processes each rank pauses after those of its rows ``rank::world`` that are
+        among the batch's first ``rows`` (``local_rows``), so the node's two parts are the
+        single process's.
         """
         H = self.run.inner_steps
         group = self.group
-        if pause is not None and group.world > 1:
-            raise RanksError("a pause inside an inner step needs the whole batch in one process")
         losses = []
         for h in range(H):
             if group.any(stop.is_set(), "agreeing whether to stop"):
@@ -112,9 +112,20 @@ class InnerLoop:
                     lr_scale=lr_scale(),
                     weight=weight,
                     node_loss=node_loss,
-                    pause=pause[1:] if pause is not None and h + 1 == pause[0] else None,
+                    pause=(
+                        (local_rows(pause[1], group), pause[2])
+                        if pause is not None and h + 1 == pause[0]
+                        else None
+                    ),
                 )
             )
             if on_step is not None:
                 on_step()
         return losses
+
+
+def local_rows(rows: int, group: Group) -> int:
+    """How many of this rank's rows (``rank::world`` of the node's batch) are among the batch's
+    first ``rows``: where this rank's part of a step pauses for the merge (0 on a rank whose
+    first row comes later)."""
+    return max(0, -(-(rows - group.rank) // group.world))

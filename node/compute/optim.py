@@ -165,17 +165,24 @@ def _split_backward(
     model: LanguageModel, x: Tensor, y: Tensor, weight: float, rows: int, fn: Callable[[], None]
 ) -> Tensor:
     """The gradients of rows ``:rows`` and ``rows:`` of the batch with ``fn`` run between them;
-    the batch's mean loss (every row holds as many tokens)."""
+    the batch's mean loss (every row holds as many tokens).
+
+    On a rank of a node (FSDP) either part may hold none of this rank's rows: the rank then
+    runs that pass on a one-row stand-in weighted 0, since every rank must take part in FSDP's
+    gathers and reductions of both passes; a single process always has rows on both sides."""
     batch = x.shape[0]
-    if not 0 < rows < batch:
+    if not 0 <= rows <= batch:
         raise ValueError(f"a step of {batch} rows cannot pause after {rows} of them")
     device = x.device
     parts = []
     for part, share in ((slice(None, rows), rows / batch), (slice(rows, None), 1 - rows / batch)):
         if part.start is not None:
             fn()
+        xs, ys = x[part], y[part]
+        if xs.shape[0] == 0:
+            xs, ys = x[:1], y[:1]
         with autocast(device):
-            loss = model.loss(x[part], y[part])
+            loss = model.loss(xs, ys)
         (loss * (share * weight)).backward()
         parts.append(loss.detach() * share)
     return parts[0] + parts[1]

@@ -36,7 +36,6 @@ from node.compute.placement import Placement, resolve_device
 from node.compute.sharding import assign
 from node.compute.shards import node_fingerprint
 from node.compute.state import NodeState
-from node.errors import RanksError
 from protocol.fingerprint import fingerprint
 from protocol.runconfig import RunConfig
 
@@ -93,11 +92,6 @@ class Share:
         #: Under torchrun (any number of processes): θ and e on this rank's device, the
         #: inner steps on FSDP. A plain process keeps θ in the model, on the CPU.
         self.sharded = self.group.distributed
-        if self.sharded and run.overlap == "merge":
-            raise RanksError(
-                'overlap = "merge" runs on a node of one process only (its merge is not'
-                " sharded yet); run this node without torchrun, or the run with another overlap"
-            )
         self.theta: dict[str, torch.Tensor] = {}
         self.placement: Placement | ShardedPlacement
         if not self.sharded:

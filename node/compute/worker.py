@@ -30,11 +30,9 @@ import torch
 
 from node.compute.mass import abs_total, total
 from node.compute.outer import AggregateOptions, add_back, apply_aggregate, compress, feed_error
-from node.compute.placement import Placement
 from node.compute.shards import encode_tensors, node_payload
 from node.compute.share import Share
 from node.compute.throughput import Meter, StepClock, Throughput
-from node.errors import RanksError
 from protocol.codec import Payload, read_payload, read_payload_file
 from protocol.errors import PayloadError
 from protocol.runconfig import RunConfig
@@ -231,10 +229,10 @@ class Worker(Share):
         every inner step it took and the pseudo-gradient against θ_{r+1} is the node's own
         update of the whole round; at τ = H it is the "delayed" schedule, and the closer τ is
         to 0 the closer to no overlap. θ_{r+1} is the same bits on every node (``apply``);
-        the parameters being trained are the node's own and never leave it.
+        the parameters being trained are the node's own and never leave it. On a node of
+        several ranks each rank applies and steps its own tensors, and the step reaches every
+        rank's FSDP chunks (``ShardedPlacement.shift``).
         """
-        if not isinstance(self.placement, Placement):
-            raise RanksError('overlap = "merge" is not sharded (see __init__)')
         step = {n: p.clone() for n, p in self.params.items()}
         rejected = self.apply(payloads)
         with torch.no_grad():

@@ -332,7 +332,9 @@ class NodeDaemon:
         """Steps 1-5 (``Worker.train_and_compress``) on every rank. ``eager_from``,
         ``merge``: see ``ops.train``."""
         with self.condition.doing(idle=False):
-            result: TrainResult = await self.node("train", round_, eager_from, merge=merge)
+            result: TrainResult = await self.node(
+                "train", round_, eager_from, merge is not None, merge=merge
+            )
         return result
 
     async def save_trained(self, pending: PendingRound) -> None:

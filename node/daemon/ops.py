@@ -152,17 +152,19 @@ def train(
     ctx: RankContext,
     round_: int | None,
     eager_from: int | None,
+    merging: bool = False,
     *,
     merge: Handoff | None = None,
 ) -> TrainResult:
     """Steps 1-5 of ``round_`` (the worker's round when None). ``eager_from``: eager overlap,
     training starts from θ minus the estimated step of that round's aggregate in flight.
-    ``merge`` (overlap "merge", one process): the aggregate in flight is merged after τ inner
-    steps (``node.daemon.merge``)."""
+    ``merging`` (overlap "merge"): the aggregate in flight is merged at step τ
+    (``node.daemon.merge``); ``merge`` is rank 0's hand-off from the event loop, and the other
+    ranks learn from rank 0 at step τ what to merge (``merge_now``)."""
     worker = ctx.worker
     offset = worker.eager_offset(eager_from) if eager_from is not None else None
     tau = worker.run.merge_step
-    if merge is None or tau is None:
+    if not merging or tau is None:
         return worker.train_and_compress(round_, offset)
     rows = worker.run.merge_rows
     return worker.train_and_compress(
@@ -170,22 +172,48 @@ def train(
     )
 
 
-def merge_now(ctx: RankContext, handoff: Handoff) -> None:
+#: What rank 0 tells the other ranks at step τ of a merging round (on the command channel,
+#: inside the ``train`` op): [go, round, base fingerprint, the downloaded payloads' files].
+MERGE = "merge"
+
+
+def merge_now(ctx: RankContext, handoff: Handoff | None) -> None:
     """(compute thread, after τ inner steps or inside step τ) Wait for round
     ``handoff.round``'s gather set, check θ against its base, validate and merge it
-    (``Worker.merge``)."""
-    gathered = handoff.wait()
+    (``Worker.merge``).
+
+    Rank 0 holds the hand-off (``handoff``); on a node of several ranks it tells the others,
+    which wait on the command channel meanwhile (as long as the transfers take), whether to
+    merge and what: the round, its base and the payload files it downloaded. Nothing to merge
+    is ``Abandoned`` on every rank; the base check and the validation are agreed as ever."""
+    group = ctx.group
+    if handoff is not None:
+        try:
+            gathered = handoff.wait()
+        except Abandoned:
+            group.send_op(MERGE, [False, handoff.round, None, {}])
+            raise
+        round_, base, sources = handoff.round, gathered.manifest.base_fingerprint, gathered.blobs
+        group.send_op(MERGE, [True, round_, base, sources])
+    else:
+        name, args = group.receive_op()
+        if name != MERGE or len(args) != 4:
+            raise RanksError(f"rank {group.rank} expected the merge at step τ, got {name!r}")
+        go, round_, base, sources = args
+        if not go:
+            raise Abandoned()
     worker = ctx.worker
-    base = gathered.manifest.base_fingerprint
     if base is not None and base != worker.fingerprint():
-        handoff.diverged = True
+        if handoff is not None:
+            handoff.diverged = True
         raise Abandoned()
-    invalid = read_gather(ctx, handoff.round, gathered.blobs)
+    invalid = read_gather(ctx, round_, sources)
     try:
         screened = worker.merge(worker.gathered)
     finally:
         worker.gathered = {}
-    handoff.applied = (invalid, screened)
+    if handoff is not None:
+        handoff.applied = (invalid, screened)
 
 
 @op
