@@ -23,6 +23,8 @@ import json
 import math
 import threading
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -33,7 +35,10 @@ from node.compute.group import Group
 from node.compute.model import get_preset, model_shapes
 from node.compute.sharding import assign, balance, owned
 from node.compute.worker import Worker
+from node.daemon.merge import Handoff
+from node.daemon.ops import RankContext, merge_now
 from node.daemon.pending import Shard, restore_state, save_idle
+from node.errors import Abandoned
 from node.research.bench.codec_bench import error_buffer
 from protocol.codec import encode
 from protocol.runconfig import RunConfig
@@ -71,6 +76,43 @@ def _peer_payloads(directory: Path) -> dict[str, Path]:
         path.write_bytes(data)
         out[node] = path
     return out
+
+
+class _Handoff:
+    """Rank 0's hand-off at the merge (``node.daemon.merge.Handoff``), with its transfers'
+    outcome given: None (nothing came) or (the manifest's base, the payload files)."""
+
+    def __init__(self, outcome: tuple[str, dict[str, str]] | None) -> None:
+        self.round, self.outcome = ROUND, outcome
+        self.diverged = False
+        self.applied: Any = None
+
+    def wait(self) -> Any:
+        if self.outcome is None:
+            raise Abandoned()
+        base, blobs = self.outcome
+        return SimpleNamespace(manifest=SimpleNamespace(base_fingerprint=base), blobs=blobs)
+
+
+def _merge_word(group: Group, out: Path, peers_dir: str, tag: str) -> list[Any]:
+    """``ops.merge_now`` on every rank, rank 0 with the hand-off and the others waiting for its
+    word: nothing came, a base that is not θ's, then the gather set. What each one did."""
+    w = _worker(group)
+    ctx = RankContext(cast(Any, None), group, Shard(out / f"{tag}-merge-state", group, w))
+    theta0 = w.fingerprint()
+    files = {p.stem: str(p) for p in sorted(Path(peers_dir).glob("*.slc"))}
+    done: list[Any] = []
+    for outcome in (None, ("0" * 32, files), (theta0, files)):
+        handoff = _Handoff(outcome) if group.leader else None
+        w.placement.begin()
+        try:
+            merge_now(ctx, cast(Handoff, handoff))
+            applied = handoff and [handoff.applied[0], sorted(handoff.applied[1])]
+            done.append(["merged", applied, w.fingerprint()])
+        except Abandoned:
+            done.append(["abandoned", handoff and handoff.diverged, w.fingerprint() == theta0])
+        w.placement.abandon()
+    return done
 
 
 def _own_buffer(worker: Worker) -> dict[str, torch.Tensor]:
@@ -134,12 +176,14 @@ def _node(group: Group, out: Path, peers_dir: str, state_from: str | None) -> No
         str(out / f"{tag}-merged-{rank}.st"),
     )
     merge_fp = m.fingerprint()  # a collective: every rank
+    # 7. The ranks' word at the merge (``ops.merge_now``).
+    word = _merge_word(group, out, peers_dir, tag)
     if rank == 0:
         (out / f"{tag}-payload.slc").write_bytes(payload)
         facts = {
             "fingerprint": fp, "screened": sorted(screened), "checkpoint": [size, sha, ckpt_fp],
             "losses": losses, "loaded": loaded, "merged": merged,
-            "merge_fingerprint": merge_fp, "merge_losses": merge_losses,
+            "merge_fingerprint": merge_fp, "merge_losses": merge_losses, "merge_word": word,
         }  # fmt: skip
         (out / f"{tag}.json").write_text(json.dumps(facts))
 
@@ -256,6 +300,22 @@ def test_a_merge_inside_a_step_on_fsdp_trains_what_one_process_trains(nodes, wor
     for name, value in reference.items():
         assert not torch.equal(value, plain[name]), name  # the merge moved the training
         torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_rank_takes_rank_0s_word_at_the_merge(nodes, world) -> None:
+    # Rank 0 waits for the transfers and tells the others: nothing came (every rank abandons,
+    # θ untouched), θ is not the manifest's base (every rank abandons, rank 0 notes the
+    # divergence), or the gather set (every rank merges its tensors: the plain apply's θ).
+    one = json.loads((nodes["out"] / "solo.json").read_text())
+    many = json.loads((nodes["out"] / f"t{world}.json").read_text())
+    expected = [
+        ["abandoned", False, True],
+        ["abandoned", True, True],
+        ["merged", [{}, [FLIPPED]], one["fingerprint"]],
+    ]
+    assert one["merge_word"] == expected
+    assert many["merge_word"] == expected
 
 
 def test_tensors_are_dealt_whole_and_balanced() -> None:
