@@ -130,8 +130,17 @@ class Worker(Share):
             t_inner = time.perf_counter()
             self.steps.start()
             on_step, pause = self._count_step, None
+            merging_s = [0.0]  # the merge (its wait, decode and apply) is no inner-step work
             if merge is not None:
-                tau, rows, fn = merge
+                tau, rows, outer = merge
+
+                def fn() -> None:
+                    start = time.perf_counter()
+                    try:
+                        outer()
+                    finally:
+                        merging_s[0] += time.perf_counter() - start
+
                 if rows is None:
                     on_step = self._merging_at(tau, fn)
                 else:
@@ -144,7 +153,7 @@ class Worker(Share):
                 pause=pause,
             )
             self.placement.synchronize()
-            inner_s = time.perf_counter() - t_inner
+            inner_s = time.perf_counter() - t_inner - merging_s[0]
         except BaseException:
             # θ is θ_round; e was not touched yet. The AdamW moments keep the steps taken:
             # they are local and never shared, so that loses nothing.
