@@ -5,7 +5,7 @@ Public API (used by the node, the benchmarks and outside checks; names and meani
 - ``encode(tensors, *, topk=64, tile=64, out=None, **header)`` compresses every tensor and
   returns the payload bytes together with the dense fp32 reconstruction of what was sent (the
   caller subtracts it from its error-feedback buffer), written into ``out``'s buffers where
-  given; ``header`` is the ``HeaderFields`` (run_id, round, node_id, base).
+  given; ``header`` is the ``HeaderFields`` (run_id, round, node_id, base, steps, tokens).
 - ``encode_records(tensors, ...)`` and ``assemble(records, ...)`` are ``encode`` in two steps,
   for a node of several processes: each rank encodes its own tensors' records (shipped to rank
   0 with ``protocol.envelope.records_to_bytes``), rank 0 assembles them into the payload, the
@@ -16,8 +16,8 @@ Public API (used by the node, the benchmarks and outside checks; names and meani
   without densifying each peer; with ``only``, the header is checked against the whole model
   but only those tensors' records are read (``protocol.payload_reader``; the keywords they
   share are ``ReadOptions``).
-- ``payload_base(data, shapes)`` is the header's ``base``; ``header_limit(shapes)`` the largest
-  header a valid payload for the model has.
+- ``payload_base(data, shapes)`` is the header's ``base``, ``payload_work`` its steps and
+  tokens; ``header_limit(shapes)`` the largest header a valid payload for the model has.
 
 Each record's 2-bit codes go out raw or as one zstd frame, whichever is shorter
 (``protocol.envelope.store_codes``, decided where the record is encoded, so ``assemble`` and
@@ -47,7 +47,9 @@ from protocol import kernels
 from protocol.envelope import (
     MAX_DIMS,
     MAX_ROUND,
+    MAX_STEPS,
     MAX_TEXT,
+    MAX_TOKENS,
     Envelope,
     TensorRecord,
     pack_envelope,
@@ -59,6 +61,7 @@ from protocol.payload_reader import (
     _LazyTensors,
     header_limit,
     payload_base,
+    payload_work,
     read_payload,
     read_payload_file,
     read_payload_ranges,
@@ -82,6 +85,7 @@ __all__ = [
     "encode_tensor",
     "header_limit",
     "payload_base",
+    "payload_work",
     "read_payload",
     "read_payload_file",
     "read_payload_ranges",
@@ -189,34 +193,44 @@ def _finish(
 
 class HeaderFields(TypedDict, total=False):
     """The header fields that say whose payload it is (keywords of ``encode`` and
-    ``assemble``, declared once); each may be left out: "" for the strings, 0 for ``round``.
+    ``assemble``, declared once); each may be left out: "" for the strings, 0 for the numbers.
 
     ``run_id`` and ``node_id`` name the run and the sender, ``round`` the round it belongs to
-    and ``base`` the fingerprint of the parameters it was trained from.
+    and ``base`` the fingerprint of the parameters it was trained from; ``steps`` and
+    ``tokens`` the work it carries (inner steps trained in the round, the tokens they read).
     """
 
     run_id: str
     round: int
     node_id: str
     base: str
+    steps: int
+    tokens: int
 
 
-def _check_header(*, run_id: object, round: object, node_id: object, base: object) -> None:
-    """Refuse header values the decoder would reject, so we never emit an unreadable payload."""
-    for field, value in (("run_id", run_id), ("node_id", node_id), ("base", base)):
-        if not isinstance(value, str) or len(value) > MAX_TEXT:
-            raise CodecError(f"{field} must be a str of at most {MAX_TEXT} characters")
-    if isinstance(round, bool) or not isinstance(round, int) or not 0 <= round <= MAX_ROUND:
-        raise CodecError(f"round must be an int in [0, {MAX_ROUND}], got {round!r}")
+def _uint(name: str, value: object, upper: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= upper:
+        raise CodecError(f"{name} must be an int in [0, {upper}], got {value!r}")
 
 
 def _header(
-    *, run_id: str = "", round: int = 0, node_id: str = "", base: str = ""
-) -> tuple[str, int, str, str]:
-    """The fields of a ``HeaderFields`` with their defaults, in envelope order, checked
-    (``_check_header``)."""
-    _check_header(run_id=run_id, round=round, node_id=node_id, base=base)
-    return run_id, round, node_id, base
+    *,
+    run_id: str = "",
+    round: int = 0,
+    node_id: str = "",
+    base: str = "",
+    steps: int = 0,
+    tokens: int = 0,
+) -> tuple[str, int, str, str, int, int]:
+    """The fields of a ``HeaderFields`` with their defaults, in envelope order, checked: a
+    value the decoder would reject is refused here, so we never emit an unreadable payload."""
+    for field, value in (("run_id", run_id), ("node_id", node_id), ("base", base)):
+        if not isinstance(value, str) or len(value) > MAX_TEXT:
+            raise CodecError(f"{field} must be a str of at most {MAX_TEXT} characters")
+    _uint("round", round, MAX_ROUND)
+    _uint("steps", steps, MAX_STEPS)
+    _uint("tokens", tokens, MAX_TOKENS)
+    return run_id, round, node_id, base, steps, tokens
 
 
 def encode_records(
@@ -261,9 +275,10 @@ def assemble(
     """The payload of ``records`` (every tensor of the model, in any order, each once) with
     these ``header`` fields. Raises ``CodecError`` for a repeated name or a bad header field."""
     check_codec_params(topk, tile)
-    run_id, round_, node_id, base = _header(**header)
+    run_id, round_, node_id, base, steps, tokens = _header(**header)
     ordered = tuple(sorted(records, key=lambda r: r.name))
-    return pack_envelope(Envelope(run_id, round_, node_id, base, tile, topk, ordered))
+    envelope = Envelope(run_id, round_, node_id, base, tile, topk, steps, tokens, ordered)
+    return pack_envelope(envelope)
 
 
 def encode(
@@ -281,7 +296,8 @@ def encode(
     where that is a contiguous fp32 CPU tensor of the shape (reusing a buffer spares the page
     faults of a new one). Tensors are written in sorted name order. ``run_id``, ``round``,
     ``node_id`` and ``base`` (the fingerprint of the parameters trained from) go into the
-    header. Raises ``CodecError`` for non-finite values or bad ``topk``/``tile``.
+    header, with ``steps`` and ``tokens`` (the work it carries). Raises ``CodecError`` for
+    non-finite values or bad ``topk``/``tile``.
     """
     _header(**header)  # checked before the work
     records, recon = encode_records(tensors, topk=topk, tile=tile, out=out)

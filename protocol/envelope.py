@@ -1,4 +1,4 @@
-"""The payload as bytes (format version 2): writing it whole, and reading its records.
+"""The payload as bytes (format version 3): writing it whole, and reading its records.
 
 A payload is a 14-byte prefix, a msgpack header that indexes every tensor's record, then the
 records back to back (``protocol/FORMAT.md`` is the specification; ``protocol.payload_index``
@@ -42,7 +42,9 @@ from protocol.payload_index import (
     MAX_DIMS,
     MAX_RICE,
     MAX_ROUND,
+    MAX_STEPS,
     MAX_TEXT,
+    MAX_TOKENS,
     PREFIX,
     STATS_SIZE,
     VERSION,
@@ -65,7 +67,9 @@ __all__ = [
     "MAGIC",
     "MAX_DIMS",
     "MAX_ROUND",
+    "MAX_STEPS",
     "MAX_TEXT",
+    "MAX_TOKENS",
     "PREFIX",
     "VERSION",
     "Envelope",
@@ -215,6 +219,8 @@ def pack_envelope(env: Envelope) -> bytes:
             "base": env.base,
             "tile": env.tile,
             "topk": env.topk,
+            "steps": env.steps,
+            "tokens": env.tokens,
             "tensors": rows,
         },
         use_bin_type=True,
@@ -264,8 +270,9 @@ def unpack_envelope(data: Bytes, *, max_header: int) -> Envelope:
     check_total_size(index, len(view))
     records = tuple(read_record(e, view[e.offset : e.offset + e.size]) for e in index.entries)
     return Envelope(
-        index.run_id, index.round, index.node_id, index.base, index.tile, index.topk, records
-    )
+        index.run_id, index.round, index.node_id, index.base, index.tile, index.topk,
+        index.steps, index.tokens, records,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- within a node

@@ -131,6 +131,9 @@ class NodeCondition(StrEnum):
     TRAINING = "training"  # working toward its submission: training, or applying rounds first
     WAITING = "waiting"  # idle: submitted and waiting for the round to close, or for members
     STORE_UNREACHABLE = "store_unreachable"  # its uploads or downloads cannot reach the store
+    #: Its link cannot get a payload in within the round's budget: it applies every round and
+    #: submits none, so no round waits for it (``node.compute.linkbudget``).
+    OBSERVING = "observing"
 
 
 class HeartbeatRequest(Message):
@@ -149,6 +152,15 @@ class RoundView(Message):
     submitted: bool = False
     deadline_in_s: float | None = None
     last_closed: int = Field(-1, ge=-1, description="the newest closed round, -1 if none")
+    budget_s: float | None = Field(
+        None,
+        ge=0,
+        description="the round's time budget, from its opening (``coordinator.rules.budget``):"
+        " a node fits its training, encode and upload into it; None: train H steps",
+    )
+    budget_in_s: float | None = Field(
+        None, ge=0, description="seconds left of the budget when this view was made"
+    )
 
 
 class JoinResponse(Message):
@@ -203,10 +215,24 @@ class ProbeGrant(Message):
     expires_in_s: float
 
 
+#: Most inner steps a submission may say it carries (the run's H bounds what counts far lower).
+MAX_STEPS = (1 << 32) - 1
+#: Most tokens it may say (exact in a float64 and in JSON).
+MAX_TOKENS = (1 << 53) - 1
+Steps = Annotated[int, Field(strict=True, ge=1, le=MAX_STEPS)]
+Tokens = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS)]
+
+
 class SubmitRequest(Message):
     size: ObjectSize
     sha256: Sha256Hex
     base_fingerprint: FingerprintHex = Field(description="fingerprint of the θ it trained from")
+    steps: Steps | None = Field(
+        None,
+        description="inner steps the payload carries, as its header says (None: the run's H);"
+        " what counts in the aggregate is at most H (``node.compute.work``)",
+    )
+    tokens: Tokens | None = Field(None, description="tokens those steps read")
 
 
 class SubmitResponse(Message):
@@ -219,6 +245,10 @@ class ManifestEntry(Message):
     key: str
     sha256: Sha256Hex
     size: int = Field(gt=0)
+    #: The work the payload carries, as its node submitted it and its header says; every node
+    #: aggregates by these (``node.compute.work``). None in a manifest that does not say.
+    steps: int | None = Field(None, ge=1)
+    tokens: int | None = Field(None, ge=0)
 
 
 class Manifest(Message):

@@ -1,14 +1,15 @@
 """The payload's index: the fixed prefix and the msgpack header that locate every record.
 
-Format version 2 (``protocol/FORMAT.md`` is the specification; all integers little-endian)::
+Format version 3 (``protocol/FORMAT.md`` is the specification; all integers little-endian)::
 
     offset  size  field
     0       4     magic b"SLCP"
-    4       1     format version (2)
+    4       1     format version (3)
     5       1     flags: 0 (reserved)
     6       4     L: header length in bytes (u32)
     10      4     CRC-32 (zlib) of the L header bytes
-    14      L     header: msgpack map run, round, node, base, tile, topk, tensors
+    14      L     header: msgpack map run, round, node, base, tile, topk, steps, tokens,
+                  tensors
     14 + L  ...   the records' data in header order: codes (raw, or one zstd frame of them),
                   unary stream, remainder stream each
 
@@ -37,7 +38,7 @@ import msgpack
 from protocol.errors import PayloadError
 
 MAGIC = b"SLCP"
-VERSION = 2
+VERSION = 3
 #: magic, version, flags, header length L, CRC-32 of the header: 14 bytes.
 PREFIX = struct.Struct("<4sBBII")
 MAX_TEXT = 256  # run id, node id, fingerprint, tensor names (characters)
@@ -50,7 +51,10 @@ MAX_DIM = 2**40
 MAX_RICE = 64
 MAX_LENGTH = 2**62
 MAX_CRC = 2**32 - 1
-HEADER_KEYS = ("run", "round", "node", "base", "tile", "topk", "tensors")
+#: The inner steps a payload may say it carries, and its tokens (``PayloadHeader.steps``).
+MAX_STEPS = 2**32 - 1
+MAX_TOKENS = 2**63 - 1
+HEADER_KEYS = ("run", "round", "node", "base", "tile", "topk", "steps", "tokens", "tensors")
 ENTRY_FIELDS = (
     "name",
     "shape",
@@ -111,6 +115,10 @@ class PayloadHeader:
     base: str  # fingerprint of the parameters the sender trained from
     tile: int
     topk: int
+    #: The work the payload carries: the inner steps its sender trained in the round, and the
+    #: tokens those steps read (0: not said, as a codec test or the simulator may leave it).
+    steps: int
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -265,6 +273,8 @@ def _parse_header(obj: Any, data_start: int) -> PayloadIndex:
         base=text_field(obj["base"], "header.base"),
         tile=uint_field(obj["tile"], "header.tile", 2**31),
         topk=uint_field(obj["topk"], "header.topk", 2**62),
+        steps=uint_field(obj["steps"], "header.steps", MAX_STEPS),
+        tokens=uint_field(obj["tokens"], "header.tokens", MAX_TOKENS),
         entries=tuple(entries),
         data_start=data_start,
         total_size=offset,

@@ -23,7 +23,8 @@ zstd frame's content by ``ceil(n_kept / 4)`` (``protocol.envelope.raw_codes``).
   records' byte ranges of a file (``os.pread``), never the whole file.
 - ``read_payload_ranges(fetch, size, shapes, ...)``: the same over any byte-range source, e.g.
   HTTP Range requests.
-- ``payload_base(data, shapes)``: the header's ``base``, from the prefix and header alone.
+- ``payload_base(data, shapes)``: the header's ``base``, from the prefix and header alone;
+  ``payload_work`` likewise its steps and tokens.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ class ReadOptions(TypedDict, total=False):
     """The keywords of ``read_payload``, ``read_payload_file`` and ``read_payload_ranges``,
     declared once; each may be left out.
 
-    ``topk``, ``tile``: the run's codec parameters; when given (not None), the payload's must
-    be the same. ``lazy`` (default False): check every record read now, build each tensor when
-    it is looked up. ``only``: the names of the tensors whose records are read (None, the
-    default: every tensor).
+    ``topk``, ``tile``: the run's codec parameters; when given (not None), the payload's tile
+    must be the same and its ``topk`` at most the run's (a node on a thin link sends fewer
+    entries per tile: ``node.compute.linkbudget``). ``lazy`` (default False): check every
+    record read now, build each tensor when it is looked up. ``only``: the names of the
+    tensors whose records are read (None, the default: every tensor).
     """
 
     topk: int | None
@@ -152,6 +154,12 @@ def payload_base(data: Bytes, shapes: Shapes) -> str:
     return read_index(data, max_header=header_limit(shapes)).base
 
 
+def payload_work(data: Bytes, shapes: Shapes) -> tuple[int, int]:
+    """The header's ``(steps, tokens)``: the work the payload carries, read as ``payload_base``."""
+    index = read_index(data, max_header=header_limit(shapes))
+    return index.steps, index.tokens
+
+
 # --------------------------------------------------------------------------- header level
 
 
@@ -164,8 +172,10 @@ def _check_index(
     except CodecError as exc:
         field = "header.topk" if str(exc).startswith("topk") else "header.tile"
         raise PayloadError(field, str(exc)) from exc
-    if topk is not None and index.topk != topk:
-        raise PayloadError("header.topk", f"payload uses k={index.topk}, the run uses {topk}")
+    if topk is not None and index.topk > topk:
+        raise PayloadError(
+            "header.topk", f"payload uses k={index.topk}, more than the run's {topk}"
+        )
     if tile is not None and index.tile != tile:
         raise PayloadError("header.tile", f"payload uses tile={index.tile}, the run uses {tile}")
     names = [e.name for e in index.entries]
@@ -317,8 +327,9 @@ def _read(
     else:
         tensors = {e.name: _decode_record(*one(e)) for e in wanted}
     return Payload(
-        index.run_id, index.round, index.node_id, index.base, index.tile, index.topk, tensors
-    )
+        index.run_id, index.round, index.node_id, index.base, index.tile, index.topk,
+        index.steps, index.tokens, tensors,
+    )  # fmt: skip
 
 
 def read_payload(data: bytes, shapes: Shapes, **options: Unpack[ReadOptions]) -> Payload:
@@ -326,9 +337,10 @@ def read_payload(data: bytes, shapes: Shapes, **options: Unpack[ReadOptions]) ->
 
     The header is checked against every tensor of the model; the records of the tensors in
     ``only`` (default: all) are checked and decoded, and ``Payload.tensors`` holds exactly
-    those. ``topk`` and ``tile``, when given, must match the payload's codec parameters (a run
-    fixes them). Raises ``PayloadError`` naming the field for anything malformed, ``KeyError``
-    if ``only`` names a tensor the model does not have.
+    those. ``topk`` and ``tile``, when given, are the run's codec parameters: the payload's tile
+    must match, its k per tile may be lower (``ReadOptions``). Raises ``PayloadError`` naming
+    the field for anything malformed, ``KeyError`` if ``only`` names a tensor the model does
+    not have.
 
     With ``lazy``, every record read is checked here completely (the index streams are walked
     once, with every rule of the decoder, keeping only each entry's in-tile position as 2

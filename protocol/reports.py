@@ -8,7 +8,7 @@ again and serialises to plain JSON.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
@@ -39,6 +39,8 @@ TokensPerSecond = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0,
 Percent = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=100)]
 PhaseName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
 Reason = Annotated[str, StringConstraints(max_length=256)]
+#: What cut a node's round short (``RoundReport.cut``).
+Cut = Literal["compute", "link", "observing"]
 
 
 class Mass(Message):
@@ -86,4 +88,18 @@ class RoundReport(Message):
         None,
         description="model FLOPs utilisation of the inner steps (of the device's peak bf16"
         " FLOP/s); absent on the CPU or a device of unknown peak",
+    )
+    steps: Count | None = Field(
+        None, description="inner steps the node trained in the round (its payload's)"
+    )
+    tokens: Count | None = Field(None, description="tokens those steps read")
+    cut: Cut | None = Field(
+        None,
+        description="what ended its training before the run's H steps: its time budget"
+        ' ("compute"), or its link\'s share of it ("link": it also sent fewer entries per'
+        ' tile); or that it could not get a payload in at all ("observing": it applies every'
+        " round and submits none); absent: H steps",
+    )
+    topk: Count | None = Field(
+        None, description="entries per tile it sent, when its link carried fewer than the run's"
     )

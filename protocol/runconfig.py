@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from protocol.bounds import Count, Fraction, Natural, NonNegative, Positive
 
-#: What nodes exchange, as one version: 2 is payload format 2 (``protocol/FORMAT.md``) with
-#: fingerprint version 2 (``protocol.fingerprint``). Part of the run id (``RunConfig.canonical``).
-PROTOCOL = 2
+#: What nodes exchange, as one version: 3 is payload format 3 (``protocol/FORMAT.md``: the work a
+#: payload carries, a k per tile up to the run's) with fingerprint version 2
+#: (``protocol.fingerprint``) and rounds with a time budget. Part of the run id
+#: (``RunConfig.canonical``).
+PROTOCOL = 3
 #: Hex digits of the sha256 of the canonical config kept as the run id.
 RUN_ID_HEX = 16
 #: τ of ``overlap = "merge"`` when the run does not set ``overlap_tau`` (docs/benchmarks.md §12).
@@ -31,6 +33,13 @@ DEFAULT_MERGE_STEP = 1
 DEFAULT_MERGE_SHARE = 0.25
 #: A dataset id: the sha256 of a prepared dataset's canonical manifest (``protocol.dataset``).
 DATASET_ID_PATTERN = r"^sha256:[0-9a-f]{64}$"
+#: How peers that trained unequal numbers of inner steps in a round count in its aggregate
+#: (``node.compute.work``).
+WorkRule = Literal["mean", "steps", "per_step"]
+#: A round's time budget: learnt from what the members measured ("median": the time the median
+#: member needs for H inner steps, end to end; "fastest": the fastest member's), a fixed number
+#: of seconds, or "off" (every node trains H steps and the round waits for it, up to its deadline).
+Budget = Union[Literal["median", "fastest", "off"], Positive]  # noqa: UP007 (pydantic's order)
 
 
 class Timing(BaseModel):
@@ -51,6 +60,31 @@ class Timing(BaseModel):
     #: A member that submitted nothing in this many rounds in a row is no longer waited for: it
     #: stays a member and may submit, and is waited for again from the round after it does.
     silent_rounds: Count = 2
+    #: The round's time budget, which the coordinator names in the round view
+    #: (``coordinator.rules.budget``): a node trains until H steps or until its budget runs out
+    #: (the budget's end less its own encode, upload and margin), whichever comes first, and
+    #: submits on time. "median" (the default): the time the median member needs for a whole
+    #: round of H steps, learnt from the recent rounds; "fastest": the fastest member's; a
+    #: number: that many seconds from the round's opening; "off": no budget.
+    budget: Budget = "median"
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget_value(cls, value: Any) -> Any:
+        """One clear error for a budget that is neither a name nor a number of seconds."""
+        named = value in ("median", "fastest", "off")
+        number = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        if not (named or number):
+            raise ValueError(
+                f'budget must be "median", "fastest", "off" or a number of seconds above'
+                f" 0, got {value!r}"
+            )
+        return value
+
+    @property
+    def fixed_budget_s(self) -> float | None:
+        """The budget in seconds when the run fixes one (a number); None otherwise."""
+        return None if isinstance(self.budget, str) else float(self.budget)
 
     @model_validator(mode="after")
     def _check(self) -> Timing:
@@ -109,6 +143,10 @@ class RunConfig(BaseModel):
     rewarmup_steps: Natural = 10
     # Membership and rounds
     gather_size: Count = Field(16, description="G, most payloads aggregated per round")
+    #: How payloads of unequal work count (``node.compute.work``): "steps" (the default), the
+    #: contributor mean weighted by each payload's inner steps; "mean", every payload once;
+    #: "per_step", each payload scaled to a whole round's steps before clipping.
+    work_weight: WorkRule = "steps"
     #: Data is cut into this many disjoint streams; a node trains on stream slot % data_slots.
     data_slots: Count = 16
     #: Rounds wait (state "waiting") until at least this many members are active.
@@ -159,6 +197,12 @@ class RunConfig(BaseModel):
                     f"overlap_tau={self.overlap_tau} exceeds inner_steps={self.inner_steps}: the"
                     " aggregate must be merged within the round; lower overlap_tau"
                 )
+        if self.work_weight == "per_step" and not self.clip:
+            raise ValueError(
+                'work_weight = "per_step" scales a payload of fewer steps up, and only'
+                " median-norm clipping bounds what a claim of fewer steps then buys: set"
+                ' clip = true, or work_weight = "steps"'
+            )
         if self.overlap_rows is not None:
             if self.overlap != "merge":
                 raise ValueError(

@@ -17,10 +17,19 @@ from protocol.errors import ManifestError
 from protocol.messages import Manifest, SignedManifest
 from protocol.runconfig import canonical_json
 
+#: Fields of a gather entry left out of the canonical bytes when None, so a manifest signed
+#: before they existed verifies as it was signed.
+OPTIONAL_ENTRY_FIELDS = ("steps", "tokens")
+
 
 def manifest_bytes(manifest: Manifest) -> bytes:
     """The canonical bytes of a manifest: what the coordinator signs and nodes verify."""
-    return canonical_json(manifest.model_dump(mode="json"))
+    document = manifest.model_dump(mode="json")
+    for entry in document["gather"]:
+        for key in OPTIONAL_ENTRY_FIELDS:
+            if entry.get(key) is None:
+                entry.pop(key, None)
+    return canonical_json(document)
 
 
 def public_key_hex(key: Ed25519PrivateKey) -> str:

@@ -31,6 +31,15 @@ class MemberView(Message):
     )
 
 
+class WorkView(Message):
+    """What one gathered payload carried (``node.compute.work``): its inner steps and tokens as
+    the signed manifest lists them, and its share of the round's work (claims clamped to H)."""
+
+    steps: int | None = None
+    tokens: int | None = None
+    share: float = Field(ge=0, le=1)
+
+
 class RoundSummary(Message):
     round: int
     state: RoundState
@@ -40,6 +49,10 @@ class RoundSummary(Message):
     fingerprints: dict[str, str] = Field(default_factory=dict)
     reports: dict[str, RoundReport] = Field(default_factory=dict)
     duration_s: float | None = None
+    budget_s: float | None = Field(None, description="the round's time budget, if it had one")
+    work: dict[str, WorkView] = Field(
+        default_factory=dict, description="per gathered node: the work its payload carried"
+    )
 
 
 class StatusView(Message):

@@ -28,8 +28,15 @@ from support import reference_codec as ref
     "header",
     [
         {"run_id": "", "round": 0, "node_id": "", "base": ""},
-        {"run_id": "run-1", "round": 12345, "node_id": "node-α✓", "base": "ab" * 32},
-        {"run_id": "r" * 256, "round": 2**63 - 1, "node_id": "n" * 256, "base": "b" * 256},
+        {"run_id": "run-1", "round": 12345, "node_id": "node-α✓", "base": "ab" * 32, "steps": 7},
+        {
+            "run_id": "r" * 256,
+            "round": 2**63 - 1,
+            "node_id": "n" * 256,
+            "base": "b" * 256,
+            "steps": 2**32 - 1,
+            "tokens": 2**63 - 1,
+        },
         {"run_id": "😀" * 256, "round": 1, "node_id": "😀" * 256, "base": "😀" * 256},
     ],
     ids=["empty", "typical", "limits", "4-byte-utf8-limits"],
@@ -45,11 +52,15 @@ def test_header_fields_round_trip(header: dict, topk: int, tile: int) -> None:
         header["node_id"],
         header["base"],
     )
+    assert (p.steps, p.tokens) == (header.get("steps", 0), header.get("tokens", 0))
     assert (p.topk, p.tile) == (topk, tile)
     assert read_payload(payload, {"w": (16, 24)}, topk=topk, tile=tile).topk == topk
-    with pytest.raises(PayloadError) as err:
-        read_payload(payload, {"w": (16, 24)}, topk=topk + 1)
-    assert err.value.field == "header.topk"
+    # A run's topk bounds the payload's from above: a sparser payload is read, a denser refused.
+    assert read_payload(payload, {"w": (16, 24)}, topk=topk + 1).topk == topk
+    if topk > 1:
+        with pytest.raises(PayloadError) as err:
+            read_payload(payload, {"w": (16, 24)}, topk=topk - 1)
+        assert err.value.field == "header.topk"
     with pytest.raises(PayloadError) as err:
         read_payload(payload, {"w": (16, 24)}, tile=tile + 1)
     assert err.value.field == "header.tile"
@@ -90,13 +101,15 @@ def _inputs(tensors: dict) -> dict[str, torch.Tensor]:
 def test_wire_layout_matches_the_spec(tensors: dict, topk: int, tile: int) -> None:
     xs = _inputs(tensors)
     payload, _ = encode(xs, topk=topk, tile=tile, run_id="r", round=3, node_id="n", base="f")
-    # The prefix: magic, version 2, flags 0, L, CRC-32 of the L header bytes.
+    # The prefix: magic, version 3, flags 0, L, CRC-32 of the L header bytes.
     magic, version, flags, length, crc = struct.unpack_from("<4sBBII", payload)
-    assert (magic, version, flags) == (b"SLCP", 2, 0)
+    assert (magic, version, flags) == (b"SLCP", 3, 0)
     assert crc == zlib.crc32(payload[14 : 14 + length])
     split = ref.split_payload(payload)  # asserts offsets, CRCs and the exact total size
     header = split.header
-    assert set(header) == {"run", "round", "node", "base", "tile", "topk", "tensors"}
+    assert set(header) == {
+        "run", "round", "node", "base", "tile", "topk", "steps", "tokens", "tensors"
+    }  # fmt: skip
     assert (header["run"], header["round"], header["node"], header["base"]) == ("r", 3, "n", "f")
     assert (header["tile"], header["topk"]) == (tile, topk)
     assert [e[0] for e in header["tensors"]] == sorted(xs)

@@ -59,7 +59,7 @@ def test_sidecar_describes_the_file(name: str) -> None:
     assert hashlib.sha256(data).hexdigest() == meta["payload_sha256"]
     assert len(data) == meta["payload_size"]
     assert data[:4] == b"SLCP"
-    assert data[4] == meta["format_version"] == 2
+    assert data[4] == meta["format_version"] == 3
     assert data[5] == meta["flags"] == 0
     case = regen.CASES[name]
     for key in ("topk", "tile", "header", "tensors"):

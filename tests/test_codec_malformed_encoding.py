@@ -125,6 +125,8 @@ def _claim(
         "base": "",
         "tile": 64,
         "topk": 64,
+        "steps": 0,
+        "tokens": 0,
         "tensors": [["w", shape, 0, ref.stats_bytes(0.0, (0.0,) * 4), *lengths, 0, codes_zstd]],
     }
     return ref.build_payload(header, sync=False)
@@ -204,6 +206,7 @@ def test_zstd_bombs_in_the_codes_are_refused_in_bounded_memory(frame: bytes) -> 
     n = 16384
     entry = ["w", [1024, 1024], 0, ref.stats_bytes(0.0, (0.0,) * 4), 0, 0, 0, 0, 1]
     header = {"run": "", "round": 0, "node": "", "base": "", "tile": 64, "topk": 64}
+    header.update(steps=0, tokens=0)
     record = (frame, b"\xff" * (n // 8), b"")  # every gap 0 with b = 0: a valid unary stream
     data = ref.build_payload({**header, "tensors": [entry]}, [record])
     err = _bounded(lambda: reject(data, {"w": (1024, 1024)}))

@@ -156,7 +156,7 @@ def test_records_encoded_apart_assemble_to_encodes_bytes(split: list[str]) -> No
     shipped = records_from_bytes(records_to_bytes(rec_b))  # from another rank
     assert assemble(shipped + rec_a, topk=64, tile=64, **HEADER) == PAYLOAD
     merged = tuple(sorted(rec_a + shipped, key=lambda r: r.name))
-    env = Envelope(HEADER["run_id"], 5, HEADER["node_id"], HEADER["base"], 64, 64, merged)
+    env = Envelope(HEADER["run_id"], 5, HEADER["node_id"], HEADER["base"], 64, 64, 0, 0, merged)
     assert pack_envelope(env) == PAYLOAD
     for name, t in {**recon_a, **recon_b}.items():
         assert torch.equal(bits(t), bits(RECON[name]))
@@ -166,9 +166,9 @@ def test_pack_envelope_refuses_what_no_reader_accepts() -> None:
     records, _ = encode_records(inputs(), topk=64, tile=64)
     for bad in (records[::-1], [records[0], records[0]]):
         with pytest.raises(CodecError):
-            pack_envelope(Envelope("", 0, "", "", 64, 64, tuple(bad)))
+            pack_envelope(Envelope("", 0, "", "", 64, 64, 0, 0, tuple(bad)))
     short = TensorRecord("x", (1,), 0, b"\x00" * 19, b"\x00", b"\x80", b"")
     with pytest.raises(CodecError):
-        pack_envelope(Envelope("", 0, "", "", 64, 64, (short,)))
+        pack_envelope(Envelope("", 0, "", "", 64, 64, 0, 0, (short,)))
     with pytest.raises(CodecError):
         assemble(records + records[:1], topk=64, tile=64)

@@ -160,7 +160,7 @@ def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
     db = Database(path)
     try:
         (version,) = db.execute("PRAGMA user_version").fetchone()
-        assert version == SCHEMA_VERSION == 3
+        assert version == SCHEMA_VERSION == 4
         member = db.member("n0")
         assert member is not None and member.instance is None and member.slot == 0
         assert db.get_meta("run_id") == "old-run"

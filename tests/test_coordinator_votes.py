@@ -258,11 +258,39 @@ def test_a_version_2_database_keeps_its_checkpoints_unverified(tmp_path: Path) -
     db = Database(path)
     try:
         (version,) = db.execute("PRAGMA user_version").fetchone()
-        assert version == SCHEMA_VERSION == 3
+        assert version == SCHEMA_VERSION == 4
         (old,) = db.checkpoints()
         assert old.info.round == 2 and not old.verified  # committed unverified: not relied on
         assert newest_verified(db.checkpoints()) is None
         assert db.submissions(0)[0].at is None
         assert db.closed_durations(5) == [300.0]  # open to close, as before
+    finally:
+        db.close()
+
+
+def test_a_version_3_database_gains_budgets_and_work(tmp_path: Path) -> None:
+    """Schema 3 -> 4: rounds get a budget, submissions their steps and tokens; the rows a
+    version-3 file holds read back with none of them said."""
+    path = tmp_path / DB_FILE
+    db = Database(path)
+    db.close()
+    conn = sqlite3.connect(path)
+    # A version-3 file: the same tables without the three columns.
+    conn.executescript(
+        "ALTER TABLE rounds DROP COLUMN budget; ALTER TABLE submissions DROP COLUMN steps;"
+        " ALTER TABLE submissions DROP COLUMN tokens; PRAGMA user_version=3;"
+        " INSERT INTO rounds(round, state, started_at, deadline) VALUES(0, 'open', 1.0, 9.0);"
+        " INSERT INTO submissions(round, node_id, seq, size, sha256, base_fingerprint, at)"
+        f" VALUES(0, 'a', 0, 10, '{'0' * 64}', '{F}', 2.0);"
+    )
+    conn.close()
+    db = Database(path)
+    try:
+        (version,) = db.execute("PRAGMA user_version").fetchone()
+        assert version == 4
+        row = db.get_round(0)
+        assert row is not None and row.budget is None
+        (sub,) = db.submissions(0)
+        assert (sub.steps, sub.tokens, sub.at) == (None, None, 2.0)
     finally:
         db.close()

@@ -165,10 +165,11 @@ def test_feed_error_is_beta_e_plus_delta() -> None:
     assert torch.equal(e["a"], torch.tensor([1.0, -0.5]))
 
 
-def test_peers_must_share_geometry() -> None:
+def test_peers_must_share_the_tile_grid() -> None:
+    """Peers may keep fewer entries per tile (a thin link), never cut tiles differently."""
     gen = torch.Generator().manual_seed(8)
-    a, _ = encode({"w": torch.randn(64, 64, generator=gen)}, topk=64)
-    b, _ = encode({"w": torch.randn(64, 64, generator=gen)}, topk=32)
+    a, _ = encode({"w": torch.randn(64, 64, generator=gen)}, topk=64, tile=64)
+    b, _ = encode({"w": torch.randn(64, 64, generator=gen)}, topk=16, tile=32)
     pa, pb = read_payload(a, {"w": (64, 64)}), read_payload(b, {"w": (64, 64)})
     with pytest.raises(ValueError, match="geometry"):
         aggregate_tensor([pa.tensors["w"], pb.tensors["w"]])

@@ -118,6 +118,15 @@ async def current_round(request: web.Request) -> web.Response:
 async def submit(request: web.Request) -> web.Response:
     coord, node_id, round_, req = await round_request(request, SubmitRequest)
     check_size(coord, req.size)
+    inner_steps = coord.machine.run.inner_steps
+    if req.steps is not None and req.steps > inner_steps:
+        raise ApiError(
+            422,
+            "bad_request",
+            f"steps={req.steps} exceeds the run's inner_steps={inner_steps}: a round has at"
+            " most H inner steps",
+            "steps",
+        )
     prior = coord.machine.previous_submission(node_id, round_, req)
     if prior is not None:
         return ok(prior)

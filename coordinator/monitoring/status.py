@@ -20,10 +20,11 @@ from pydantic import ValidationError
 
 from coordinator.rules import rounds
 from coordinator.state.db import Database, RoundRow
-from protocol.messages import NodeCondition, RoundState, SignedManifest
+from protocol.messages import ManifestEntry, NodeCondition, RoundState, SignedManifest
 from protocol.reports import RoundReport
 from protocol.runconfig import RunConfig
-from protocol.status import MemberView, RoundSummary, StatusView
+from protocol.status import MemberView, RoundSummary, StatusView, WorkView
+from protocol.work import work_shares
 
 log = logging.getLogger("sparseloco.coordinator.status")
 
@@ -57,7 +58,7 @@ def build_status(
         )
         for m in db.members()
     ]
-    summaries = [round_summary(db, row) for row in db.recent_rounds(n_rounds)]
+    summaries = [round_summary(db, row, run.inner_steps) for row in db.recent_rounds(n_rounds)]
     current = db.current_round()
     if current is None:  # not reached: the round machine creates round 0 with the run
         number, state = 0, RoundState.WAITING
@@ -74,11 +75,11 @@ def build_status(
     )
 
 
-def round_summary(db: Database, row: RoundRow) -> RoundSummary:
+def round_summary(db: Database, row: RoundRow, inner_steps: int) -> RoundSummary:
     """One round as the status shows it; only closed rounds have a gather set."""
     reports = readable_reports(db, row.round)
     if row.state != RoundState.CLOSED or row.signed_manifest is None:
-        return RoundSummary(round=row.round, state=row.state)
+        return RoundSummary(round=row.round, state=row.state, budget_s=row.budget)
     manifest = SignedManifest.model_validate_json(row.signed_manifest).manifest
     duration = None
     if row.closed_at is not None and row.started_at is not None:
@@ -92,7 +93,19 @@ def round_summary(db: Database, row: RoundRow) -> RoundSummary:
         fingerprints={node: r.fingerprint for node, r in reports.items()},
         reports=reports,
         duration_s=duration,
+        budget_s=row.budget,
+        work=work_views(manifest.gather, inner_steps),
     )
+
+
+def work_views(gather: list[ManifestEntry], inner_steps: int) -> dict[str, WorkView]:
+    """Per gathered node, its steps and tokens and its share of the round's work."""
+    steps = {e.node_id: e.steps for e in gather}
+    shares = work_shares(steps, inner_steps)
+    return {
+        e.node_id: WorkView(steps=e.steps, tokens=e.tokens, share=shares.get(e.node_id, 0.0))
+        for e in gather
+    }
 
 
 def readable_reports(db: Database, round_: int) -> dict[str, RoundReport]:

@@ -7,6 +7,7 @@ May import ``base`` and ``state``.
     membership.py   members: join, heartbeat, leave, timeouts, revocation, the end of the run,
                     last heartbeat times, the process each active member is bound to
     deadlines.py    when a deadline closes a round: held, gathering, paused while the store is down
+    budget.py       a round's time budget: the median member's time for a whole round, learnt
     progress.py     the open round's submitters and missing members in memory (the close check)
     votes.py        the nodes' reports of closed rounds: only a round's participants vote
     machine.py      the round state machine over the database (synchronous, injected clock)

@@ -2,7 +2,8 @@
 
 A round opens once ``min_nodes`` members are active, with a deadline learnt from how long the
 recent rounds took to settle: from their opening to their last valid submission
-(``rounds.settled_at``, ``rounds.deadline_length``). Closing round r is one transaction:
+(``rounds.settled_at``, ``rounds.deadline_length``), and a time budget learnt from how long its
+members need for a whole round (``coordinator.rules.budget``). Closing round r is one transaction:
 the gather set and exclusions decided by ``rounds.decide_close`` from the submissions, the
 members and the base fingerprint the participants of the round it builds on reported; the
 manifest signed and stored; round r+1 created, open at once if enough members are active, or
@@ -18,13 +19,13 @@ import logging
 from dataclasses import dataclass
 
 from coordinator.base.errors import Conflict
-from coordinator.rules import rounds
+from coordinator.rules import budget, rounds
 from coordinator.rules.membership import Membership
 from coordinator.rules.votes import Votes
 from coordinator.state.db import Database, RoundRow, SubmissionRow
 from coordinator.state.signing import ManifestSigner
 from protocol.keys import payload_key
-from protocol.messages import Manifest, ManifestEntry, RoundState, SignedManifest
+from protocol.messages import Manifest, ManifestEntry, MemberState, RoundState, SignedManifest
 from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.coordinator.machine")
@@ -46,12 +47,19 @@ class RoundCloser:
         durations = self.db.closed_durations(rounds.DEADLINE_HISTORY)
         return rounds.deadline_length(durations, self.run.timing)
 
+    def budget_length(self) -> float | None:
+        """The next round's time budget (``coordinator.rules.budget``), learnt from the recent
+        rounds' arrivals of the members active now; None: no budget."""
+        active = [m.node_id for m in self.members.members() if m.state == MemberState.ACTIVE]
+        history = self.db.work_history(budget.HISTORY)
+        return budget.budget_s(history, self.run.timing, self.run.inner_steps, active)
+
     def open_if_ready(self, cur: RoundRow, now: float) -> None:
         """Open ``cur`` if it is waiting and enough members are active (inside a transaction)."""
         if cur.state == RoundState.WAITING and self.members.active_count() >= self.run.min_nodes:
-            length = self.deadline_length()
-            self.db.open_round(cur.round, now, now + length)
-            log.info("event=round_opened round=%d deadline_s=%.1f", cur.round, length)
+            length, allowed = self.deadline_length(), self.budget_length()
+            self.db.open_round(cur.round, now, now + length, allowed)
+            _log_opened(cur.round, length, allowed)
 
     def close(self, round_: int, now: float) -> SignedManifest:
         """Close open round ``round_`` in one transaction: decide, sign, store, start the next."""
@@ -77,10 +85,12 @@ class RoundCloser:
                 raise Conflict("round_closed", f"round {round_} closed concurrently")
             nxt = round_ + 1
             finished = 0
+            opened = None
             if nxt < self.run.rounds:
                 if self.members.active_count() >= self.run.min_nodes:
-                    length = self.deadline_length()
-                    self.db.insert_round(nxt, RoundState.OPEN, now, now + length)
+                    length, allowed = self.deadline_length(), self.budget_length()
+                    self.db.insert_round(nxt, RoundState.OPEN, now, now + length, allowed)
+                    opened: tuple[int, float, float | None] | None = (nxt, length, allowed)
                 else:
                     self.db.insert_round(nxt, RoundState.WAITING, None, None)
             else:
@@ -99,6 +109,8 @@ class RoundCloser:
         )
         if nxt >= self.run.rounds:
             log.info("event=run_finished rounds=%d members_finished=%d", nxt, finished)
+        if opened is not None:
+            _log_opened(*opened)
         return signed
 
     def _manifest(
@@ -115,6 +127,8 @@ class RoundCloser:
                     key=payload_key(self.prefix, run_id, round_, s.node_id),
                     sha256=s.sha256,
                     size=s.size,
+                    steps=s.steps,
+                    tokens=s.tokens,
                 )
                 for s in decision.gather
             ],
@@ -127,5 +141,13 @@ class RoundCloser:
 def _rule_submission(row: SubmissionRow) -> rounds.Submission:
     """A submissions row as the pure round rules take it."""
     return rounds.Submission(
-        row.node_id, row.seq, row.sha256, row.size, row.base_fingerprint, row.rejected
+        row.node_id, row.seq, row.sha256, row.size, row.base_fingerprint, row.rejected,
+        row.steps, row.tokens,
+    )  # fmt: skip
+
+
+def _log_opened(round_: int, deadline_s: float, budget_s: float | None) -> None:
+    budget_text = "-" if budget_s is None else f"{budget_s:.1f}"
+    log.info(
+        "event=round_opened round=%d deadline_s=%.1f budget_s=%s", round_, deadline_s, budget_text
     )

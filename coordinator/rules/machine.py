@@ -132,9 +132,12 @@ class RoundMachine:
                 last_closed=cur.round,
             )
         expected = cur.state == RoundState.OPEN and self.members.is_expected(node_id, cur.round)
-        deadline_in_s = None
+        deadline_in_s = budget_in_s = None
+        now = self.clock()
         if cur.state == RoundState.OPEN and cur.deadline is not None:
-            deadline_in_s = max(0.0, cur.deadline - self.clock())
+            deadline_in_s = max(0.0, cur.deadline - now)
+        if cur.state == RoundState.OPEN and cur.budget is not None and cur.started_at is not None:
+            budget_in_s = max(0.0, cur.started_at + cur.budget - now)
         return RoundView(
             run_id=self.run_id,
             round=cur.round,
@@ -143,6 +146,8 @@ class RoundMachine:
             submitted=node_id in self.progress.submitted(cur.round),
             deadline_in_s=deadline_in_s,
             last_closed=cur.round - 1,
+            budget_s=cur.budget if cur.state == RoundState.OPEN else None,
+            budget_in_s=budget_in_s,
         )
 
     # ---- membership ----------------------------------------------------------------------
@@ -256,8 +261,9 @@ class RoundMachine:
             self.check_submittable(node_id, round_)
             rejected = self.submissions.verdict(round_, req, digest_ok)
             seq = self.db.add_submission(
-                round_, node_id, req.size, req.sha256, req.base_fingerprint, rejected, self.clock()
-            )
+                round_, node_id, req.size, req.sha256, req.base_fingerprint, rejected,
+                self.clock(), req.steps, req.tokens,
+            )  # fmt: skip
         self.progress.add(round_, node_id)
         if rejected is None and digest_ok is None:
             self.checks.defer(round_, node_id, req.size)
@@ -313,10 +319,18 @@ class RoundMachine:
         return self._maybe_close(self.clock())
 
     def waited(self, round_: int) -> set[str]:
-        """The members open round ``round_`` waits for before it may close early."""
+        """The members open round ``round_`` waits for before it may close early: not those
+        silent for ``silent_rounds`` rounds, nor those that said they only observe (their link
+        cannot get a payload in: ``NodeCondition.OBSERVING``)."""
         n = self.run.timing.silent_rounds
         recent = self.db.submitters(round_ - n, round_ - 1)
-        return rounds.waited_set(self.members.members(), round_, recent, n)
+        everyone = self.members.members()
+        observing = self.members.observing()
+        members = [m for m in everyone if m.node_id not in observing]
+        # A round of observers only waits for them all (to its deadline), never closes at once.
+        return rounds.waited_set(members, round_, recent, n) or rounds.waited_set(
+            everyone, round_, recent, n
+        )
 
     def close(self, round_: int, now: float) -> SignedManifest:
         """Close open round ``round_`` in one transaction: decide, sign, store, start the next."""

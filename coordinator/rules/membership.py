@@ -201,9 +201,21 @@ class Membership:
             return
         if member is None or member.state != MemberState.ACTIVE:
             raise Conflict("not_member", f"{node_id} is not an active member; join again")
+        self._say(node_id, now, condition)
+
+    def _say(self, node_id: str, now: float, condition: NodeCondition | None) -> None:
+        """``node_id`` was heard from now, doing ``condition``. Starting or ending to only
+        observe changes whom a round waits for, so that moves the version."""
+        was = self.conditions.get(node_id)
         self.last_seen[node_id] = now
         self.conditions[node_id] = condition
         self.said_at[node_id] = now
+        if (was == NodeCondition.OBSERVING) != (condition == NodeCondition.OBSERVING):
+            self.version += 1
+
+    def observing(self) -> set[str]:
+        """Active members whose last word was that they only observe (``OBSERVING``)."""
+        return {n for n, c in self.conditions.items() if c == NodeCondition.OBSERVING}
 
     def heard(self, node_id: str, now: float, condition: NodeCondition) -> bool:
         """A request of ``node_id`` said ``condition``: a heartbeat if it is an active member
@@ -212,9 +224,7 @@ class Membership:
         member = self._rows.get(node_id)
         if member is None or member.state != MemberState.ACTIVE:
             return False
-        self.last_seen[node_id] = now
-        self.conditions[node_id] = condition
-        self.said_at[node_id] = now
+        self._say(node_id, now, condition)
         return True
 
     def busy(self, round_: int, opened_at: float | None = None) -> list[str]:

@@ -56,6 +56,9 @@ class Submission:
     size: int
     base_fingerprint: str
     rejected: Exclusion | None = None  # decided on arrival (bad digest, known wrong base)
+    #: The work the payload carries, as submitted (None: not said).
+    steps: int | None = None
+    tokens: int | None = None
 
 
 @dataclass(frozen=True)

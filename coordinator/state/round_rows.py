@@ -15,7 +15,8 @@ from coordinator.state.rows import RoundRow
 from protocol.messages import RoundState
 
 _ROUND_COLS = (
-    "round, state, started_at, deadline, closed_at, base_fingerprint, signed_manifest, published"
+    "round, state, started_at, deadline, closed_at, base_fingerprint, signed_manifest, published,"
+    " budget"
 )
 
 
@@ -31,6 +32,7 @@ def _round(row: Any) -> RoundRow | None:
         base_fingerprint=row[5],
         signed_manifest=row[6],
         published=bool(row[7]),
+        budget=row[8],
     )
 
 
@@ -100,18 +102,43 @@ class RoundTables:
         return [float(r[0]) for r in reversed(rows)]
 
     def insert_round(
-        self, round_: int, state: RoundState, started_at: float | None, deadline: float | None
+        self,
+        round_: int,
+        state: RoundState,
+        started_at: float | None,
+        deadline: float | None,
+        budget: float | None = None,
     ) -> None:
         self._change_rounds(
-            "INSERT INTO rounds(round, state, started_at, deadline) VALUES(?,?,?,?)",
-            (round_, state.value, started_at, deadline),
+            "INSERT INTO rounds(round, state, started_at, deadline, budget) VALUES(?,?,?,?,?)",
+            (round_, state.value, started_at, deadline, budget),
         )
 
-    def open_round(self, round_: int, started_at: float, deadline: float) -> bool:
+    def open_round(
+        self, round_: int, started_at: float, deadline: float, budget: float | None = None
+    ) -> bool:
         return self._change_rounds(
-            "UPDATE rounds SET state=?, started_at=?, deadline=? WHERE round=? AND state=?",
-            (RoundState.OPEN.value, started_at, deadline, round_, RoundState.WAITING.value),
+            "UPDATE rounds SET state=?, started_at=?, deadline=?, budget=? WHERE round=? AND"
+            " state=?",
+            (RoundState.OPEN.value, started_at, deadline, budget, round_, RoundState.WAITING.value),
         )
+
+    def work_history(self, n: int) -> list[list[tuple[str, float, int | None]]]:
+        """The newest ``n`` closed rounds' accepted submissions, oldest round first: per round,
+        (node, seconds from the round's opening to its arrival, steps it carried). What the
+        time budget learns from (``coordinator.rules.budget``)."""
+        rows = self._conn.execute(
+            "SELECT r.round, s.node_id, s.at - r.started_at, s.steps FROM rounds r"
+            " JOIN submissions s ON s.round = r.round"
+            " WHERE r.round IN (SELECT round FROM rounds WHERE state=? ORDER BY round DESC"
+            " LIMIT ?) AND s.rejected IS NULL AND s.at IS NOT NULL AND r.started_at IS NOT NULL"
+            " ORDER BY r.round, s.seq",
+            (RoundState.CLOSED.value, n),
+        ).fetchall()
+        out: dict[int, list[tuple[str, float, int | None]]] = {}
+        for round_, node, after, steps in rows:
+            out.setdefault(int(round_), []).append((str(node), float(after), steps))
+        return [out[r] for r in sorted(out)]
 
     def set_deadline(self, round_: int, deadline: float) -> None:
         """Move open ``round_``'s deadline (a held round gathering, a store outage)."""

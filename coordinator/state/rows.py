@@ -32,6 +32,9 @@ class RoundRow:
     base_fingerprint: str | None
     signed_manifest: str | None
     published: bool
+    #: The round's time budget in seconds from its opening (``coordinator.rules.budget``);
+    #: None: no budget (nodes train H steps).
+    budget: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,3 +66,6 @@ class SubmissionRow:
     rejected: Exclusion | None
     #: When it arrived (wall clock); ``None`` for submissions recorded before schema version 3.
     at: float | None = None
+    #: The work the payload carries, as submitted (``None``: not said: the run's H).
+    steps: int | None = None
+    tokens: int | None = None

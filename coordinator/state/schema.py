@@ -9,8 +9,10 @@ survives a crash of the process or the machine. The tables::
                          the process instance an active member is bound to
     tokens               every node token ever issued, as its sha256: node, state, source,
                          created, revoked, last used (``coordinator.rules.tokens``)
-    rounds               every round: state, times, deadline, base fingerprint, signed manifest
-    submissions          each node's submission to a round, in arrival order (``seq``), and when
+    rounds               every round: state, times, deadline, time budget, base fingerprint,
+                         signed manifest
+    submissions          each node's submission to a round, in arrival order (``seq``), when,
+                         and the work it carries (steps, tokens)
     reports              each node's report after applying a closed round (first one kept)
     checkpoint_grants    who may upload the checkpoint of a round, until when
     checkpoints          committed checkpoints, whether published and pruned, and whether the
@@ -36,7 +38,7 @@ from pathlib import Path
 from protocol.errors import ConfigError
 
 DB_FILE = "coordinator.sqlite"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -58,7 +60,8 @@ CREATE TABLE IF NOT EXISTS rounds (
     base_fingerprint TEXT,
     signed_manifest TEXT,
     published INTEGER NOT NULL DEFAULT 0,
-    settled_at REAL
+    settled_at REAL,
+    budget REAL
 );
 CREATE TABLE IF NOT EXISTS submissions (
     round INTEGER NOT NULL,
@@ -69,6 +72,8 @@ CREATE TABLE IF NOT EXISTS submissions (
     base_fingerprint TEXT NOT NULL,
     rejected TEXT,
     at REAL,
+    steps INTEGER,
+    tokens INTEGER,
     PRIMARY KEY (round, node_id),
     UNIQUE (round, seq)
 );
@@ -123,6 +128,12 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE submissions ADD COLUMN at REAL",
         "ALTER TABLE rounds ADD COLUMN settled_at REAL",
         "ALTER TABLE checkpoints ADD COLUMN verified INTEGER NOT NULL DEFAULT 0",
+    ),
+    # 3 -> 4: each round's time budget; the work each submission carries (steps, tokens).
+    3: (
+        "ALTER TABLE rounds ADD COLUMN budget REAL",
+        "ALTER TABLE submissions ADD COLUMN steps INTEGER",
+        "ALTER TABLE submissions ADD COLUMN tokens INTEGER",
     ),
 }
 

@@ -14,7 +14,9 @@ from typing import Any
 from coordinator.state.rows import SubmissionRow
 from protocol.messages import Exclusion
 
-_SUBMISSION_COLS = "round, node_id, seq, size, sha256, base_fingerprint, rejected, at"
+_SUBMISSION_COLS = (
+    "round, node_id, seq, size, sha256, base_fingerprint, rejected, at, steps, tokens"
+)
 
 
 def _submission(r: Any) -> SubmissionRow:
@@ -27,6 +29,8 @@ def _submission(r: Any) -> SubmissionRow:
         base_fingerprint=r[5],
         rejected=None if r[6] is None else Exclusion(r[6]),
         at=r[7],
+        steps=r[8],
+        tokens=r[9],
     )
 
 
@@ -62,6 +66,8 @@ class SubmissionTables:
         base: str,
         rejected: Exclusion | None,
         at: float | None = None,
+        steps: int | None = None,
+        tokens: int | None = None,
     ) -> int:
         # Sequence numbers are 0, 1, 2... per round: the next is the largest plus one, read from
         # the end of the (round, seq) index instead of counting the round's rows.
@@ -71,8 +77,8 @@ class SubmissionTables:
         verdict = None if rejected is None else rejected.value
         self._conn.execute(
             "INSERT INTO submissions(round, node_id, seq, size, sha256, base_fingerprint,"
-            " rejected, at) VALUES(?,?,?,?,?,?,?,?)",
-            (round_, node_id, seq, size, sha256, base, verdict, at),
+            " rejected, at, steps, tokens) VALUES(?,?,?,?,?,?,?,?,?,?)",
+            (round_, node_id, seq, size, sha256, base, verdict, at, steps, tokens),
         )
         return int(seq)
 

@@ -35,12 +35,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 
 from node.compute.outer import DEFAULT_AGGREGATE, AggregateOptions, _bands, _clip_scales, screen
 from node.compute.robust import Screening, value_bound
-from protocol.codec import Payload, _check_header, _LazyTensors
+from node.compute.work import UNIT, PeerWeight
+from protocol.codec import HeaderFields, Payload, _header, _LazyTensors
 from protocol.envelope import Envelope, TensorRecord, pack_envelope
 from protocol.errors import CodecError
 from protocol.indexcode import MAX_RICE_BITS
@@ -169,14 +171,11 @@ def encode(
     *,
     topk: int = 64,
     tile: int = 64,
-    run_id: str = "",
-    round: int = 0,
-    node_id: str = "",
-    base: str = "",
+    **header: Unpack[HeaderFields],
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """``protocol.codec.encode`` with the work on each tensor's own device (same bytes)."""
     check_codec_params(topk, tile)
-    _check_header(run_id=run_id, round=round, node_id=node_id, base=base)
+    fields = _header(**header)
     records, recon = [], {}
     for name in sorted(tensors):
         x = tensors[name]
@@ -185,7 +184,9 @@ def encode(
         geometry = TileGeometry.of(tuple(x.shape), topk=topk, tile=tile)
         record, recon[name] = encode_tensor(x, geometry, name)
         records.append(record)
-    return pack_envelope(Envelope(run_id, round, node_id, base, tile, topk, tuple(records))), recon
+    run_id, round_, node_id, base, steps, tokens = fields
+    envelope = Envelope(run_id, round_, node_id, base, tile, topk, steps, tokens, tuple(records))
+    return pack_envelope(envelope), recon
 
 
 # --------------------------------------------------------------------------- decoding
@@ -254,19 +255,30 @@ def decode(payload: Payload, device: torch.device | str) -> dict[str, torch.Tens
 # --------------------------------------------------------------------------- aggregation
 
 
-def _tables(parts: Sequence[DeviceSparse], clip: bool, bound: bool) -> list[torch.Tensor]:
+def _tables(
+    parts: Sequence[DeviceSparse], clip: bool, bound: bool, weights: Sequence[PeerWeight] | None
+) -> list[torch.Tensor]:
     """Each peer's four values after clipping and the bound: ``outer._peer_tables``."""
     norms = [math.sqrt(p.sq_norm()) for p in parts] if clip or bound else []
+    pre = [1.0] * len(parts) if weights is None else [w.pre for w in weights]
+    post = [1] * len(parts) if weights is None else [w.post for w in weights]
+    if norms and any(s != 1.0 for s in pre):
+        norms = [n * s for n, s in zip(norms, pre, strict=True)]
     scales = _clip_scales(norms) if clip else [1.0] * len(parts)
-    limit = value_bound(norms, parts[0].geometry.n_kept) if bound else math.inf
+    densest = max(p.geometry.n_kept for p in parts)
+    limit = value_bound(norms, densest) if bound else math.inf
     out = []
-    for part, scale in zip(parts, scales, strict=True):
+    for row, (part, scale) in enumerate(zip(parts, scales, strict=True)):
         table = part.table
+        if pre[row] != 1.0:
+            table = table * torch.tensor(pre[row], dtype=torch.float32)
         if scale != 1.0:
             table = table * torch.tensor(scale, dtype=torch.float32)
         if limit != math.inf:
             edge = torch.tensor(limit, dtype=torch.float32)
             table = torch.minimum(torch.maximum(table, -edge), edge)
+        if post[row] != 1:
+            table = table * torch.tensor(float(post[row]), dtype=torch.float32)
         out.append(table)
     return out
 
@@ -278,23 +290,28 @@ def subtract_mean(
     alpha: float = 1.0,
     clip: bool = True,
     bound: bool = False,
+    weights: Sequence[PeerWeight] | None = None,
 ) -> None:
-    """``theta -= alpha * mean over contributors``, in place, band chunk by band chunk."""
+    """``theta -= alpha * mean over contributors``, in place, band chunk by band chunk; each
+    peer with its own k per tile, counted ``weights[p].post`` times (``node.compute.work``)."""
     g = parts[0].geometry
-    if g.n_kept == 0:
+    if not any(p.geometry.n_kept for p in parts):
         return
     dev = theta.device
-    tables = [t.to(dev) for t in _tables(parts, clip, bound)]
-    _, kept, size = _bands(g)
+    tables = [t.to(dev) for t in _tables(parts, clip, bound, weights)]
+    counted = [1] * len(parts) if weights is None else [w.post for w in weights]
+    _, _, size = _bands(g)
+    gc = g.grid[1]
     flat = theta.view(-1)
     for b0, b1 in _chunks(g):
         span = (b1 - b0) * size
         sums = torch.zeros(span, dtype=torch.float32, device=dev)
         counts = torch.zeros(span, dtype=torch.int32, device=dev)
-        for part, table in zip(parts, tables, strict=True):
+        for part, table, w in zip(parts, tables, counted, strict=True):
+            kept = gc * part.geometry.k
             index = part.index[b0 * kept : b1 * kept] - b0 * size
             sums.index_add_(0, index, table[part.codes[b0 * kept : b1 * kept]])
-            counts.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
+            counts.index_add_(0, index, torch.full_like(index, w, dtype=torch.int32))
         touched = torch.nonzero(counts).view(-1)
         mean = sums[touched] / counts[touched].to(torch.float32)
         if alpha != 1.0:
@@ -307,17 +324,20 @@ def apply_aggregate(
     params: Mapping[str, torch.Tensor],
     payloads: Mapping[str, Payload],
     options: AggregateOptions = DEFAULT_AGGREGATE,
+    work: Mapping[str, PeerWeight] | None = None,
 ) -> Screening:
     """``node.compute.outer.apply_aggregate`` on the parameters' device (fp32 parameters).
 
     ``payloads`` come from ``read_payload(..., lazy=True)``. Returns the same ``Screening``.
     """
-    screening, peers = screen(
+    screening, ids = screen(
         params, payloads, robust=options.robust, combine=options.combine,
         each=lambda name, peers: [p.tensors[name] for p in peers],
     )  # fmt: skip
     if not payloads:
         return screening
+    peers = [payloads[n] for n in ids]
+    weights = None if work is None else [work.get(n, UNIT) for n in ids]
     with torch.no_grad():
         for name, theta in params.items():
             if theta.dtype != torch.float32 or not theta.is_contiguous():
@@ -331,6 +351,7 @@ def apply_aggregate(
                 g = TileGeometry.of(rec.shape, topk=p.topk, tile=p.tile)
                 parts.append(decode_record(rec, g, theta.device))
             subtract_mean(
-                theta, parts, alpha=options.alpha, clip=options.clip, bound=options.robust
-            )
+                theta, parts, alpha=options.alpha, clip=options.clip, bound=options.robust,
+                weights=weights,
+            )  # fmt: skip
     return screening

@@ -36,6 +36,7 @@ import torch
 from numba.typed import List
 
 from node.compute.robust import Screening, value_bound
+from node.compute.work import UNIT, PeerWeight
 from protocol import kernels
 from protocol.codec import Payload, SparseTensor, encode
 from protocol.tiles import TileGeometry
@@ -106,28 +107,33 @@ def _bands(geometry: TileGeometry) -> tuple[int, int, int]:
 
 
 @numba.njit(cache=True, nogil=True)
-def _sum_band(b, indices, codes, tables, kept, size, sums, counts, touched):
+def _sum_band(b, indices, codes, tables, kept, weights, size, sums, counts, touched):
     # Band b of every peer into the band-local sums and counts, peers one after another in
     # canonical order (each entry once per peer), so every sum is formed in the same order on
-    # every node. Entries seen for the first time go to ``touched``; returns how many.
+    # every node. Peer p keeps ``kept[p]`` entries per band (its own k per tile) and counts
+    # ``weights[p]`` times in an entry's denominator (1, or its work: ``node.compute.work``).
+    # Entries seen for the first time go to ``touched``; returns how many.
     base = b * size
-    lo = b * kept
     n = 0
     for p in range(len(indices)):
         index = indices[p]
         code = codes[p]
-        for j in range(lo, lo + kept):
+        lo = b * kept[p]
+        w = weights[p]
+        for j in range(lo, lo + kept[p]):
             i = index[j] - base
             if counts[i] == 0:
                 touched[n] = i
                 n += 1
             sums[i] += tables[p, code[j]]
-            counts[i] += 1
+            counts[i] += w
     return n
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _subtract_mean(theta, indices, codes, tables, n_bands, kept, size, alpha, scaled, chunks):
+def _subtract_mean(
+    theta, indices, codes, tables, kept, weights, n_bands, size, alpha, scaled, chunks
+):
     # theta -= mean (times alpha when ``scaled``: a separate fp32 multiplication), band by
     # band. Bands are independent, so they run in parallel, each thread with its own band of
     # scratch, cleared again entry by entry after use.
@@ -136,7 +142,7 @@ def _subtract_mean(theta, indices, codes, tables, n_bands, kept, size, alpha, sc
         counts = np.zeros(size, dtype=np.int32)
         touched = np.empty(size, dtype=np.int64)
         for b in range(c * n_bands // chunks, (c + 1) * n_bands // chunks):
-            n = _sum_band(b, indices, codes, tables, kept, size, sums, counts, touched)
+            n = _sum_band(b, indices, codes, tables, kept, weights, size, sums, counts, touched)
             base = b * size
             for j in range(n):
                 i = touched[j]
@@ -149,14 +155,14 @@ def _subtract_mean(theta, indices, codes, tables, n_bands, kept, size, alpha, sc
 
 
 @numba.njit(cache=True, nogil=True)
-def _band_means(indices, codes, tables, n_bands, kept, size, out_index, out_mean):
+def _band_means(indices, codes, tables, kept, weights, n_bands, size, out_index, out_mean):
     # Every touched entry and its fp32 mean, band by band; returns how many.
     sums = np.zeros(size, dtype=np.float32)
     counts = np.zeros(size, dtype=np.int32)
     touched = np.empty(size, dtype=np.int64)
     m = 0
     for b in range(n_bands):
-        n = _sum_band(b, indices, codes, tables, kept, size, sums, counts, touched)
+        n = _sum_band(b, indices, codes, tables, kept, weights, size, sums, counts, touched)
         for j in range(n):
             i = touched[j]
             out_index[m] = b * size + i
@@ -167,33 +173,71 @@ def _band_means(indices, codes, tables, n_bands, kept, size, out_index, out_mean
     return m
 
 
+def same_grid(parts: Sequence[SparseTensor]) -> TileGeometry:
+    """The tile grid every peer's record of one tensor shares; the first peer's geometry.
+
+    Peers may keep different numbers of entries per tile (a node on a thin link sends fewer:
+    ``node.compute.linkbudget``), never cut the tensor differently."""
+    geometry = parts[0].geometry
+    for p in parts[1:]:
+        g = p.geometry
+        if (g.shape, g.h, g.w) != (geometry.shape, geometry.h, geometry.w):
+            raise ValueError(f"tensor {p.name!r}: peers disagree on the tile geometry")
+    return geometry
+
+
 def _peer_tables(
-    parts: Sequence[SparseTensor], clip: bool, bound: bool, norms: Sequence[float] | None = None
+    parts: Sequence[SparseTensor],
+    clip: bool,
+    bound: bool,
+    norms: Sequence[float] | None = None,
+    weights: Sequence[PeerWeight] | None = None,
 ) -> np.ndarray:
     """Each peer's four values after median-norm clipping and the value bound, ``(G, 4)``.
 
     ``norms``: the parts' L2 norms when already known (``math.sqrt(part.sq_norm())``).
+    ``weights`` (``node.compute.work``): a peer's ``pre`` scales its values before the clipping
+    sees them (so the clipping bounds what the scaling may buy), its ``post`` multiplies them
+    after the bound, for a contributor mean weighted by ``post``; each one fp32
+    multiplication. The value bound takes the densest peer's kept count: a sparser payload
+    earns no looser bound.
     """
-    geometry = parts[0].geometry
-    for p in parts[1:]:
-        if p.geometry != geometry:
-            raise ValueError(f"tensor {p.name!r}: peers disagree on the tile geometry")
+    same_grid(parts)
     if norms is None:
         norms = [math.sqrt(p.sq_norm()) for p in parts] if clip or bound else []
     elif not (clip or bound):
         norms = []
+    pre = [1.0] * len(parts) if weights is None else [w.pre for w in weights]
+    post = [1] * len(parts) if weights is None else [w.post for w in weights]
+    if norms and any(s != 1.0 for s in pre):
+        norms = [n * s for n, s in zip(norms, pre, strict=True)]
     scales = _clip_scales(norms) if clip else [1.0] * len(parts)
-    limit = value_bound(norms, geometry.n_kept) if bound else math.inf
+    densest = max(p.geometry.n_kept for p in parts)
+    limit = value_bound(norms, densest) if bound else math.inf
     tables = np.empty((len(parts), 4), dtype=np.float32)
     edge = np.float32(limit)
-    for row, (part, scale) in enumerate(zip(parts, scales, strict=True)):
+    for row, part in enumerate(parts):
         table = part.table.numpy()
-        if scale != 1.0:
-            table = table * np.float32(scale)  # one fp32 multiplication, as in torch
+        if pre[row] != 1.0:
+            table = table * np.float32(pre[row])
+        if scales[row] != 1.0:
+            table = table * np.float32(scales[row])  # one fp32 multiplication, as in torch
         if limit != math.inf:
             table = np.minimum(np.maximum(table, -edge), edge)
+        if post[row] != 1:
+            table = table * np.float32(post[row])
         tables[row] = table
     return tables
+
+
+def _kept_and_weights(
+    parts: Sequence[SparseTensor], weights: Sequence[PeerWeight] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per peer: the entries it keeps per band of tiles, and its count in a denominator."""
+    gc = parts[0].geometry.grid[1]
+    kept = np.array([gc * p.geometry.k for p in parts], dtype=np.int64)
+    counts = [1] * len(parts) if weights is None else [w.post for w in weights]
+    return kept, np.array(counts, dtype=np.int32)
 
 
 def _typed(arrays: Sequence[np.ndarray]) -> List:
@@ -212,7 +256,11 @@ def _peer_arrays(parts: Sequence[SparseTensor]) -> tuple[List, List]:
 
 
 def sparse_mean(
-    parts: Sequence[SparseTensor], *, clip: bool = True, bound: bool = False
+    parts: Sequence[SparseTensor],
+    *,
+    clip: bool = True,
+    bound: bool = False,
+    weights: Sequence[PeerWeight] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean over contributors of one tensor, as ``(index, mean)`` over the touched entries.
 
@@ -221,19 +269,21 @@ def sparse_mean(
     of first selection) lists every entry some peer selected; every other entry of the aggregate
     is 0. With ``clip``, each peer's tensor is first scaled by ``min(1, median_norm /
     its_norm)``; with ``bound``, every value is then clipped to
-    ``node.compute.robust.value_bound`` (bounded influence).
+    ``node.compute.robust.value_bound`` (bounded influence). ``weights`` (one per part,
+    ``node.compute.work``): the mean of unequal work; None: every peer counts once.
     """
     if not parts:
         raise ValueError("aggregation needs at least one payload")
-    tables = _peer_tables(parts, clip, bound)
+    tables = _peer_tables(parts, clip, bound, weights=weights)
     geometry = parts[0].geometry
-    n_bands, kept, size = _bands(geometry)
-    cap = min(geometry.numel, len(parts) * geometry.n_kept)
+    n_bands, _, size = _bands(geometry)
+    kept, counts = _kept_and_weights(parts, weights)
+    cap = min(geometry.numel, sum(p.geometry.n_kept for p in parts))
     index = np.empty(cap, dtype=np.int64)
     mean = np.empty(cap, dtype=np.float32)
-    if geometry.n_kept:
+    if cap:
         indices, codes = _peer_arrays(parts)
-        n = _band_means(indices, codes, tables, n_bands, kept, size, index, mean)
+        n = _band_means(indices, codes, tables, kept, counts, n_bands, size, index, mean)
     else:
         n = 0
     return torch.from_numpy(index[:n].copy()), torch.from_numpy(mean[:n].copy())
@@ -246,29 +296,37 @@ def _subtract_in_place(
     clip: bool,
     bound: bool,
     norms: Sequence[float] | None = None,
+    weights: Sequence[PeerWeight] | None = None,
 ) -> None:
     """``theta -= alpha * mean`` for an fp32 contiguous CPU tensor, one band at a time."""
-    tables = _peer_tables(parts, clip, bound, norms)
+    tables = _peer_tables(parts, clip, bound, norms, weights)
     geometry = parts[0].geometry
-    if geometry.n_kept == 0:
+    if not any(p.geometry.n_kept for p in parts):
         return
-    n_bands, kept, size = _bands(geometry)
+    n_bands, _, size = _bands(geometry)
+    kept, counts = _kept_and_weights(parts, weights)
     indices, codes = _peer_arrays(parts)
     flat = theta.detach().view(-1).numpy()
     with kernels.parallel():
         chunks = min(n_bands, 4 * numba.get_num_threads())
         scaled = alpha != 1.0
         _subtract_mean(
-            flat, indices, codes, tables, n_bands, kept, size, np.float32(alpha), scaled, chunks
-        )
+            flat, indices, codes, tables, kept, counts, n_bands, size, np.float32(alpha),
+            scaled, chunks,
+        )  # fmt: skip
 
 
-def aggregate_tensor(parts: Sequence[SparseTensor], *, clip: bool = True) -> torch.Tensor:
+def aggregate_tensor(
+    parts: Sequence[SparseTensor],
+    *,
+    clip: bool = True,
+    weights: Sequence[PeerWeight] | None = None,
+) -> torch.Tensor:
     """Mean over contributors of one tensor, as a dense fp32 tensor of the tensor's shape.
 
     A coordinate nobody selected is 0. See ``sparse_mean`` for the rules.
     """
-    index, mean = sparse_mean(parts, clip=clip)
+    index, mean = sparse_mean(parts, clip=clip, weights=weights)
     out = torch.zeros(parts[0].geometry.numel, dtype=torch.float32)
     out[index] = mean
     return out.view(parts[0].geometry.shape)
@@ -291,23 +349,25 @@ def screen(
     robust: bool,
     combine: Callable[[np.ndarray], np.ndarray] | None,
     each: Callable[[str, list[Payload]], list[Any]],
-) -> tuple[Screening, list[Payload]]:
-    """The screening of ``payloads`` and the peers it keeps, in canonical order (all of them
-    without ``robust``). A first pass over the tensors ``names`` takes every tensor's pairwise
-    sign agreement (``each(name, peers)``: the peers' records of the tensor, each decoded once
-    more when the payloads are lazy), then one verdict per peer for the whole payload;
-    ``combine`` adds the counts over a node's ranks first."""
-    peers = ordered(payloads)
-    screening = Screening(sorted(payloads))
-    if not peers or not (robust and screening.active):
-        return screening, peers
+) -> tuple[Screening, list[str]]:
+    """The screening of ``payloads`` and the node ids of the peers it keeps, in canonical
+    order (all of them without ``robust``). A first pass over the tensors ``names`` takes every
+    tensor's pairwise sign agreement (``each(name, peers)``: the peers' records of the tensor,
+    each decoded once more when the payloads are lazy), then one verdict per peer for the whole
+    payload; ``combine`` adds the counts over a node's ranks first. Screening looks at signs
+    only: how much work a peer's payload carries (``node.compute.work``) does not enter it."""
+    ids = sorted(payloads)
+    screening = Screening(ids)
+    if not ids or not (robust and screening.active):
+        return screening, ids
+    peers = [payloads[n] for n in ids]
     for name in names:
         screening.add(each(name, peers))
     if combine is not None:
         screening.agree = combine(screening.agree)
         screening.shared = combine(screening.shared)
     keep = screening.decide()
-    return screening, [p for p, kept in zip(peers, keep, strict=True) if kept]
+    return screening, [n for n, kept in zip(ids, keep, strict=True) if kept]
 
 
 @dataclass(frozen=True)
@@ -330,8 +390,12 @@ def apply_aggregate(
     params: Mapping[str, torch.Tensor],
     payloads: Mapping[str, Payload],
     options: AggregateOptions = DEFAULT_AGGREGATE,
+    work: Mapping[str, PeerWeight] | None = None,
 ) -> Screening:
     """Steps 7-8 in place: ``theta -= alpha * aggregate`` for every tensor (``options``).
+
+    ``work`` (node id -> ``PeerWeight``, ``node.compute.work.peer_weights``): how each peer's
+    payload counts when the peers did unequal work; None (or a peer missing from it): once.
 
     ``payloads`` maps node id to its validated payload; the mapping's own order is ignored.
     With no payloads the parameters stay unchanged (an empty round). Only the entries some
@@ -346,12 +410,14 @@ def apply_aggregate(
     """
     alpha, clip, robust = options.alpha, options.clip, options.robust
     # Each tensor of the peers decoded side by side (nogil kernels) for the screening.
-    screening, peers = screen(
+    screening, ids = screen(
         params, payloads, robust=robust, combine=options.combine,
         each=lambda name, peers: kernels.map_threads(lambda p: p.tensors[name], peers),
     )  # fmt: skip
     if not payloads:
         return screening
+    peers = [payloads[n] for n in ids]
+    weights = None if work is None else [work.get(n, UNIT) for n in ids]
     with torch.no_grad():
         for name, theta in params.items():
             # Lazily read payloads decode here, the peers side by side (nogil kernels).
@@ -363,9 +429,9 @@ def apply_aggregate(
                 and theta.device.type == "cpu"
             ):
                 norms = [norm for _, norm in decoded]
-                _subtract_in_place(theta, parts, alpha, clip, robust, norms)
+                _subtract_in_place(theta, parts, alpha, clip, robust, norms, weights)
                 continue
-            index, update = sparse_mean(parts, clip=clip, bound=robust)
+            index, update = sparse_mean(parts, clip=clip, bound=robust, weights=weights)
             if alpha != 1.0:
                 update.mul_(alpha)
             flat = theta.view(-1)

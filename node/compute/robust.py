@@ -87,29 +87,30 @@ def _pairs(pos, neg, index, codes, signs, p, lo, hi, base, agree, shared):
 def _screen(indices, codes, signs, n_bands, kept, size, agree, shared):
     # Band by band (see node.compute.outer._bands): each entry's masks of the peers that sent
     # it a positive / negative value, then every peer's agreement with the others; the masks
-    # cover one band and are cleared after it.
+    # cover one band and are cleared after it. Peer p keeps ``kept[p]`` entries per band.
     pos = np.zeros(size, dtype=np.uint64)
     neg = np.zeros(size, dtype=np.uint64)
     n = len(indices)
     for b in range(n_bands):
         base = b * size
-        lo = b * kept
-        hi = lo + kept
         for p in range(n):
             bit = np.uint64(1) << np.uint64(p)
             index = indices[p]
             code = codes[p]
-            for j in range(lo, hi):
+            lo = b * kept[p]
+            for j in range(lo, lo + kept[p]):
                 s = signs[p, code[j]]
                 if s > 0:
                     pos[index[j] - base] |= bit
                 elif s < 0:
                     neg[index[j] - base] |= bit
         for p in range(n):
+            lo = b * kept[p]
+            hi = lo + kept[p]
             _pairs(pos, neg, indices[p], codes[p], signs[p], p, lo, hi, base, agree, shared)
         for p in range(n):
             index = indices[p]
-            for j in range(lo, hi):
+            for j in range(b * kept[p], (b + 1) * kept[p]):
                 pos[index[j] - base] = 0
                 neg[index[j] - base] = 0
 
@@ -136,17 +137,18 @@ class Screening:
     def add(self, parts: Sequence[SparseTensor]) -> None:
         """Account one tensor (``parts`` in the order of ``names``), one band of tiles at a
         time: scratch is 16 bytes per element of a band, not of the tensor."""
-        if not self.active or not parts or parts[0].geometry.n_kept == 0:
+        if not self.active or not parts or not any(p.geometry.n_kept for p in parts):
             return
         g = parts[0].geometry
         gr, gc = g.grid
+        kept = np.array([gc * p.geometry.k for p in parts], dtype=np.int64)
         signs = np.stack([np.sign(p.table.numpy()).astype(np.int32) for p in parts])
         indices, codes = List(), List()
         index_dtype = np.int64 if g.numel >= 2**31 else np.int32
         for p in parts:
             indices.append(p.index.numpy().astype(index_dtype, copy=False))
             codes.append(p.codes.numpy())
-        _screen(indices, codes, signs, gr, gc * g.k, g.h * g.cols, self.agree, self.shared)
+        _screen(indices, codes, signs, gr, kept, g.h * g.cols, self.agree, self.shared)
 
     def decide(self) -> list[bool]:
         """Which peers stay (in the order of ``names``); fills ``rejected``."""

@@ -75,6 +75,8 @@ def node_payload(
     round_: int,
     node_id: str,
     base: str,
+    steps: int = 0,
+    tokens: int = 0,
 ) -> bytes:
     """The node's payload on rank 0, from every rank's ``records``; b"" on the other ranks."""
     parts = group.gather_bytes(records_to_bytes(records), "collecting payload records")
@@ -82,8 +84,9 @@ def node_payload(
         return b""
     every = [r for part in parts for r in records_from_bytes(part)]
     return assemble(
-        every, topk=topk, tile=tile, run_id=run_id, round=round_, node_id=node_id, base=base
-    )
+        every, topk=topk, tile=tile, run_id=run_id, round=round_, node_id=node_id, base=base,
+        steps=steps, tokens=tokens,
+    )  # fmt: skip
 
 
 def node_fingerprint(group: Group, tensors: Mapping[str, torch.Tensor]) -> str:

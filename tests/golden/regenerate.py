@@ -1,4 +1,4 @@
-"""Rewrite the golden payload files that pin the wire format (format version 2).
+"""Rewrite the golden payload files that pin the wire format (format version 3).
 
 Run from the repository root: ``python tests/golden/regenerate.py``. Only do so together with
 a format version bump: ``tests/test_codec_golden.py`` fails whenever the encoder's bytes for
@@ -32,7 +32,14 @@ CASES: dict[str, dict[str, Any]] = {
     "dense_k64_t64": {
         "topk": 64,
         "tile": 64,
-        "header": {"run_id": "golden-run", "round": 42, "node_id": "node-7", "base": "ab" * 32},
+        "header": {
+            "run_id": "golden-run",
+            "round": 42,
+            "node_id": "node-7",
+            "base": "ab" * 32,
+            "steps": 30,
+            "tokens": 46080,
+        },
         "tensors": {
             "layer.weight": {"shape": [64, 64], "kind": "normal", "seed": 1},
             "layer.bias": {"shape": [100], "kind": "normal", "seed": 2},
@@ -49,7 +56,14 @@ CASES: dict[str, dict[str, Any]] = {
     "ties_k64_t64": {  # equal magnitudes everywhere, and a scalar
         "topk": 64,
         "tile": 64,
-        "header": {"run_id": "golden-run", "round": 7, "node_id": "node-ties", "base": "f00d"},
+        "header": {
+            "run_id": "golden-run",
+            "round": 7,
+            "node_id": "node-ties",
+            "base": "f00d",
+            "steps": 11,
+            "tokens": 2816,
+        },
         "tensors": {
             "ones": {"shape": [64, 128], "kind": "ones", "seed": 0},
             "ints": {"shape": [128, 64], "kind": "ints", "seed": 5},

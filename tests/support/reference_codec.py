@@ -20,7 +20,7 @@ Use it on small tensors only.
 The wire helpers at the end (``split_payload``, ``build_payload``, ``wrap_header``,
 ``fix_checksums``, ``rice_streams``, ``decode_positions``, ``pack_codes``, ``store_codes``,
 ``raw_codes``, ``zstd_frame``, ``with_raw_codes``) are a second implementation of format
-version 2, written from ``protocol/FORMAT.md`` with the libraries (``struct``, ``zlib``,
+version 3, written from ``protocol/FORMAT.md`` with the libraries (``struct``, ``zlib``,
 ``msgpack``, ``zstandard``) directly; tests use them to read payloads independently and to
 craft malformed ones.
 """
@@ -241,9 +241,9 @@ def decode_positions(
 # --------------------------------------------------------------------------- wire helpers
 
 MAGIC = b"SLCP"
-VERSION = 2
+VERSION = 3
 PREFIX = struct.Struct("<4sBBII")  # magic, version, flags, header length L, CRC-32 of the header
-HEADER_KEYS = ("run", "round", "node", "base", "tile", "topk", "tensors")
+HEADER_KEYS = ("run", "round", "node", "base", "tile", "topk", "steps", "tokens", "tensors")
 ENTRY_FIELDS = (
     "name",
     "shape",
