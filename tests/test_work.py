@@ -115,7 +115,9 @@ def test_weights_of_one_are_bit_for_bit_the_plain_mean() -> None:
 
 def test_weighted_aggregation_is_the_same_bits_whatever_the_arrival_order() -> None:
     payloads = _payloads([64, 16, 64, 64, 8], seed=3)
-    work = peer_weights({n: s for n, s in zip(sorted(payloads), [30, 7, 12, 30, 2])}, H, "steps")
+    work = peer_weights(
+        {n: s for n, s in zip(sorted(payloads), [30, 7, 12, 30, 2], strict=True)}, H, "steps"
+    )
     results = []
     for order in (sorted(payloads), sorted(payloads, reverse=True)):
         theta = {n: torch.ones(s) for n, s in SHAPES.items()}
