@@ -265,6 +265,10 @@ class Manifest(Message):
     opened_at: float
     closed_at: float
 
+    def steps(self) -> dict[str, int | None]:
+        """The steps each gathered payload carries, as listed (None: not said)."""
+        return {e.node_id: e.steps for e in self.gather}
+
 
 class SignedManifest(Message):
     """A manifest as stored at ``rounds/{r}/manifest.json``."""

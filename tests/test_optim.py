@@ -176,8 +176,10 @@ def test_a_pause_that_moves_nothing_is_one_pass_over_the_batch() -> None:
     a = inner_step(paused, opts[0], x, x, step=1, cfg=cfg, pause=(3, lambda: None))
     b = inner_step(whole, opts[1], x, x, step=1, cfg=cfg)
     assert a == pytest.approx(b, rel=1e-6)
+    # Two backward passes sum the batch's gradients in another order than one: fp32 rounding
+    # (seen: one entry of 12,288 off by 6e-7, on this CPU at the commit before issue 33 too).
     for p, q in zip(paused.parameters(), whole.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     for rows in (-1, 5):
         with pytest.raises(ValueError, match=f"pause after {rows}"):
             inner_step(paused, opts[0], x, x, step=2, cfg=cfg, pause=(rows, lambda: None))
@@ -196,8 +198,10 @@ def test_a_pause_with_no_rows_on_one_side_runs_that_pass_on_a_stand_in_weighted_
     b = inner_step(whole, opts[1], x, x, step=1, cfg=cfg)
     assert calls == [1]
     assert a == pytest.approx(b, rel=1e-6)
+    # Two backward passes sum the batch's gradients in another order than one: fp32 rounding
+    # (seen: one entry of 12,288 off by 6e-7, on this CPU at the commit before issue 33 too).
     for p, q in zip(paused.parameters(), whole.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_a_pause_that_raises_leaves_no_gradient_and_takes_no_step() -> None:

@@ -91,7 +91,8 @@ class _Handoff:
         if self.outcome is None:
             raise Abandoned()
         base, blobs = self.outcome
-        return SimpleNamespace(manifest=SimpleNamespace(base_fingerprint=base), blobs=blobs)
+        manifest = SimpleNamespace(base_fingerprint=base, steps=dict)  # no steps listed
+        return SimpleNamespace(manifest=manifest, blobs=blobs)
 
 
 def _merge_word(group: Group, out: Path, peers_dir: str, tag: str) -> list[Any]:

@@ -85,12 +85,12 @@ class RoundCloser:
                 raise Conflict("round_closed", f"round {round_} closed concurrently")
             nxt = round_ + 1
             finished = 0
-            opened = None
+            opened: tuple[int, float, float | None] | None = None
             if nxt < self.run.rounds:
                 if self.members.active_count() >= self.run.min_nodes:
                     length, allowed = self.deadline_length(), self.budget_length()
                     self.db.insert_round(nxt, RoundState.OPEN, now, now + length, allowed)
-                    opened: tuple[int, float, float | None] | None = (nxt, length, allowed)
+                    opened = (nxt, length, allowed)
                 else:
                     self.db.insert_round(nxt, RoundState.WAITING, None, None)
             else:

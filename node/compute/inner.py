@@ -10,7 +10,11 @@ On a node of several ranks the model is FSDP's (``node.compute.fsdp``) and every
 same loop: each reads the node's batch of the step from the data (a pure function of the step,
 so no rank sends another one anything) and trains on its rows ``rank::world`` of it; FSDP
 reduces the gradients. Whether to stop is agreed before every step (``Group.any``), so all
-ranks leave a round at the same step.
+ranks leave a round at the same step, and so is whether the round's time budget ends it early
+(``cut``, asked of rank 0 only): a node trains until H steps or its budget, whichever comes first
+(``node.compute.linkbudget``). Every step draws the batch and the learning rate of its global
+step, round × H + h, so a round cut short leaves the node on the run's schedule: the next round
+starts at (round + 1) × H like everyone's.
 """
 
 from __future__ import annotations
@@ -70,8 +74,15 @@ class InnerLoop:
         stop: threading.Event,
         on_step: Callable[[], None] | None = None,
         pause: tuple[int, int, Callable[[], None]] | None = None,
+        cut: Callable[[], bool] | None = None,
+        min_steps: int = 1,
     ) -> list[float]:
-        """H inner steps of round ``round_`` on the model as it is; the batch losses.
+        """Up to H inner steps of round ``round_`` on the model as it is; the batch losses (one
+        per step taken).
+
+        ``cut`` is asked before every step from the ``min_steps``-th on (at least one step is
+        always taken, and with a merge at step τ the steps up to τ): True ends the round's
+        training there, as a time budget that ran out does; the steps taken stand.
 
         ``lr_scale`` is asked before each step (the re-warm-up factor moves with the node's
         step count, which ``on_step`` advances). Raises ``Abandoned`` if ``stop`` is set
@@ -86,8 +97,12 @@ class InnerLoop:
         group = self.group
         losses = []
         for h in range(H):
-            if group.any(stop.is_set(), "agreeing whether to stop"):
+            asked = cut is not None and h >= min_steps and cut()
+            stop_now, cut_now = group.flags([stop.is_set(), asked], "agreeing whether to stop")
+            if stop_now:
                 raise Abandoned()
+            if cut_now:
+                break
             step = round_ * H + h
             x, y = self.batch(step)
             weight, node_loss = 1.0, None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from node.compute.mass import abs_total, total
@@ -33,6 +34,7 @@ from node.compute.outer import AggregateOptions, add_back, apply_aggregate, comp
 from node.compute.shards import encode_tensors, node_payload
 from node.compute.share import Share
 from node.compute.throughput import Meter, StepClock, Throughput
+from node.compute.work import peer_weights
 from protocol.codec import Payload, read_payload, read_payload_file
 from protocol.errors import PayloadError
 from protocol.runconfig import RunConfig
@@ -68,6 +70,11 @@ class TrainResult:
     held: float = 0.0
     #: Tokens per second of the inner steps and their MFU (``node.compute.throughput``).
     throughput: Throughput | None = None
+    #: The work the payload carries: inner steps taken (H unless the budget cut it), tokens.
+    steps: int = 0
+    tokens: int = 0
+    #: Entries per tile it sends: the run's, or fewer where the link is thin.
+    topk: int = 0
 
 
 class Worker(Share):
@@ -87,6 +94,13 @@ class Worker(Share):
         self._spare_recon: dict[str, torch.Tensor] | None = None
         #: The peers' payloads of the round being applied (this rank's tensors of each).
         self.gathered: dict[str, Payload] = {}
+        #: (rank 0, set by the daemon from the round's budget, before or during training)
+        #: When the round's training must end (``time.monotonic``), and the entries per tile to
+        #: send (None: H steps; the run's k). ``node.compute.linkbudget`` plans both.
+        self.cutoff: float | None = None
+        self.send_topk: int | None = None
+        #: The clock ``cutoff`` is on: the daemon's (``time.monotonic`` for a real one).
+        self.cutoff_clock: Callable[[], float] = time.monotonic
 
     # -- one round -------------------------------------------------------------------------------
 
@@ -151,6 +165,8 @@ class Worker(Share):
                 stop=self.stop,
                 on_step=on_step,
                 pause=pause,
+                cut=self._budget_ran_out if self.group.leader else None,
+                min_steps=1 if merge is None else merge[0],
             )
             self.placement.synchronize()
             inner_s = time.perf_counter() - t_inner - merging_s[0]
@@ -172,7 +188,9 @@ class Worker(Share):
         del delta
         computed = self.node_sum(total(self.error))
         scale = self.node_sum(abs_total(self.error))
-        payload, recon = self._compress(trained_round, base)
+        steps, tokens = len(losses), len(losses) * self.tokens_per_step
+        topk = self._agreed_topk()
+        payload, recon = self._compress(trained_round, base, steps, tokens, topk)
         sha256 = hashlib.sha256(payload).hexdigest() if self.group.leader else ""
         self.recon[trained_round] = recon
         # Under overlap e changes again before this round is settled: its account is taken now.
@@ -190,27 +208,48 @@ class Worker(Share):
             computed=computed,
             scale=scale,
             held=held,
-            throughput=self.meter.measure(len(losses) * self.tokens_per_step, inner_s, self.steps),
+            throughput=self.meter.measure(tokens, inner_s, self.steps),
+            steps=steps,
+            tokens=tokens,
+            topk=topk,
         )
 
-    def _compress(self, round_: int, base: str) -> tuple[bytes, dict[str, torch.Tensor]]:
-        """Steps 4-5 on this rank's tensors; on a node of ranks, rank 0 assembles the payload
-        from every rank's records (``node.compute.shards``; the others return no bytes)."""
+    def _budget_ran_out(self) -> bool:
+        """(rank 0, between inner steps) Whether the round's training time is up."""
+        cutoff = self.cutoff
+        return cutoff is not None and self.cutoff_clock() >= cutoff
+
+    def _agreed_topk(self) -> int:
+        """The entries per tile this round sends: rank 0's plan (``send_topk``), the same on
+        every rank, at most the run's k."""
+        mine = self.send_topk if self.group.leader and self.send_topk else 0
+        chosen = int(self.group.sum_ints(np.array([mine], dtype=np.int64), "agreeing on k")[0])
+        return max(1, min(self.run.topk, chosen or self.run.topk))
+
+    def _compress(
+        self, round_: int, base: str, steps: int = 0, tokens: int = 0, topk: int | None = None
+    ) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """Steps 4-5 on this rank's tensors, ``topk`` per tile, the work in the header; on a
+        node of ranks, rank 0 assembles the payload from every rank's records
+        (``node.compute.shards``; the others return no bytes)."""
         run = self.run
+        topk = run.topk if topk is None else topk
         header = {"run_id": self.run_id, "node_id": self.node_id, "base": base}
         if not self.sharded:
             spare, self._spare_recon = self._spare_recon, None
             return compress(
-                self.error, topk=run.topk, tile=run.tile, out=spare, round=round_, **header
-            )
+                self.error, topk=topk, tile=run.tile, out=spare, round=round_,
+                steps=steps, tokens=tokens, **header,
+            )  # fmt: skip
         records, recon = encode_tensors(
-            self.group, self.error, self.shapes, topk=run.topk, tile=run.tile
+            self.group, self.error, self.shapes, topk=topk, tile=run.tile
         )
         for name, e in self.error.items():
             e.sub_(recon[name])
         payload = node_payload(
-            self.group, records, topk=run.topk, tile=run.tile, round_=round_, **header
-        )
+            self.group, records, topk=topk, tile=run.tile, round_=round_, steps=steps,
+            tokens=tokens, **header,
+        )  # fmt: skip
         return payload, recon
 
     def _count_step(self) -> None:
@@ -272,12 +311,16 @@ class Worker(Share):
         before = {n: p.clone() for n, p in self.params.items()} if eager else None
         run = self.run
         options = AggregateOptions(run.alpha, run.clip, run.robust, combine=self.group.sum_ints)
+        # Unequal work counts by the run's rule, from the steps the headers carry (the signed
+        # manifest's sha256 binds every header, and each repeats the manifest's steps).
+        steps = {n: p.steps for n, p in payloads.items()}
+        work = peer_weights(steps, run.inner_steps, run.work_weight)
         if self.device.type == "cuda" and self.sharded:
             from node.compute import device
 
-            screening = device.apply_aggregate(self.params, payloads, options)
+            screening = device.apply_aggregate(self.params, payloads, options, work)
         else:
-            screening = apply_aggregate(self.params, payloads, options)
+            screening = apply_aggregate(self.params, payloads, options, work)
         if before is not None:
             with torch.no_grad():
                 for n, p in self.params.items():
@@ -332,12 +375,19 @@ class Worker(Share):
         return self.node_sum(total(recon))
 
 
-def check_payload_header(payload: Payload, *, run_id: str, round_: int, node_id: str) -> None:
-    """A gathered payload must say it is for this run, this round and the node it came from."""
-    for field, got, want in (
+def check_payload_header(
+    payload: Payload, *, run_id: str, round_: int, node_id: str, steps: int | None = None
+) -> None:
+    """A gathered payload must say it is for this run, this round and the node it came from,
+    and carry the steps the manifest lists for it (when the manifest lists them): the work it
+    is weighed by is then the same whoever reads it."""
+    checks: list[tuple[str, object, object]] = [
         ("header.run", payload.run_id, run_id),
         ("header.round", payload.round, round_),
         ("header.node", payload.node_id, node_id),
-    ):
+    ]
+    if steps is not None:
+        checks.append(("header.steps", payload.steps, steps))
+    for field, got, want in checks:
         if got != want:
             raise PayloadError(field, f"payload says {got!r}, manifest says {want!r}")

@@ -7,7 +7,9 @@ the run's rounds), and lets it close once every member is only ``waiting``. So t
 - ``store_unreachable`` while its link to the store is down (``node.daemon.retry.Link``);
 - ``waiting`` while it only waits for a round it submitted to to close, and trains nothing
   meanwhile (with overlap it trains while it waits);
-- ``training`` otherwise: training, sending, or applying the rounds before its next payload.
+- ``training`` otherwise: training, sending, or applying the rounds before its next payload;
+- ``observing``, above all of these, while its link cannot get a payload in within a round's
+  budget (``node.daemon.budgeting``): it applies every round and no round waits for it.
 
 A change of condition sends a heartbeat soon (``due``), at most one per ``GAP_S``, so the
 coordinator does not act on what the node did a heartbeat interval ago.
@@ -34,9 +36,18 @@ class Condition:
         self.links = tuple(links)
         self._idle_waits = 0
         self._trainings = 0
+        self._observing = False
         self._changed = asyncio.Event()
 
+    def observe(self, on: bool) -> None:
+        """The node starts (or stops) only observing: it says so at once."""
+        if on != self._observing:
+            self._observing = on
+            self._changed.set()
+
     def now(self) -> NodeCondition:
+        if self._observing:
+            return NodeCondition.OBSERVING
         if any(link.service == "store" and not link.up for link in self.links):
             return NodeCondition.STORE_UNREACHABLE
         if self._idle_waits and not self._trainings:

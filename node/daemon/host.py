@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 from node.compute.worker import Worker
 from node.daemon.api import Clock, CoordinatorApi, Transfers
+from node.daemon.budgeting import Budgeting
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.condition import Condition
 from node.daemon.faults import Faults
@@ -56,6 +57,9 @@ class Daemon(Protocol):
 
     async def sleep(self, seconds: float) -> None: ...
 
+    def uploaded(self, size: int, seconds: float) -> None:
+        """A payload of ``size`` bytes went up in ``seconds`` (the link's measurement)."""
+
 
 class RoundDaemon(Daemon, Protocol):
     """What finishing a round needs (``node.daemon.rounds``)."""
@@ -67,6 +71,7 @@ class RoundDaemon(Daemon, Protocol):
     sync: CheckpointSync
     condition: Condition
     spool: Spool
+    budgeting: Budgeting
 
     @property
     def worker(self) -> Worker: ...

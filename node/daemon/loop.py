@@ -43,9 +43,11 @@ import aiohttp
 
 from node.compute.data import Corpus
 from node.compute.group import Group
+from node.compute.linkbudget import Plan
 from node.compute.worker import TrainResult, Worker
 from node.daemon import overlap
 from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
+from node.daemon.budgeting import Budgeting
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.condition import Condition
 from node.daemon.dataset import DatasetSource, open_waiting
@@ -124,6 +126,9 @@ class NodeDaemon:
         #: What the node is doing, as its heartbeats and requests say (``node.daemon.condition``).
         self.condition = Condition(self.links)
         self.api.say(self.condition.now)
+        #: Each round's time budget: the plan, the link's measurements, observing
+        #: (``node.daemon.budgeting``).
+        self.budgeting = Budgeting(self.condition, self.clock.now)
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -316,7 +321,10 @@ class NodeDaemon:
             elif r < view.round:
                 await self.finisher.finish(r)  # catch up on a closed round
             elif view.state == RoundState.OPEN and view.expected and not view.submitted:
-                await self._participate(r)
+                if self.budgeting.observes(view, self.worker, r, self.node_id):
+                    await self.finisher.finish(r)  # the link cannot carry a payload in time
+                else:
+                    await self._participate(r, view)
             elif view.state == RoundState.WAITING:
                 await self.sleep(WAITING_POLL_S)
             else:
@@ -343,18 +351,23 @@ class NodeDaemon:
             "save_trained", pending.round, pending.mass, payload=pending.payload
         )
 
-    async def _participate(self, r: int) -> None:
+    async def _participate(self, r: int, view: RoundView) -> None:
         """Steps 1-5 and the upload, then the rest of the round. With overlap only steps 1-5:
-        the next step sends this round while it trains the next (``node.daemon.overlap``)."""
+        the next step sends this round while it trains the next (``node.daemon.overlap``).
+        The round's budget (``view``) ends the training early where it must, and sets the
+        entries per tile a thin link sends (``node.daemon.budgeting``)."""
         started = self.clock.now()
+        self.budgeting.arm(self.worker, self.budgeting.plan(view, self.worker))
         try:
             result = await self.train()
         except Abandoned:
             self.log("training_abandoned")
             return
+        finally:
+            chosen = self.budgeting.disarm(self.worker)
         trained_s = self.clock.now() - started
         self.faults.crash_point(r, "after_train")
-        pending = PendingRound.trained(r, result)
+        pending = self.trained(r, result, chosen)
         await self.save_trained(pending)
         self.pending = pending
         speed = result.throughput.log_fields() if result.throughput else {}
@@ -367,6 +380,14 @@ class NodeDaemon:
             await self.sleep(delay)
         await submit(self, pending)
         await self.finisher.finish(r)
+
+    def trained(self, r: int, result: TrainResult, chosen: Plan) -> PendingRound:
+        """Round ``r``'s pending round from its training, with what cut it short."""
+        return self.budgeting.pending(r, result, chosen, self.worker.run, self.log)
+
+    def uploaded(self, size: int, seconds: float) -> None:
+        """A payload went up: the link's newest measurement (``node.daemon.budgeting``)."""
+        self.budgeting.meter.uploaded(size, seconds)
 
     async def _resume_pending(self, view: RoundView) -> None:
         """After a restart with a trained, unsent (or unconfirmed) payload for this round."""

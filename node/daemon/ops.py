@@ -25,7 +25,7 @@ import asyncio
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,7 +207,8 @@ def merge_now(ctx: RankContext, handoff: Handoff | None) -> None:
         if handoff is not None:
             handoff.diverged = True
         raise Abandoned()
-    invalid = read_gather(ctx, round_, sources)
+    claims = None if handoff is None else gathered.manifest.steps()
+    invalid = read_gather(ctx, round_, sources, claims=claims)
     try:
         screened = worker.merge(worker.gathered)
     finally:
@@ -217,10 +218,17 @@ def merge_now(ctx: RankContext, handoff: Handoff | None) -> None:
 
 
 @op
-def read_gather(ctx: RankContext, round_: int, sources: dict[str, Any]) -> dict[str, str]:
+def read_gather(
+    ctx: RankContext,
+    round_: int,
+    sources: dict[str, Any],
+    *,
+    claims: Mapping[str, int | None] | None = None,
+) -> dict[str, str]:
     """Validate every gathered payload (its header, and this rank's tensors' records) against
     the run and the manifest; the ones that fail, with the reason, the same on every rank. The
-    valid ones wait in the worker for ``apply``. ``sources``: bytes, or downloaded files."""
+    valid ones wait in the worker for ``apply``. ``sources``: bytes, or downloaded files.
+    ``claims`` (rank 0): the steps the manifest lists per node, which each header must repeat."""
     worker = ctx.worker
     worker.gathered = {}
     rejected: dict[str, str] = {}
@@ -228,7 +236,10 @@ def read_gather(ctx: RankContext, round_: int, sources: dict[str, Any]) -> dict[
     for node in nodes:
         try:
             payload = worker.read(sources[node])
-            check_payload_header(payload, run_id=worker.run_id, round_=round_, node_id=node)
+            check_payload_header(
+                payload, run_id=worker.run_id, round_=round_, node_id=node,
+                steps=None if claims is None else claims.get(node),
+            )  # fmt: skip
             worker.gathered[node] = payload
         except PayloadError as exc:
             rejected[node] = f"failed validation: {exc}"

@@ -32,7 +32,9 @@ import contextlib
 import time
 from typing import Protocol
 
+from node.compute.linkbudget import Plan
 from node.compute.worker import TrainResult
+from node.daemon.budgeting import Budgeting
 from node.daemon.host import RoundDaemon
 from node.daemon.merge import Handoff
 from node.daemon.pending import PendingRound
@@ -53,6 +55,10 @@ class OverlapDaemon(RoundDaemon, Protocol):
 
     @property
     def finisher(self) -> RoundFinisher: ...
+
+    budgeting: Budgeting
+
+    def trained(self, r: int, result: TrainResult, chosen: Plan) -> PendingRound: ...
 
     async def train(
         self,
@@ -84,8 +90,12 @@ async def step(d: OverlapDaemon) -> None:
     merging = d.worker.run.overlap == "merge"
     travel = asyncio.create_task(communicate(d, pending, k, merging), name=f"round-{k}-transfers")
     handoff = Handoff(k, asyncio.get_running_loop(), travel) if merging else None
+    d.budgeting.begin()
     try:
-        result = await d.train(k + 1, eager_from, handoff)
+        try:
+            result = await d.train(k + 1, eager_from, handoff)
+        finally:
+            chosen = d.budgeting.disarm(d.worker)
     except Abandoned:
         if handoff is None or d.stopping.is_set():
             d.log("training_abandoned")
@@ -115,7 +125,7 @@ async def step(d: OverlapDaemon) -> None:
         await d.resync()
         return
     await finisher.conclude(k, gathered, merged)
-    following = PendingRound.trained(k + 1, result)
+    following = d.trained(k + 1, result, chosen)
     if handoff is not None:  # the wait at step τ is on the training clock but trains nothing
         following.timings["train"] -= handoff.waited_s
         following.timings["merge_wait"] = handoff.waited_s
@@ -143,6 +153,7 @@ async def communicate(
     view = await finisher.wait(k)
     if view is None:
         return None
+    await arm_next(d, k + 1)
     finisher.waited(pending)
     manifest = finisher.verify(view, k)
     t0 = time.perf_counter()
@@ -158,6 +169,18 @@ async def communicate(
     if fetched is None:
         return None
     return Gathered(manifest, *fetched, time.perf_counter() - t0)
+
+
+async def arm_next(d: OverlapDaemon, round_: int) -> None:
+    """Round ``round_``, whose training is under way, has opened (the one before closed): its
+    budget is known now, so the training in progress gets its cutoff and k
+    (``node.daemon.budgeting``)."""
+    if not d.budgeting.training:
+        return  # it ended already (it waits for this round's transfers): nothing to cut
+    view = await d.api.round()
+    opened = view.round == round_ and view.state == RoundState.OPEN
+    if opened and view.budget_in_s is not None and d.budgeting.training:
+        d.budgeting.arm(d.worker, d.budgeting.plan(view, d.worker))
 
 
 async def send_when_open(d: OverlapDaemon, pending: PendingRound) -> None:

@@ -44,7 +44,7 @@ from node.compute.state import (
 from node.compute.stateread import load_state
 from node.compute.worker import TrainResult, Worker
 from node.errors import StateError
-from protocol.codec import payload_base
+from protocol.codec import payload_base, payload_work
 
 log = logging.getLogger("sparseloco.node")
 
@@ -75,6 +75,12 @@ class PendingRound:
     timings: dict[str, float] = field(default_factory=dict)
     #: When the submit went out (the daemon's clock), to time the wait for the manifest.
     submitted_at: float | None = None
+    #: The work the payload carries (its header's), and the entries per tile it sends.
+    steps: int | None = None
+    tokens: int | None = None
+    topk: int | None = None
+    #: What cut the round short (``RoundReport.cut``), None if nothing did.
+    cut: str | None = None
 
     @classmethod
     def trained(cls, round_: int, result: TrainResult) -> PendingRound:
@@ -90,6 +96,9 @@ class PendingRound:
             tokens_per_s=result.throughput.tokens_per_s if result.throughput else None,
             mfu=result.throughput.mfu if result.throughput else None,
             timings={"train": result.train_s, "encode": result.encode_s},
+            steps=result.steps or None,
+            tokens=result.tokens or None,
+            topk=result.topk or None,
         )
 
     @property
@@ -169,11 +178,14 @@ def resume(state_dir: Path, state: NodeState, worker: Worker) -> PendingRound | 
     if payload is None:
         raise StateError(f"{state_dir}: state says a payload is pending but none is")
     mass = state.extra.get(MASS_KEY)
+    steps, tokens = payload_work(payload, worker.shapes)
     return PendingRound(
         round=state.round,
         payload=payload,
         sha256=hashlib.sha256(payload).hexdigest(),
         base=payload_base(payload, worker.shapes),
+        steps=steps or None,
+        tokens=tokens or None,
         computed=None if mass is None else float(mass[0]),
         scale=None if mass is None else float(mass[1]),
         held=None if mass is None or len(mass) < 3 or mass[2] is None else float(mass[2]),

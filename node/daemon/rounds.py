@@ -99,7 +99,7 @@ class RoundFinisher:
         manifest, blobs, rejected = gathered.manifest, gathered.blobs, gathered.rejected
         t1 = time.perf_counter()
         if merged is None:
-            invalid: Rejected = await d.node("read_gather", r, blobs)
+            invalid: Rejected = await d.node("read_gather", r, blobs, claims=manifest.steps())
             t2 = time.perf_counter()
             screened = await self.apply(r)
         else:
@@ -132,6 +132,7 @@ class RoundFinisher:
             "bytes_down": sum(e.size for e in manifest.gather if e.node_id in blobs),
             "retries": d.retries_since_last_report(),
         }
+        d.budgeting.meter.downloaded(facts["bytes_down"], gathered.download_s)
         measured = {
             "train_loss": pending.train_loss if pending else None,
             "tokens_per_s": pending.tokens_per_s if pending else None,
@@ -139,6 +140,7 @@ class RoundFinisher:
             "eval_loss": eval_loss,
             "timings": pending.timings if pending else {},
             "mass": mass,
+            **self.work(pending),
         }
         try:
             report = RoundReport.model_validate({**facts, **measured})
@@ -157,6 +159,15 @@ class RoundFinisher:
         )
         await self.report(r, report)
         await d.sync.offer(d.worker)
+
+    def work(self, pending: PendingRound | None) -> dict[str, object]:
+        """What the report says of the round's work: its steps and tokens, the entries per tile
+        when the link carried fewer than the run's, and what cut it short."""
+        d = self.d
+        if pending is None:
+            return {"cut": "observing"} if d.budgeting.observing else {}
+        topk = pending.topk if pending.topk and pending.topk < d.worker.run.topk else None
+        return {"steps": pending.steps, "tokens": pending.tokens, "cut": pending.cut, "topk": topk}
 
     # -- the steps -----------------------------------------------------------------------------
 

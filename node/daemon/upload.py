@@ -72,7 +72,7 @@ async def submit(d: Daemon, pending: PendingRound) -> None:
     contribution.
     """
     r, payload = pending.round, pending.payload
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), d.clock.now()
     pending.bytes_up = 0
     backoff = Backoff()
     try:
@@ -103,9 +103,14 @@ async def submit(d: Daemon, pending: PendingRound) -> None:
                 await d.sleep(backoff.next())
         pending.bytes_up = len(payload)
         pending.timings["upload"] = time.perf_counter() - t0
+        d.uploaded(len(payload), d.clock.now() - started)
         d.faults.crash_point(r, "after_upload")
         request = SubmitRequest(
-            size=len(payload), sha256=pending.sha256, base_fingerprint=pending.base
+            size=len(payload),
+            sha256=pending.sha256,
+            base_fingerprint=pending.base,
+            steps=pending.steps,
+            tokens=pending.tokens,
         )
         response = await d.api.submit(r, request)
         if not response.accepted:

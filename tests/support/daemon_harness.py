@@ -37,8 +37,16 @@ from support.fake_store import FakeClock, FakeStore
 #: Real seconds any wait of a test may take before it counts as a hang.
 HANG_S = 120.0
 
-#: Deadlines and heartbeat windows far beyond anything a test does unless it advances the clock.
-PATIENT = Timing(first_round_s=1000, min_round_s=1000, max_round_s=1000, heartbeat_timeout_s=10_000)
+#: Deadlines and heartbeat windows far beyond anything a test does unless it advances the clock;
+#: no time budget (the manual clock stands still while a node trains: a budget learnt from it
+#: would be nothing), so every node trains H steps unless a test gives the run a budget.
+PATIENT = Timing(
+    first_round_s=1000,
+    min_round_s=1000,
+    max_round_s=1000,
+    heartbeat_timeout_s=10_000,
+    budget="off",
+)
 
 
 def run_config(**changes: object) -> RunConfig:
