@@ -58,7 +58,8 @@ def test_mixed_speeds_take_the_median_of_the_members() -> None:
     # Speeds 1, 1/2, 1/3, 1/5 at 10 s a round for the fastest: 10, 20, 30, 50 -> median 25.
     history = [[("a", 10.0, H), ("b", 20.0, H), ("c", 30.0, H), ("d", 50.0, H)]]
     assert budget.member_times(history, H) == {"a": 10.0, "b": 20.0, "c": 30.0, "d": 50.0}
-    assert budget.budget_s(history, timing(), H) == pytest.approx(25.0 * 1.1 + 0.5)
+    want = 25.0 * (1 + budget.SLACK) + budget.MARGIN_S
+    assert budget.budget_s(history, timing(), H) == pytest.approx(want)
 
 
 def test_only_the_members_active_now_and_the_recent_rounds_count() -> None:
@@ -141,14 +142,15 @@ def test_the_first_round_has_no_budget_then_the_median_pace(bench: Bench) -> Non
     # At equal speeds: 10 s each.
     bench.play(0, {n: (10.0, H) for n in bench.nodes})
     view = bench.machine.round_view("n0")
-    assert view.round == 1 and view.budget_s == pytest.approx(11.5)
+    paced = 10.0 * (1 + budget.SLACK) + budget.MARGIN_S
+    assert view.round == 1 and view.budget_s == pytest.approx(paced)
     bench.clock.now += 4.0
-    assert bench.machine.round_view("n0").budget_in_s == pytest.approx(7.5)
+    assert bench.machine.round_view("n0").budget_in_s == pytest.approx(paced - 4.0)
     # n3 slows to a third and is cut short to a third of the steps, arriving within the
     # budget: its pace is 3x slower, the median is still the others', the budget stays.
     for r in (1, 2, 3):
         bench.play(r, {"n0": (10.0, H), "n1": (10.1, H), "n2": (9.9, H), "n3": (11.0, 10)})
-        assert bench.machine.round_view("n0").budget_s == pytest.approx(11.5, rel=0.02)
+        assert bench.machine.round_view("n0").budget_s == pytest.approx(paced, rel=0.02)
 
 
 def test_the_work_submitted_is_in_the_signed_manifest(bench: Bench) -> None:

@@ -40,8 +40,10 @@ from support.browser import (
     DOWN,
     EXCLUDED,
     FINGERPRINTS,
+    GATHER,
     LOSS,
     ROUND,
+    TOOK,
     UP,
     closed_rows,
     console_errors,
@@ -218,9 +220,15 @@ def _finished_status() -> dict[str, Any]:
             "reports": {
                 "node-0": {**_report(FP, 4.5), "tokens_per_s": 51234.6, "mfu": 0.4123},
                 "node-1": {**_report(FP, 4.5), "tokens_per_s": 40000.0},
-                HOSTILE_NODE: _report(FP_OTHER, 4.75),
+                # Its time budget cut it to 2 of the run's 5 steps, its link to 16 per tile.
+                HOSTILE_NODE: {**_report(FP_OTHER, 4.75), "steps": 2, "cut": "link", "topk": 16},
             },
             "duration_s": 0.75,
+            "budget_s": 0.8,
+            "work": {
+                "node-0": {"steps": 5, "tokens": 1280, "share": 5 / 7},
+                HOSTILE_NODE: {"steps": 2, "tokens": 512, "share": 2 / 7},
+            },
         },
     ]
     status["checkpoint"] = {
@@ -307,6 +315,10 @@ async def test_hostile_strings_show_as_text(browser: WebDriver, canned: Any) -> 
     assert [row[5] for row in page["members"]] == ["51,235 · MFU 41.2 %", "–", "–"]
     newest, oldest = page["rounds"]
     assert page["gathers"] == [["node-0", HOSTILE_NODE], ["node-0"]]
+    # The work each payload carried: a whole round says nothing, a cut one its steps of H.
+    assert newest[GATHER] == f"node-0 {HOSTILE_NODE} 2/5 link k=16"
+    assert oldest[GATHER] == "node-0"
+    assert newest[TOOK] == "0.75 s / 0.80 s" and oldest[TOOK] == "0.50 s"
     assert oldest[EXCLUDED].splitlines() == [
         f"{HOSTILE_NODE}: {HOSTILE_REASON}",
         f"node-0 rejected node-0: {HOSTILE_REASON}",

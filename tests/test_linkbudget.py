@@ -9,6 +9,7 @@ import torch
 from node.compute.linkbudget import (
     LINK_SHARE,
     MARGIN_S,
+    MARGIN_SHARE,
     LinkMeter,
     bits_per_entry,
     payload_bytes,
@@ -26,6 +27,10 @@ def meter(bytes_per_s: float) -> LinkMeter:
     return m
 
 
+def margin(left: float) -> float:
+    return max(MARGIN_S, MARGIN_SHARE * left)
+
+
 def test_without_a_budget_or_measurements_nothing_is_cut() -> None:
     assert plan(None, topk=TOPK, tile=TILE, payload_size=10, encode_s=0.1, meter=meter(1e6)) == (
         plan(None, topk=TOPK, tile=TILE, payload_size=None, encode_s=0.0, meter=LinkMeter())
@@ -34,21 +39,21 @@ def test_without_a_budget_or_measurements_nothing_is_cut() -> None:
     assert first.train_s is None and first.topk == TOPK and first.cut is None
     # A budget but no upload measured yet (a node's first round with one): time only.
     only = plan(10.0, topk=TOPK, tile=TILE, payload_size=None, encode_s=0.5, meter=LinkMeter())
-    assert only.topk == TOPK and only.train_s == pytest.approx(10.0 - 0.5 - 0.5)
+    assert only.topk == TOPK and only.train_s == pytest.approx(10.0 - 0.5 - margin(10.0))
 
 
 def test_a_fast_link_trains_until_the_upload_must_start() -> None:
-    # 10 s left, 1 MB payload at 10 MB/s: 0.1 s up, 0.2 s encode, margin 0.5 s.
+    # 10 s left, 1 MB payload at 10 MB/s: 0.1 s up, 0.2 s encode, and the margin.
     p = plan(10.0, topk=TOPK, tile=TILE, payload_size=1_000_000, encode_s=0.2, meter=meter(1e7))
     assert p.topk == TOPK and p.cut == "compute"
-    assert p.train_s == pytest.approx(10.0 - 0.2 - 0.5 - 0.1)
+    assert p.train_s == pytest.approx(10.0 - 0.2 - margin(10.0) - 0.1)
     assert p.upload_s == pytest.approx(0.1)
 
 
 def test_a_thin_link_sends_fewer_entries_per_tile_within_its_share() -> None:
     # 10 s left; the whole payload takes 20 s up: k drops until its upload fits the share.
     p = plan(10.0, topk=TOPK, tile=TILE, payload_size=1_000_000, encode_s=0.0, meter=meter(5e4))
-    left = 10.0 - max(MARGIN_S, 0.5)
+    left = 10.0 - margin(10.0)
     assert p.cut == "link" and 1 <= p.topk < TOPK
     assert p.upload_s <= LINK_SHARE * left
     bigger = meter(5e4).upload_s(payload_bytes(1_000_000, TOPK, p.topk + 1, TILE))

@@ -192,7 +192,9 @@ def create_app(
     storewatch = StoreWatch(machine)
     parts = multipart_of(store)
     store = WatchedStore(store, storewatch)
-    metrics = CoordinatorMetrics(totals(db), inner_steps=config.run.inner_steps)
+    metrics = CoordinatorMetrics(
+        totals(db), inner_steps=config.run.inner_steps, topk=config.run.topk
+    )
     metrics.nodes.from_reports(db)
     metrics.nodes.forget(m.node_id for m in db.members() if m.state == MemberState.REVOKED)
     coord = Coordinator(

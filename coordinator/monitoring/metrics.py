@@ -71,10 +71,12 @@ def totals(db: Database) -> Totals:
 
 
 class CoordinatorMetrics:
-    def __init__(self, start: Totals | None = None, *, inner_steps: int = 1) -> None:
+    def __init__(
+        self, start: Totals | None = None, *, inner_steps: int = 1, topk: int = 64
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         #: The nodes' series, from their reports (``coordinator.monitoring.node_metrics``).
-        self.nodes = NodeMetrics(self.registry, inner_steps)
+        self.nodes = NodeMetrics(self.registry, inner_steps, topk)
         self.rounds_closed = Counter(
             "sparseloco_rounds_closed", "Rounds closed", registry=self.registry
         )
@@ -125,6 +127,7 @@ class CoordinatorMetrics:
             self.gathered.inc(len(signed.manifest.gather))
             for reason in signed.manifest.excluded.values():
                 self.exclusions.labels(reason=reason).inc()
+            self.nodes.observe_work(signed.manifest)
 
     def set_members(self, states: Iterable[MemberState]) -> None:
         counts = dict.fromkeys(MemberState, 0)

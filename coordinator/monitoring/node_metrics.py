@@ -10,9 +10,16 @@ by ``node``:
   (``phase`` label: train, encode, upload, wait, download, decode, aggregate_apply, save, eval),
   ``sparseloco_node_transfer_bytes_per_second`` (``direction``: up, down),
   ``sparseloco_node_tokens_per_second`` and ``sparseloco_node_mfu`` (of the inner steps; MFU
-  only from nodes on a device of known peak), and ``sparseloco_node_last_round``;
-- counters over the whole run: ``sparseloco_node_bytes`` (``direction``) and
-  ``sparseloco_node_retries``.
+  only from nodes on a device of known peak), ``sparseloco_node_last_round``,
+  ``sparseloco_node_steps`` and ``sparseloco_node_tokens`` (the work of its newest round) and
+  ``sparseloco_node_topk`` (entries per tile it sent: below the run's when its link is thin);
+- from each closed round's manifest (after a restart, from the next one):
+  ``sparseloco_node_work_share``, its share of the round's work (its steps over everyone's
+  gathered; ``protocol.work``);
+- counters over the whole run: ``sparseloco_node_bytes`` (``direction``),
+  ``sparseloco_node_retries`` and ``sparseloco_node_cut_rounds`` (``by``: compute, the round's
+  time budget ended its training; link, it also sent fewer entries per tile; observing, its
+  link could not get a payload in at all).
 
 Like the coordinator's own counters they describe the run, not the process: at start they are
 rebuilt from the reports in the database (``from_reports``), so a restart loses nothing; a stored
@@ -34,7 +41,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 
 from coordinator.state.db import Database
+from protocol.messages import Manifest
 from protocol.reports import RoundReport
+from protocol.work import work_shares
 
 #: A per-node series: a gauge of the newest report, or a counter over the run.
 S = TypeVar("S", Gauge, Counter)
@@ -53,14 +62,20 @@ HELP = {
     "last_round": "The newest round the node reported",
     "bytes": "Payload bytes the node moved over the run",
     "retries": "Failed attempts at the coordinator or the store the node reported",
+    "steps": "Inner steps the node trained in its newest round",
+    "tokens": "Tokens its newest round's steps read",
+    "topk": "Entries per tile the node sent in its newest round",
+    "work_share": "The node's share of the newest closed round's work (its steps over all)",
+    "cut_rounds": "Rounds whose training the node's time budget cut short, by what cut it",
 }
 
 
 class NodeMetrics:
     """Per-node series in ``registry``; ``observe`` one report at a time, in round order."""
 
-    def __init__(self, registry: CollectorRegistry, inner_steps: int) -> None:
+    def __init__(self, registry: CollectorRegistry, inner_steps: int, topk: int = 64) -> None:
         self.inner_steps = max(1, inner_steps)
+        self.run_topk = topk
 
         # Every series is labelled by ``node``; some also by a ``phase`` or a ``direction``.
         def series(kind: type[S], name: str, *labels: str) -> S:
@@ -77,6 +92,11 @@ class NodeMetrics:
         self.last_round = series(Gauge, "last_round")
         self.bytes = series(Counter, "bytes", "direction")
         self.retries = series(Counter, "retries")
+        self.steps = series(Gauge, "steps")
+        self.tokens = series(Gauge, "tokens")
+        self.topk = series(Gauge, "topk")
+        self.work_share = series(Gauge, "work_share")
+        self.cut_rounds = series(Counter, "cut_rounds", "by")
         #: Each node's phases with a ``phase_seconds`` series (so ``forget`` can remove them).
         self._phases: dict[str, set[str]] = {}
 
@@ -94,12 +114,22 @@ class NodeMetrics:
             self.tokens_per_s.labels(node=node).set(report.tokens_per_s)
         if report.mfu is not None:
             self.mfu.labels(node=node).set(report.mfu)
+        if report.steps is not None:
+            self.steps.labels(node=node).set(report.steps)
+        if report.tokens is not None:
+            self.tokens.labels(node=node).set(report.tokens)
+        if report.topk is not None or report.steps is not None:
+            self.topk.labels(node=node).set(report.topk or self.run_topk)
+        if report.cut is not None:
+            self.cut_rounds.labels(node=node, by=report.cut).inc()
         t = report.timings
         for phase, seconds in t.items():
             self.phase_seconds.labels(node=node, phase=phase).set(seconds)
         self._phases.setdefault(node, set()).update(t)
         if "train" in t:
-            self.step_seconds.labels(node=node).set(t["train"] / self.inner_steps)
+            steps = report.steps or self.inner_steps  # a round cut short took fewer
+            self.step_seconds.labels(node=node).set(t["train"] / steps)
+
         for direction, moved, phase in (
             ("up", report.bytes_up, "upload"),
             ("down", report.bytes_down, "download"),
@@ -107,12 +137,17 @@ class NodeMetrics:
             if moved and t.get(phase, 0.0) > 0:
                 self.rate.labels(node=node, direction=direction).set(moved / t[phase])
 
+    def observe_work(self, manifest: Manifest) -> None:
+        """A round closed: each gathered node's share of its work."""
+        for node, share in work_shares(manifest.steps(), self.inner_steps).items():
+            self.work_share.labels(node=node).set(share)
+
     def forget(self, nodes: Iterable[str]) -> None:
         """Drop the live figures (every gauge) of ``nodes``, revoked; their counters stay."""
         for node in nodes:
             for gauge in (
                 self.train_loss, self.eval_loss, self.step_seconds, self.tokens_per_s,
-                self.mfu, self.last_round,
+                self.mfu, self.last_round, self.steps, self.tokens, self.topk, self.work_share,
             ):  # fmt: skip
                 with contextlib.suppress(KeyError):  # never reported that figure
                     gauge.remove(node)

@@ -42,13 +42,16 @@ from collections.abc import Iterable, Sequence
 from protocol.runconfig import Timing
 from protocol.work import claimed
 
-#: Closed rounds whose submissions the budget learns from.
-HISTORY = 5
+#: Closed rounds whose submissions the budget learns from: few, so it follows a pace that
+#: changed within a couple of rounds (and forgets the start-up of the first).
+HISTORY = 3
 #: Share of the learnt time added to the budget: a member at the budget's pace arrives within it
-#: despite the jitter of its own rounds, so equal nodes are not cut by noise.
-SLACK = 0.1
+#: despite the jitter of its own rounds (and the node's own margin before the budget's end,
+#: ``node.compute.linkbudget.MARGIN_SHARE``), so equal nodes are not cut by noise. Every bit
+#: of it is time the members at that pace wait for one cut to arrive at the budget's end.
+SLACK = 0.05
 #: Seconds added to the budget besides (the same, for rounds of a few seconds).
-MARGIN_S = 0.5
+MARGIN_S = 0.25
 
 #: One accepted submission of a closed round: (node, seconds after the round's opening, steps).
 Arrival = tuple[str, float, int | None]

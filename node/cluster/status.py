@@ -50,6 +50,9 @@ def summarize(status: StatusView) -> dict[str, Any]:
                 "bytes_up": sum(r.bytes_up for r in summary.reports.values()),
                 "bytes_down": sum(r.bytes_down for r in summary.reports.values()),
                 "duration_s": summary.duration_s,
+                "budget_s": summary.budget_s,
+                "work": {n: w.model_dump(mode="json") for n, w in summary.work.items()},
+                "cut": {n: r.cut for n, r in summary.reports.items() if r.cut is not None},
                 "timings": {n: r.timings for n, r in summary.reports.items() if r.timings},
                 "throughput": {
                     n: {"tokens_per_s": r.tokens_per_s, "mfu": r.mfu}

@@ -144,9 +144,11 @@ def up(
     run_overrides: dict[str, Any] | None = None,
     node_env: dict[str, str] | None = None,
     node_threads: list[int] | None = None,
+    node_envs: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Run the whole local run; its summary. ``run_overrides`` replace run config values,
-    ``node_env`` adds to every node's environment, ``node_threads[i]`` is node i's threads."""
+    ``node_env`` adds to every node's environment and ``node_envs[i]`` to node i's,
+    ``node_threads[i]`` is node i's threads."""
     dataset = prepared_dataset(cfg.data, get_run_preset(cfg.preset).model)
     run_dir = cfg.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -192,7 +194,7 @@ def up(
                 token,
                 url,
                 streamed=dataset is not None,
-                extra_env=node_env,
+                extra_env={**(node_env or {}), **(node_envs[i] if node_envs else {})},
                 threads=node_threads[i] if node_threads else None,
                 ranks=cfg.node_ranks(i),
             )

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 #: The least margin a node keeps before the budget's end, for the submit and the jitter.
-MARGIN_S = 0.25
-#: ...and as a share of the seconds left, when larger.
-MARGIN_SHARE = 0.05
+MARGIN_S = 0.2
+#: ...and as a share of the seconds left, when larger (below the coordinator's slack,
+#: ``coordinator.rules.budget.SLACK``, so a node at the budget's pace is not cut by it).
+MARGIN_SHARE = 0.02
 #: The most of what is left the upload may take before the payload sends fewer entries per tile.
 LINK_SHARE = 0.5
 #: Rounds an observing node lets pass between two tries of a payload.
@@ -96,6 +97,20 @@ def payload_bytes(full_bytes: int, topk: int, k: int, tile: int, fixed: int = 0)
     ratio = (k * bits_per_entry(k, tile_len)) / (topk * bits_per_entry(topk, tile_len))
     body = max(0, full_bytes - fixed)
     return max(1, fixed + math.ceil(body * ratio))
+
+
+#: Bytes of a payload's prefix and header besides its tensors' entries, about (per tensor it is
+#: some 60 more; ``estimated_payload_bytes`` is for a node that has no payload of its own yet).
+HEADER_BYTES = 4096
+
+
+def estimated_payload_bytes(n_params: int, topk: int, tile: int) -> int:
+    """About the size of a payload of ``topk`` per tile for a model of ``n_params``: every
+    entry at its share of the positions' entropy and its code (the codec comes within a few
+    percent of it, benchmark 1)."""
+    tile_len = tile * tile
+    kept = n_params * min(topk, tile_len) / tile_len
+    return HEADER_BYTES + math.ceil(kept * bits_per_entry(topk, tile_len) / 8)
 
 
 @dataclass(frozen=True)

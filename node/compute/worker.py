@@ -101,6 +101,10 @@ class Worker(Share):
         self.send_topk: int | None = None
         #: The clock ``cutoff`` is on: the daemon's (``time.monotonic`` for a real one).
         self.cutoff_clock: Callable[[], float] = time.monotonic
+        #: Called after each inner step with its seconds: the chaos suite's slower GPU
+        #: (``node.daemon.faults``, ``slowsteps``); None in a real run.
+        self.after_step: Callable[[float], None] | None = None
+        self._step_started = 0.0
 
     # -- one round -------------------------------------------------------------------------------
 
@@ -142,6 +146,7 @@ class Worker(Share):
         self.placement.begin(offset)
         try:
             t_inner = time.perf_counter()
+            self._step_started = t_inner
             self.steps.start()
             on_step, pause = self._count_step, None
             merging_s = [0.0]  # the merge (its wait, decode and apply) is no inner-step work
@@ -255,6 +260,10 @@ class Worker(Share):
     def _count_step(self) -> None:
         self.local_steps += 1
         self.steps.tick()
+        if self.after_step is not None:
+            now = time.perf_counter()
+            self.after_step(now - self._step_started)
+            self._step_started = time.perf_counter()
 
     def _merging_at(self, tau: int, fn: Callable[[], None]) -> Callable[[], None]:
         """An ``on_step`` that also runs ``fn`` once, after the ``tau``-th step of the round."""

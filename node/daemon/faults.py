@@ -14,6 +14,9 @@ Unset (the normal case) means no faults and no cost. Actions:
 - ``slower:<factor>@R``: from round R on, every round's training takes ``factor`` times as long:
   after training, the node sleeps ``factor - 1`` times the training's time before uploading (a
   machine that became that much slower; not with ``overlap``).
+- ``slowsteps:<factor>@R``: from round R on, every inner step takes ``factor`` times as long:
+  after each step the compute thread sleeps ``factor - 1`` times that step's time (a slower
+  GPU: unlike ``slower``, a round's time budget cuts it short between two steps).
 
 A fault fires at most once per process; the chaos runner restarts a crashed node without the
 variable. Tests only: nothing in a real deployment sets it. In-process unit tests of the daemon
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,8 +40,8 @@ log = logging.getLogger("sparseloco.faults")
 ENV = "SPARSELOCO_FAULTS"
 CRASH_POINTS = ("after_train", "mid_upload", "after_upload", "after_submit", "mid_apply")
 _ENTRY = re.compile(
-    r"^(crash:(?P<point>[a-z_]+)|slow:(?P<secs>[0-9.]+)|slower:(?P<factor>[0-9.]+))"
-    r"@(?P<round>\d+)$"
+    r"^(crash:(?P<point>[a-z_]+)|slow:(?P<secs>[0-9.]+)|slower:(?P<factor>[0-9.]+)"
+    r"|slowsteps:(?P<steps>[0-9.]+))@(?P<round>\d+)$"
 )
 
 
@@ -53,6 +57,8 @@ class Faults:
     slow: dict[int, float] = field(default_factory=dict)
     #: (factor, first round) of ``slower``; None: full speed.
     slower: tuple[float, int] | None = None
+    #: (factor, first round) of ``slowsteps``; None: full speed.
+    slowsteps: tuple[float, int] | None = None
     #: What a crash point does when it fires.
     die: Callable[[], None] = kill9
 
@@ -67,17 +73,21 @@ class Faults:
             if m is None or (m["point"] and m["point"] not in CRASH_POINTS):
                 raise ConfigError(
                     f"{ENV}: bad entry {entry!r}; use crash:<{'|'.join(CRASH_POINTS)}>@R,"
-                    " slow:<seconds>@R or slower:<factor>@R"
+                    " slow:<seconds>@R, slower:<factor>@R or slowsteps:<factor>@R"
                 )
             r = int(m["round"])
             if m["point"]:
                 faults.crash[r] = m["point"]
             elif m["secs"]:
                 faults.slow[r] = float(m["secs"])
-            elif m["factor"]:
-                if float(m["factor"]) < 1:
+            else:
+                factor = float(m["factor"] or m["steps"])
+                if factor < 1:
                     raise ConfigError(f"{ENV}: {entry!r}: the factor must be at least 1")
-                faults.slower = (float(m["factor"]), r)
+                if m["factor"]:
+                    faults.slower = (factor, r)
+                else:
+                    faults.slowsteps = (factor, r)
         return faults
 
     @classmethod
@@ -93,6 +103,14 @@ class Faults:
 
     def slow_for(self, round_: int) -> float:
         return self.slow.pop(round_, 0.0)
+
+    def step_pause(self, round_: int) -> Callable[[float], None] | None:
+        """(``slowsteps``) What the compute thread does after each inner step of ``round_``
+        that took ``step_s``: sleep ``factor - 1`` times as long; None at full speed."""
+        if self.slowsteps is None or round_ < self.slowsteps[1]:
+            return None
+        extra = self.slowsteps[0] - 1.0
+        return lambda step_s: time.sleep(extra * step_s)
 
     def slower_for(self, round_: int, trained_s: float) -> float:
         """Seconds to add after a training of ``trained_s`` in ``round_`` (``slower``)."""

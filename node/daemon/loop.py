@@ -339,6 +339,8 @@ class NodeDaemon:
     ) -> TrainResult:
         """Steps 1-5 (``Worker.train_and_compress``) on every rank. ``eager_from``,
         ``merge``: see ``ops.train``."""
+        trained = self.worker.round if round_ is None else round_
+        self.worker.after_step = self.faults.step_pause(trained)
         with self.condition.doing(idle=False):
             result: TrainResult = await self.node(
                 "train", round_, eager_from, merge is not None, merge=merge

@@ -13,6 +13,9 @@ nothing to check it with; the whole list is printed every time, any FAIL makes t
   digest checked, with the upload and download rates; a coordinator that answers while its
   store does not (503 ``storage_unavailable``) is told apart from a store this machine cannot
   reach;
+- link: whether that upload rate gets the run's payload in within a round's time budget, as the
+  node will plan it (``node.compute.linkbudget``): all of it, fewer entries per tile, or none
+  (a warning: the node will only observe, applying every round);
 - disk and memory: free space in the state dir and available memory against what the run's
   model needs (θ, error buffer, AdamW moments, the pending round, an atomic save's copy);
 - threads and GPU: CPU cores this process may use; whether torch sees a CUDA device (these
@@ -47,6 +50,7 @@ from node.errors import CoordinatorError, RetriesExhausted, TransferError
 from node.tools.checks import SKIPPED, Check, human_bytes, machine_checks, state_check
 from protocol.causes import cause
 from protocol.errors import SparseLoCoError
+from protocol.messages import RoundView
 from protocol.status import StatusView
 
 #: Fail fast: a doctor that hangs on a dead coordinator helps nobody.
@@ -86,6 +90,8 @@ class Doctor:
     checks: list[Check] = field(default_factory=list, init=False)
     #: The coordinator's status, once it answered.
     status: StatusView | None = field(default=None, init=False)
+    #: The round as this token sees it, once the coordinator accepted the token.
+    view: RoundView | None = field(default=None, init=False)
 
     def add(self, name: str, level: str, detail: str, fix: str = "") -> None:
         self.checks.append(Check(name, level, detail, fix))
@@ -192,6 +198,7 @@ class Doctor:
             self.add("token", "FAIL", f"could not ask: {cause(exc)}", FIX_COORDINATOR)
             self.skip("the coordinator did not answer", *later)
             return
+        self.view = view
         member = "expected in this round" if view.expected else "accepted"
         self.add("token", "ok", f"{member}; round {view.round} is {view.state.value}")
         if not await self.guarded("store", self._store(api, http), FIX_STORE_REACH):
@@ -274,6 +281,47 @@ class Doctor:
             f"presigned PUT and GET of {human_bytes(len(data))}: up {human_bytes(up)}/s, down"
             f" {human_bytes(down)}/s",
         )
+        self._link(len(data), t1 - t0)
+
+    def _link(self, probe_bytes: int, probe_up_s: float) -> None:
+        """Whether this uplink gets a payload in within the round's time budget: as the node
+        will plan it (``node.compute.linkbudget``), from the probe's upload."""
+        from node.compute.linkbudget import LinkMeter, estimated_payload_bytes, plan
+        from node.compute.model import get_preset, param_count
+
+        assert self.status is not None
+        run = self.status.run
+        size = estimated_payload_bytes(param_count(get_preset(run.model)), run.topk, run.tile)
+        meter = LinkMeter()
+        meter.uploaded(probe_bytes, probe_up_s)
+        whole = meter.upload_s(size) or 0.0
+        budget = self.view.budget_s if self.view is not None else None
+        if budget is None:
+            budget = next((r.budget_s for r in reversed(self.status.rounds) if r.budget_s), None)
+        payload = f"a payload of about {human_bytes(size)} takes {whole:.1f} s up"
+        if budget is None:
+            self.add("link", "ok", f"{payload}; the run's rounds have no time budget yet")
+            return
+        chosen = plan(budget, topk=run.topk, tile=run.tile, payload_size=size, encode_s=0.0,
+                      meter=meter)  # fmt: skip
+        if chosen.observing:
+            self.add(
+                "link", "warn",
+                f"{payload}; rounds have a budget of {budget:.1f} s: not even one entry per tile"
+                " gets in, so this node will apply every round and send nothing (it tries again"
+                " every few rounds)",
+                "a faster uplink, or a run with longer rounds (the operator's [run.timing]"
+                " budget, or a larger inner_steps)",
+            )  # fmt: skip
+        elif chosen.cut == "link":
+            self.add(
+                "link", "ok",
+                f"{payload}; within the round's budget of {budget:.1f} s this node sends"
+                f" {chosen.topk} of the run's {run.topk} entries per tile (the rest stays in its"
+                " error buffer)",
+            )  # fmt: skip
+        else:
+            self.add("link", "ok", f"{payload}, within the round's budget of {budget:.1f} s")
 
     def _state(self) -> None:
         if self.state_dir is not None:

@@ -211,6 +211,39 @@
     return list;
   }
 
+  // The gather set with each payload's work: a node that brought less than a whole round
+  // (its time budget or its link cut it short) shows its steps of H, its share of the round's
+  // work and what cut it.
+  function gatherCell(summary, inner) {
+    const cell = h("td", { class: "gather" });
+    const nodes = summary.gather || [];
+    if (!nodes.length) {
+      cell.append(h("span", { class: "muted" }, "–"));
+      return cell;
+    }
+    const list = h("span", { class: "nodes" });
+    nodes.forEach((node, i) => {
+      if (i) list.append(" ");
+      const work = (summary.work || {})[node] || {};
+      const report = (summary.reports || {})[node] || {};
+      const steps = typeof work.steps === "number" ? work.steps : inner;
+      const share = typeof work.share === "number" ? `${Math.round(100 * work.share)} % of the work` : "";
+      const chip = h(
+        "span",
+        { class: "chip mono", "data-node": node, title: [`${steps} of ${inner} steps`, share].filter(Boolean).join(", ") },
+        node,
+      );
+      list.append(chip);
+      if (steps < inner || report.cut) {
+        const cut = report.cut ? ` ${report.cut}` : "";
+        const topk = typeof report.topk === "number" ? ` k=${report.topk}` : "";
+        list.append(h("span", { class: "cut", "data-node": node }, ` ${steps}/${inner}${cut}${topk}`));
+      }
+    });
+    cell.append(list);
+    return cell;
+  }
+
   function exclusionsCell(summary) {
     const cell = h("td", { class: "excluded" });
     const excluded = Object.entries(summary.excluded || {}).sort(([a], [b]) =>
@@ -267,6 +300,7 @@
 
   function renderRounds(status) {
     const recent = (status.rounds || []).slice(-TABLE_ROUNDS).reverse();
+    const inner = status.run.inner_steps;
     const rows = recent.map((r) => {
       const closed = r.state === "closed";
       const reports = reportsOf(r);
@@ -278,13 +312,18 @@
         { "data-round": r.round, "data-state": r.state },
         h("td", { class: "num round" }, String(r.round)),
         h("td", { class: "round-state" }, badge(r.state)),
-        h("td", { class: "gather" }, closed ? nodeList(r.gather || []) : "–"),
+        closed ? gatherCell(r, inner) : h("td", { class: "gather" }, "–"),
         closed ? exclusionsCell(r) : h("td", { class: "excluded" }, "–"),
         h("td", { class: "num bytes-up" }, reports.length ? bytes(up) : "–"),
         h("td", { class: "num bytes-down" }, reports.length ? bytes(down) : "–"),
         closed ? fingerprintCell(r) : h("td", { class: "fingerprints" }, "–"),
         h("td", { class: "num" }, loss === null ? "–" : loss.toFixed(4)),
-        h("td", { class: "num" }, seconds(r.duration_s)),
+        h(
+          "td",
+          { class: "num took" },
+          seconds(r.duration_s),
+          typeof r.budget_s === "number" ? h("span", { class: "muted" }, ` / ${seconds(r.budget_s)}`) : null,
+        ),
       );
     });
     $("rounds").tBodies[0].replaceChildren(...rows);

@@ -1,0 +1,79 @@
+"""One run in the WAN lab with one node behind a thin uplink, for the test and benchmark 18.
+
+Four nodes of the ``small`` model (H = 40): three behind ``office`` links (100 Mbit/s each way,
+20 ms), and node-3 behind ``thin`` (an uplink of ``THIN_UP_MBIT``, 100 Mbit/s down, 40 ms):
+slow enough that its whole payload's upload takes about as long as the others' inner steps.
+``run(..., thin=False)`` is the same run with node-3 on ``office`` too: the baseline its
+training shares are compared with. Returns the coordinator's final status and, per node, the
+share of the steady rounds' wall time it spent training (rounds 1 to the one before last).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from node.cluster.seaweed import EmbeddedStore
+from node.research.wan.lab import WanLab
+from node.research.wan.profiles import PROFILES, LinkProfile
+from protocol.runconfig import RunConfig, Timing
+from protocol.status import StatusView
+from support.cluster import Cluster
+
+ROUNDS = 10
+H = 40
+#: node-3's uplink: about 6 s for the small model's 12 kB payload, longer than the others' inner
+#: steps take on this machine (2-5 s).
+THIN_UP_MBIT = 0.016
+THIN = LinkProfile("thin", up_mbit=THIN_UP_MBIT, down_mbit=100, rtt_ms=40)
+SLOW = "node-3"
+
+
+def links(thin: bool) -> dict[str, LinkProfile]:
+    office = PROFILES["office"]
+    return {f"node-{i}": office for i in range(3)} | {SLOW: THIN if thin else office}
+
+
+def shares(status: StatusView) -> dict[str, float]:
+    """Per node: Σ its training seconds over Σ the rounds' durations, steady rounds only."""
+    steady = [r for r in status.rounds if 1 <= r.round < ROUNDS - 1 and r.duration_s]
+    wall = sum(r.duration_s or 0.0 for r in steady)
+    trained: dict[str, float] = {}
+    for r in steady:
+        for node, report in r.reports.items():
+            trained[node] = trained.get(node, 0.0) + report.timings.get("train", 0.0)
+    return {n: t / wall for n, t in sorted(trained.items())}
+
+
+def run(root: Path, *, thin: bool) -> dict[str, Any]:
+    """The run; ``{"status": StatusView, "shares": {...}, "wall_s": ...}``."""
+    config = RunConfig(
+        name="wan-thin" if thin else "wan-even",
+        model="small",
+        rounds=ROUNDS,
+        inner_steps=H,
+        batch_size=8,
+        min_nodes=4,
+        checkpoint_every=0,
+        eval_every=100,
+        timing=Timing(first_round_s=240, heartbeat_timeout_s=60),
+    )
+    t0 = time.monotonic()
+    with WanLab(root / "lab") as lab, lab.entered():
+        store = EmbeddedStore(root / "store", host=lab.service_ip, bind="0.0.0.0")
+        store.start()
+        cluster = Cluster(root / "run", store, config, 4, public_host=lab.service_ip)
+        try:
+            cluster.start_coordinator()
+            assert store.s3_port is not None
+            lab.expose(store.s3_port, cluster.port)
+            for i, (name, profile) in enumerate(links(thin).items()):
+                host = lab.add_node(name, profile, seed=i)
+                with host.entered():
+                    cluster.start_node(name)
+            status = cluster.wait_finished()
+        finally:
+            cluster.stop()
+            store.stop()
+    return {"status": status, "shares": shares(status), "wall_s": time.monotonic() - t0}
