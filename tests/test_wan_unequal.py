@@ -1,7 +1,7 @@
 """A node behind a thin uplink among nodes behind 100 Mbit/s, in the WAN lab (root).
 
-node-3's uplink (16 kbit/s) takes longer to carry a whole payload of the ``small``
-model than the others' inner steps take (``support.wan_unequal``). The round's time budget is
+node-3's uplink (100 kbit/s) takes at least as long to carry a whole payload of the ``base``
+model as the others' inner steps take (``support.wan_unequal``). The round's time budget is
 learnt from the others; node-3 plans every round against it with its measured upload rate:
 it sends fewer entries per tile, so its payload gets in within half of what is left, and trains
 the rest (``node.compute.linkbudget``).

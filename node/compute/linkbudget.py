@@ -30,7 +30,8 @@ Pure arithmetic on measured numbers (``tests/test_linkbudget.py``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Literal
 
 #: The least margin a node keeps before the budget's end, for the submit and the jitter.
@@ -48,38 +49,45 @@ CODE_BITS = 2.0
 Cut = Literal["compute", "link", "observing"]
 
 
+#: Uploads and downloads a ``LinkMeter`` remembers.
+METER_SAMPLES = 5
+
+
 @dataclass
 class LinkMeter:
-    """The node's own link as its transfers measured it: seconds per byte up and down (the last
-    transfer's, with its fixed cost in it: a conservative estimate for a smaller payload)."""
+    """The node's own link as its last few transfers measured it (bytes, seconds each way).
 
-    up_bytes: int = 0
-    up_s: float = 0.0
-    down_bytes: int = 0
-    down_s: float = 0.0
+    An upload is predicted at the *slowest* rate of the last ``METER_SAMPLES`` (its fixed cost
+    in it): a link that let a small payload through at once (a modem's burst, a window already
+    open) is not taken for a fast one, so a node that sent fewer entries per tile does not
+    send a whole payload the next round and arrive late. It follows a link that slowed at
+    once, one that grew faster within ``METER_SAMPLES`` rounds."""
+
+    up: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=METER_SAMPLES))
+    down: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=METER_SAMPLES))
 
     def uploaded(self, size: int, seconds: float) -> None:
         if size > 0 and seconds > 0:
-            self.up_bytes, self.up_s = size, seconds
+            self.up.append((size, seconds))
 
     def downloaded(self, size: int, seconds: float) -> None:
         if size > 0 and seconds > 0:
-            self.down_bytes, self.down_s = size, seconds
+            self.down.append((size, seconds))
 
     def upload_s(self, size: int) -> float | None:
         """Seconds an upload of ``size`` bytes would take; None before any was measured."""
-        if not self.up_bytes:
+        if not self.up:
             return None
-        return self.up_s * size / self.up_bytes
+        return max(seconds * size / sent for sent, seconds in self.up)
 
     @property
     def up_rate(self) -> float | None:
-        """Bytes per second up, as last measured."""
-        return self.up_bytes / self.up_s if self.up_bytes else None
+        """Bytes per second up, the slowest of the last uploads."""
+        return min(b / s for b, s in self.up) if self.up else None
 
     @property
     def down_rate(self) -> float | None:
-        return self.down_bytes / self.down_s if self.down_bytes else None
+        return min(b / s for b, s in self.down) if self.down else None
 
 
 def bits_per_entry(k: int, tile_len: int) -> float:

@@ -55,10 +55,13 @@ class Cluster:
         prefix: str | None = None,
         public_host: str | None = None,
         server: dict[str, Any] | None = None,
+        wait_s: float = WAIT_S,
     ) -> None:
         """``public_host``: the coordinator listens on every address and nodes are told to reach
         it by this one (the WAN lab's service address), instead of loopback. ``server``: more
-        settings of the coordinator's ``[server]`` table (``coordinator.base.config``)."""
+        settings of the coordinator's ``[server]`` table (``coordinator.base.config``).
+        ``wait_s``: how long ``wait_for`` waits before it fails."""
+        self.wait_s = wait_s
         self.root = root
         self.public_host = public_host
         self.run = run
@@ -171,7 +174,7 @@ class Cluster:
         return fetch_status(self.url)
 
     def wait_for(self, what: str, predicate: Callable[[StatusView], bool]) -> StatusView:
-        deadline = time.monotonic() + WAIT_S
+        deadline = time.monotonic() + self.wait_s
         while time.monotonic() < deadline:
             for name, proc in self.nodes.items():
                 code = proc.poll()
