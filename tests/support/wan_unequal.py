@@ -1,14 +1,14 @@
-"""One run in the WAN lab with one node behind a thin uplink, for the test and benchmark 18.
+"""One run in the WAN lab with one node behind a thin uplink, for the test and benchmark 19.
 
 Four nodes of the ``base`` model (10.8 M parameters, H = 8, batches of 2): three behind
 ``office`` links (100 Mbit/s each way, 20 ms), and node-3 behind ``thin`` (an uplink of
-``THIN_UP_MBIT``, 100 Mbit/s down, 40 ms): slow enough that its whole payload's upload (about 200 kB) takes at
-least as long as the others' inner steps. (The model is ``base`` because the lab's token bucket
-lets 64 KiB through at once, for the veths' segmentation offload: a smaller model's whole
-payload would cross a thin link in one burst.)
-``run(..., thin=False)`` is the same run with node-3 on ``office`` too: the baseline its
-training shares are compared with. Returns the coordinator's final status and, per node, the
-share of the steady rounds' wall time it spent training (rounds 1 to the one before last).
+``THIN_UP_MBIT``, 100 Mbit/s down, 40 ms): slow enough that its whole payload's upload (about
+200 kB) takes at least as long as the others' inner steps. (The model is ``base`` because the
+lab's token bucket lets 64 KiB through at once, for the veths' segmentation offload: a smaller
+model's whole payload would cross a thin link in one burst.) ``run(..., thin=False)`` is the
+same run with node-3 on ``office`` too: the baseline its training shares are compared with.
+Returns the coordinator's final status and, per node, the share of the steady rounds' wall
+time it spent training (rounds 1 to the one before last).
 """
 
 from __future__ import annotations
