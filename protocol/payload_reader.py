@@ -75,11 +75,10 @@ class ReadOptions(TypedDict, total=False):
     """The keywords of ``read_payload``, ``read_payload_file`` and ``read_payload_ranges``,
     declared once; each may be left out.
 
-    ``topk``, ``tile``: the run's codec parameters; when given (not None), the payload's tile
-    must be the same and its ``topk`` at most the run's (a node on a thin link sends fewer
-    entries per tile: ``node.compute.linkbudget``). ``lazy`` (default False): check every
-    record read now, build each tensor when it is looked up. ``only``: the names of the
-    tensors whose records are read (None, the default: every tensor).
+    ``topk``, ``tile``: the run's codec parameters; when given, the payload's tile must be
+    the same and its ``topk`` at most the run's (a thin link sends fewer entries per tile).
+    ``lazy`` (default False): check every record read now, build each tensor when it is looked
+    up. ``only``: the tensors whose records are read (None, the default: every one).
     """
 
     topk: int | None
@@ -337,10 +336,8 @@ def read_payload(data: bytes, shapes: Shapes, **options: Unpack[ReadOptions]) ->
 
     The header is checked against every tensor of the model; the records of the tensors in
     ``only`` (default: all) are checked and decoded, and ``Payload.tensors`` holds exactly
-    those. ``topk`` and ``tile``, when given, are the run's codec parameters: the payload's tile
-    must match, its k per tile may be lower (``ReadOptions``). Raises ``PayloadError`` naming
-    the field for anything malformed, ``KeyError`` if ``only`` names a tensor the model does
-    not have.
+    those (``topk``, ``tile``: ``ReadOptions``). Raises ``PayloadError`` naming the field for
+    anything malformed, ``KeyError`` if ``only`` names a tensor the model does not have.
 
     With ``lazy``, every record read is checked here completely (the index streams are walked
     once, with every rule of the decoder, keeping only each entry's in-tile position as 2

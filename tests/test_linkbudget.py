@@ -78,3 +78,18 @@ def test_payload_size_estimate_follows_the_real_encoder() -> None:
         estimate = payload_bytes(len(full), TOPK, k, TILE, header)
         assert abs(estimate - len(real)) <= 0.1 * len(real), (k, estimate, len(real))
     assert bits_per_entry(64, 4096) == pytest.approx(7.36 + 2, abs=0.05)  # DESIGN.md's bound
+
+
+def test_a_small_upload_that_went_through_at_once_says_nothing_of_a_whole_payload() -> None:
+    """A link with a burst: the whole payload took 30 s, a quarter of it 0.1 s. A whole one is
+    still predicted at 30 s; a quarter-size one at the quarter's own pace."""
+    m = LinkMeter()
+    m.uploaded(200_000, 30.0)
+    for _ in range(5):
+        m.uploaded(50_000, 0.1)
+    assert m.upload_s(200_000) == pytest.approx(30.0)
+    assert m.upload_s(50_000) == pytest.approx(7.5)  # the 200 kB upload is alike enough (≥ P/2)
+    assert m.upload_s(20_000) == pytest.approx(3.0)
+    fresh = LinkMeter()
+    fresh.uploaded(50_000, 0.1)
+    assert fresh.upload_s(200_000) == pytest.approx(0.4)  # nothing larger seen: all it has

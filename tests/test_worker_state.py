@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from node.compute.optim import adam_tensors
+from node.compute.shards import check_payload_header
 from node.compute.state import RankFiles, save_adam, save_state, save_theta
 from node.compute.stateread import load_state
-from node.compute.worker import Worker, check_payload_header
+from node.compute.worker import Worker
 from node.errors import StateError
 from protocol.errors import PayloadError
 from protocol.runconfig import RunConfig

@@ -15,7 +15,7 @@ same bytes and the same parameters (``tests/test_device.py`` compares the two on
 - ``decode``: a payload is validated completely on the host first (``read_payload(...,
   lazy=True)`` walks every stream with every rule and materialises nothing); the device then
   turns the already valid streams into flat indices with bit unpacking and prefix sums.
-- ``apply_aggregate``: per tensor and per band of tiles (``node.compute.outer._bands``), the
+- ``apply_aggregate``: per tensor and per band of tiles (``node.compute.bands``), the
   peers' values are added into band-sized sums one peer after another (``index_add_`` of
   distinct indices: one addition per entry, in peer order, so no atomics race), then
   ``sum / count``, the separate multiplication by alpha and the subtraction, all in fp32 as
@@ -39,7 +39,8 @@ from typing import Unpack
 
 import torch
 
-from node.compute.outer import DEFAULT_AGGREGATE, AggregateOptions, _bands, _clip_scales, screen
+from node.compute.bands import bands
+from node.compute.outer import DEFAULT_AGGREGATE, AggregateOptions, _clip_scales, screen
 from node.compute.robust import Screening, value_bound
 from node.compute.work import UNIT, PeerWeight
 from protocol.codec import HeaderFields, Payload, _header, _LazyTensors
@@ -57,7 +58,7 @@ _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 
 def _chunks(g: TileGeometry) -> list[tuple[int, int]]:
     """Ranges ``[b0, b1)`` of bands, each at most ``CHUNK`` elements (one band at least)."""
-    n_bands, _, size = _bands(g)
+    n_bands, _, size = bands(g)
     step = max(1, CHUNK // max(1, size))
     return [(b, min(n_bands, b + step)) for b in range(0, n_bands, step)]
 
@@ -300,7 +301,7 @@ def subtract_mean(
     dev = theta.device
     tables = [t.to(dev) for t in _tables(parts, clip, bound, weights)]
     counted = [1] * len(parts) if weights is None else [w.post for w in weights]
-    _, _, size = _bands(g)
+    _, _, size = bands(g)
     gc = g.grid[1]
     flat = theta.view(-1)
     for b0, b1 in _chunks(g):

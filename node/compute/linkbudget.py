@@ -50,18 +50,19 @@ Cut = Literal["compute", "link", "observing"]
 
 
 #: Uploads and downloads a ``LinkMeter`` remembers.
-METER_SAMPLES = 5
+METER_SAMPLES = 20
 
 
 @dataclass
 class LinkMeter:
-    """The node's own link as its last few transfers measured it (bytes, seconds each way).
+    """The node's own link as its last transfers measured it (bytes, seconds each way).
 
-    An upload is predicted at the *slowest* rate of the last ``METER_SAMPLES`` (its fixed cost
-    in it): a link that let a small payload through at once (a modem's burst, a window already
-    open) is not taken for a fast one, so a node that sent fewer entries per tile does not
-    send a whole payload the next round and arrive late. It follows a link that slowed at
-    once, one that grew faster within ``METER_SAMPLES`` rounds."""
+    An upload of P bytes is predicted at the *slowest* rate among the last ``METER_SAMPLES``
+    uploads of at least P / 2 bytes (of all of them when there is none that large), its fixed
+    cost in it. Links are not linear: a modem's token bucket, a TCP window already open, let a
+    small payload through at once and a large one at the line's rate. So a node that sent fewer
+    entries per tile learns nothing from that small upload about a whole payload, and does not
+    send one the next round to arrive late; it follows a link that slowed at once."""
 
     up: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=METER_SAMPLES))
     down: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=METER_SAMPLES))
@@ -78,7 +79,8 @@ class LinkMeter:
         """Seconds an upload of ``size`` bytes would take; None before any was measured."""
         if not self.up:
             return None
-        return max(seconds * size / sent for sent, seconds in self.up)
+        alike = [(b, s) for b, s in self.up if 2 * b >= size] or list(self.up)
+        return max(seconds * size / sent for sent, seconds in alike)
 
     @property
     def up_rate(self) -> float | None:

@@ -15,7 +15,7 @@ Determinism is the point of this module: every honest node must end each round w
 bit-identical parameters. So peers are always taken in sorted node-id order, norms are computed
 exactly (``SparseTensor.sq_norm``), every arithmetic step is a separate fp32 operation (no fused
 multiply-add), and each peer is added in turn, one addition per entry it selected (compiled
-loops, ``_sum_band``). Aggregation works one band of tiles at a time (``_bands``): its scratch is
+loops, ``node.compute.bands``). Aggregation works one band of tiles at a time: its scratch is
 a band's sums and counts per thread, never a dense copy of a tensor, let alone one per peer, and
 only the selected entries of the parameters are touched. Bands are independent, so they run in
 parallel without changing a single sum.
@@ -33,8 +33,9 @@ from typing import Any
 import numba
 import numpy as np
 import torch
-from numba.typed import List
 
+from node.compute.bands import band_means, kept_and_weights, peer_arrays, subtract_mean
+from node.compute.bands import bands as _bands
 from node.compute.robust import Screening, value_bound
 from node.compute.work import UNIT, PeerWeight
 from protocol import kernels
@@ -95,84 +96,6 @@ def _clip_scales(norms: Sequence[float]) -> list[float]:
     return [1.0 if n == 0.0 or n <= median else median / n for n in norms]
 
 
-def _bands(geometry: TileGeometry) -> tuple[int, int, int]:
-    """``(n_bands, kept_per_band, band_size)``: a band is one row of tiles, ``h`` whole rows.
-
-    Every peer lists its kept entries tile by tile, so a band's entries are one contiguous
-    slice of each peer's index, and they all fall in ``band_size`` consecutive elements of the
-    flattened tensor. Aggregating band by band needs scratch for one band only.
-    """
-    gr, gc = geometry.grid
-    return gr, gc * geometry.k, geometry.h * geometry.cols
-
-
-@numba.njit(cache=True, nogil=True)
-def _sum_band(b, indices, codes, tables, kept, weights, size, sums, counts, touched):
-    # Band b of every peer into the band-local sums and counts, peers one after another in
-    # canonical order (each entry once per peer), so every sum is formed in the same order on
-    # every node. Peer p keeps ``kept[p]`` entries per band (its own k per tile) and counts
-    # ``weights[p]`` times in an entry's denominator (1, or its work: ``node.compute.work``).
-    # Entries seen for the first time go to ``touched``; returns how many.
-    base = b * size
-    n = 0
-    for p in range(len(indices)):
-        index = indices[p]
-        code = codes[p]
-        lo = b * kept[p]
-        w = weights[p]
-        for j in range(lo, lo + kept[p]):
-            i = index[j] - base
-            if counts[i] == 0:
-                touched[n] = i
-                n += 1
-            sums[i] += tables[p, code[j]]
-            counts[i] += w
-    return n
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _subtract_mean(
-    theta, indices, codes, tables, kept, weights, n_bands, size, alpha, scaled, chunks
-):
-    # theta -= mean (times alpha when ``scaled``: a separate fp32 multiplication), band by
-    # band. Bands are independent, so they run in parallel, each thread with its own band of
-    # scratch, cleared again entry by entry after use.
-    for c in numba.prange(chunks):
-        sums = np.zeros(size, dtype=np.float32)
-        counts = np.zeros(size, dtype=np.int32)
-        touched = np.empty(size, dtype=np.int64)
-        for b in range(c * n_bands // chunks, (c + 1) * n_bands // chunks):
-            n = _sum_band(b, indices, codes, tables, kept, weights, size, sums, counts, touched)
-            base = b * size
-            for j in range(n):
-                i = touched[j]
-                m = sums[i] / np.float32(counts[i])
-                if scaled:
-                    m = m * alpha
-                theta[base + i] -= m
-                sums[i] = 0.0
-                counts[i] = 0
-
-
-@numba.njit(cache=True, nogil=True)
-def _band_means(indices, codes, tables, kept, weights, n_bands, size, out_index, out_mean):
-    # Every touched entry and its fp32 mean, band by band; returns how many.
-    sums = np.zeros(size, dtype=np.float32)
-    counts = np.zeros(size, dtype=np.int32)
-    touched = np.empty(size, dtype=np.int64)
-    m = 0
-    for b in range(n_bands):
-        n = _sum_band(b, indices, codes, tables, kept, weights, size, sums, counts, touched)
-        for j in range(n):
-            i = touched[j]
-            out_index[m] = b * size + i
-            out_mean[m] = sums[i] / np.float32(counts[i])
-            sums[i] = 0.0
-            counts[i] = 0
-            m += 1
-    return m
-
-
 def same_grid(parts: Sequence[SparseTensor]) -> TileGeometry:
     """The tile grid every peer's record of one tensor shares; the first peer's geometry.
 
@@ -230,31 +153,6 @@ def _peer_tables(
     return tables
 
 
-def _kept_and_weights(
-    parts: Sequence[SparseTensor], weights: Sequence[PeerWeight] | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per peer: the entries it keeps per band of tiles, and its count in a denominator."""
-    gc = parts[0].geometry.grid[1]
-    kept = np.array([gc * p.geometry.k for p in parts], dtype=np.int64)
-    counts = [1] * len(parts) if weights is None else [w.post for w in weights]
-    return kept, np.array(counts, dtype=np.int32)
-
-
-def _typed(arrays: Sequence[np.ndarray]) -> List:
-    out = List()
-    for a in arrays:
-        out.append(a)
-    return out
-
-
-def _peer_arrays(parts: Sequence[SparseTensor]) -> tuple[List, List]:
-    """The peers' index and code arrays as numba lists (one index dtype for all)."""
-    indices = [p.index.numpy() for p in parts]
-    if len({a.dtype for a in indices}) > 1:
-        indices = [a.astype(np.int64) for a in indices]
-    return _typed(indices), _typed([p.codes.numpy() for p in parts])
-
-
 def sparse_mean(
     parts: Sequence[SparseTensor],
     *,
@@ -277,13 +175,13 @@ def sparse_mean(
     tables = _peer_tables(parts, clip, bound, weights=weights)
     geometry = parts[0].geometry
     n_bands, _, size = _bands(geometry)
-    kept, counts = _kept_and_weights(parts, weights)
+    kept, counts = kept_and_weights(parts, weights)
     cap = min(geometry.numel, sum(p.geometry.n_kept for p in parts))
     index = np.empty(cap, dtype=np.int64)
     mean = np.empty(cap, dtype=np.float32)
     if cap:
-        indices, codes = _peer_arrays(parts)
-        n = _band_means(indices, codes, tables, kept, counts, n_bands, size, index, mean)
+        indices, codes = peer_arrays(parts)
+        n = band_means(indices, codes, tables, kept, counts, n_bands, size, index, mean)
     else:
         n = 0
     return torch.from_numpy(index[:n].copy()), torch.from_numpy(mean[:n].copy())
@@ -304,13 +202,13 @@ def _subtract_in_place(
     if not any(p.geometry.n_kept for p in parts):
         return
     n_bands, _, size = _bands(geometry)
-    kept, counts = _kept_and_weights(parts, weights)
-    indices, codes = _peer_arrays(parts)
+    kept, counts = kept_and_weights(parts, weights)
+    indices, codes = peer_arrays(parts)
     flat = theta.detach().view(-1).numpy()
     with kernels.parallel():
         chunks = min(n_bands, 4 * numba.get_num_threads())
         scaled = alpha != 1.0
-        _subtract_mean(
+        subtract_mean(
             flat, indices, codes, tables, kept, counts, n_bands, size, np.float32(alpha),
             scaled, chunks,
         )  # fmt: skip
@@ -330,11 +228,6 @@ def aggregate_tensor(
     out = torch.zeros(parts[0].geometry.numel, dtype=torch.float32)
     out[index] = mean
     return out.view(parts[0].geometry.shape)
-
-
-def ordered(payloads: Mapping[str, Payload]) -> list[Payload]:
-    """Payloads in the canonical aggregation order: sorted by node id."""
-    return [payloads[node] for node in sorted(payloads)]
 
 
 def _decoded(name: str, payload: Payload) -> tuple[SparseTensor, float]:

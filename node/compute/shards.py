@@ -12,6 +12,9 @@ parts that a rank computes alone, exactly as a single process computes them:
 - **the fingerprint**: each rank hashes its own tensors (``protocol.fingerprint.tensor_digest``),
   every rank gets every digest, and all combine them (``combine``): the fingerprint of the
   whole θ, whatever the split.
+
+And what every rank checks of a peer's payload before reading its records
+(``check_payload_header``): the run, the round, the sender and the work the manifest lists.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import msgpack
 import torch
 
 from node.compute.group import Group
-from protocol.codec import assemble, encode_tensor
+from protocol.codec import Payload, assemble, encode_tensor
 from protocol.envelope import TensorRecord, records_from_bytes, records_to_bytes
-from protocol.errors import CodecError
+from protocol.errors import CodecError, PayloadError
 from protocol.fingerprint import combine, tensor_digest
 from protocol.tiles import TileGeometry, check_codec_params
 
@@ -97,3 +100,21 @@ def node_fingerprint(group: Group, tensors: Mapping[str, torch.Tensor]) -> str:
     for part in group.all_gather_bytes(packed, "combining θ's digests"):
         merged.update(msgpack.unpackb(part, raw=False))
     return combine(merged)
+
+
+def check_payload_header(
+    payload: Payload, *, run_id: str, round_: int, node_id: str, steps: int | None = None
+) -> None:
+    """A gathered payload must say it is for this run, this round and the node it came from,
+    and carry the steps the manifest lists for it (when the manifest lists them): the work it
+    is weighed by is then the same whoever reads it."""
+    checks: list[tuple[str, object, object]] = [
+        ("header.run", payload.run_id, run_id),
+        ("header.round", payload.round, round_),
+        ("header.node", payload.node_id, node_id),
+    ]
+    if steps is not None:
+        checks.append(("header.steps", payload.steps, steps))
+    for field, got, want in checks:
+        if got != want:
+            raise PayloadError(field, f"payload says {got!r}, manifest says {want!r}")

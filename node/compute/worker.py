@@ -36,7 +36,6 @@ from node.compute.share import Share
 from node.compute.throughput import Meter, StepClock, Throughput
 from node.compute.work import peer_weights
 from protocol.codec import Payload, read_payload, read_payload_file
-from protocol.errors import PayloadError
 from protocol.runconfig import RunConfig
 
 log = logging.getLogger("sparseloco.worker")
@@ -382,21 +381,3 @@ class Worker(Share):
     def sent_mass(self, recon: Mapping[str, torch.Tensor]) -> float:
         """Σ of what a payload carries (what peers add for this node), from its ĉ."""
         return self.node_sum(total(recon))
-
-
-def check_payload_header(
-    payload: Payload, *, run_id: str, round_: int, node_id: str, steps: int | None = None
-) -> None:
-    """A gathered payload must say it is for this run, this round and the node it came from,
-    and carry the steps the manifest lists for it (when the manifest lists them): the work it
-    is weighed by is then the same whoever reads it."""
-    checks: list[tuple[str, object, object]] = [
-        ("header.run", payload.run_id, run_id),
-        ("header.round", payload.round, round_),
-        ("header.node", payload.node_id, node_id),
-    ]
-    if steps is not None:
-        checks.append(("header.steps", payload.steps, steps))
-    for field, got, want in checks:
-        if got != want:
-            raise PayloadError(field, f"payload says {got!r}, manifest says {want!r}")

@@ -40,6 +40,7 @@ from node.compute.data import check_vocabulary
 from node.compute.model import get_preset
 from node.compute.stream import ShardStream
 from node.daemon.api import CoordinatorApi, Transfers
+from node.daemon.settings import NodeSettings
 from node.errors import Abandoned, CoordinatorError, DataError, TransferError
 from protocol.causes import cause
 from protocol.dataset import (
@@ -276,6 +277,26 @@ def _local_root(local: str, dataset: str) -> Path:
     except ValueError as exc:
         raise DataError(f"--data {local} is another dataset than the run's: {exc}") from exc
     return root
+
+
+async def open_run_data(
+    api: CoordinatorApi,
+    transfers: Transfers,
+    run: RunConfig,
+    settings: NodeSettings,
+    *,
+    stop: threading.Event,
+    sleep: Callable[[float], Awaitable[None]],
+) -> ShardStream | None:
+    """The run's dataset streamed from the store, when it names one (waiting out outages);
+    None: the node's ``--data`` (or the demo corpus)."""
+    if run.dataset is None:
+        return None
+    source = DatasetSource(
+        api, transfers, run, settings.state_dir, local=settings.data, stop=stop
+    )  # fmt: skip
+    stream, _ = await open_waiting(source, sleep=sleep)
+    return stream
 
 
 async def open_waiting(

@@ -41,7 +41,6 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from node.compute.data import Corpus
 from node.compute.group import Group
 from node.compute.linkbudget import Plan
 from node.compute.worker import TrainResult, Worker
@@ -50,7 +49,7 @@ from node.daemon.api import Clock, CoordinatorApi, RealClock, Transfers
 from node.daemon.budgeting import Budgeting
 from node.daemon.checkpoints import CheckpointSync
 from node.daemon.condition import Condition
-from node.daemon.dataset import DatasetSource, open_waiting
+from node.daemon.dataset import open_run_data
 from node.daemon.faults import Faults
 from node.daemon.gather import Spool
 from node.daemon.join import join, refusal
@@ -58,7 +57,7 @@ from node.daemon.lifetime import heartbeat, until_stopped, with_grace
 from node.daemon.merge import Handoff
 from node.daemon.ops import NodeCompute, RankContext
 from node.daemon.pending import PendingRound
-from node.daemon.resync import ResyncGuard, resync
+from node.daemon.resync import ResyncGuard, refuse_if_ahead, resync
 from node.daemon.retry import Link
 from node.daemon.rounds import RoundFinisher
 from node.daemon.settings import NodeSettings
@@ -189,18 +188,6 @@ class NodeDaemon:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def _open_data(self, joined: JoinResponse) -> Corpus | None:
-        """The run's dataset streamed from the store (``node.daemon.dataset``), when it names
-        one; None: ``--data`` (or the demo corpus)."""
-        if joined.run.dataset is None:
-            return None
-        source = DatasetSource(
-            self.api, self.transfers, joined.run, self.settings.state_dir,
-            local=self.settings.data, stop=self.compute_stop,
-        )  # fmt: skip
-        stream, _ = await open_waiting(source, sleep=self.sleep)
-        return stream
-
     async def run(self, *, handle_signals: bool = True) -> int:
         """Join, take part until the run ends or a stop is requested, leave; the exit status.
 
@@ -254,7 +241,10 @@ class NodeDaemon:
     async def _set_up(self, joined: JoinResponse) -> bool:
         """Data, model and θ for the run just joined; False if stopped meanwhile."""
         try:
-            data = await self._open_data(joined)
+            data = await open_run_data(
+                self.api, self.transfers, joined.run, self.settings,
+                stop=self.compute_stop, sleep=self.sleep,
+            )  # fmt: skip
             root = str(data.root) if data is not None else None  # type: ignore[attr-defined]
             self.pending, resumed = await self.node(
                 "setup", joined.model_dump_json(), root, data=data
@@ -307,13 +297,7 @@ class NodeDaemon:
             if r >= run.rounds:
                 return True
             view = await self.api.round()
-            if r > view.round:
-                raise StateError(
-                    f"local state is at round {r} but the coordinator is at {view.round}: it"
-                    " lost rounds this node applied (restored from an old backup, with their"
-                    " manifests missing from the store) or this state dir belongs to another"
-                    " coordinator database; nothing was applied, tell the run's operator"
-                )
+            refuse_if_ahead(r, view)
             if run.overlaps and overlap.beside(self, view):
                 await overlap.step(self)
             elif self.pending is not None:
@@ -354,10 +338,8 @@ class NodeDaemon:
         )
 
     async def _participate(self, r: int, view: RoundView) -> None:
-        """Steps 1-5 and the upload, then the rest of the round. With overlap only steps 1-5:
-        the next step sends this round while it trains the next (``node.daemon.overlap``).
-        The round's budget (``view``) ends the training early where it must, and sets the
-        entries per tile a thin link sends (``node.daemon.budgeting``)."""
+        """Steps 1-5 and the upload, then the rest of the round (with overlap only steps 1-5:
+        ``node.daemon.overlap``), within the round's budget (``node.daemon.budgeting``)."""
         started = self.clock.now()
         self.budgeting.arm(self.worker, self.budgeting.plan(view, self.worker))
         try:

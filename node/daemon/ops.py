@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 from node.compute.checkpoint import load_checkpoint_file, write_checkpoint_file
 from node.compute.data import Corpus
 from node.compute.group import Group
-from node.compute.worker import TrainResult, Worker, check_payload_header
+from node.compute.shards import check_payload_header
+from node.compute.worker import TrainResult, Worker
 from node.daemon import pending as saves
 from node.daemon.dataset import follower_stream
 from node.daemon.merge import Handoff

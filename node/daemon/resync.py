@@ -12,7 +12,8 @@ what they applied. After ``MAX_RESYNCS`` of those in a row the node stops with `
 from __future__ import annotations
 
 from node.daemon.host import RoundDaemon
-from node.errors import ResyncError
+from node.errors import ResyncError, StateError
+from protocol.messages import RoundView
 
 #: Resynchronisations in a row that may end where the previous one began (the node diverges
 #: again at the same round or before it) before the node stops instead of looping.
@@ -60,3 +61,15 @@ async def resync(d: RoundDaemon, guard: ResyncGuard) -> None:
         await d.node("reset_to_initial")
     await d.save_idle()
     d.log("resynced", source=f"checkpoint {info.round}" if info else "θ_0")
+
+
+def refuse_if_ahead(local_round: int, view: RoundView) -> None:
+    """``StateError`` if the node's state is at a round the coordinator has not reached: the
+    coordinator lost rounds this node applied; nothing can be done here but say so."""
+    if local_round > view.round:
+        raise StateError(
+            f"local state is at round {local_round} but the coordinator is at {view.round}: it"
+            " lost rounds this node applied (restored from an old backup, with their"
+            " manifests missing from the store) or this state dir belongs to another"
+            " coordinator database; nothing was applied, tell the run's operator"
+        )
