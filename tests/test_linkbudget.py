@@ -93,3 +93,13 @@ def test_a_small_upload_that_went_through_at_once_says_nothing_of_a_whole_payloa
     fresh = LinkMeter()
     fresh.uploaded(50_000, 0.1)
     assert fresh.upload_s(200_000) == pytest.approx(0.4)  # nothing larger seen: all it has
+
+
+def test_a_short_upload_never_sends_fewer_entries_per_tile() -> None:
+    """A tiny round (1 s left) over a fast link whose 3 kB upload took 0.1 s (round trips, not
+    bytes): the node trains less; it does not cut k to 1 for a payload that is quick anyway."""
+    m = LinkMeter()
+    m.uploaded(3000, 0.1)
+    p = plan(1.0, topk=TOPK, tile=TILE, payload_size=3000, encode_s=0.05, meter=m)
+    assert p.topk == TOPK and p.cut == "compute"
+    assert p.train_s == pytest.approx(max(0.0, 1.0 - 0.05 - margin(1.0) - 0.1))

@@ -164,9 +164,15 @@ class _Daemon:
         self.stopping = asyncio.Event()
         self.node_id = "n0"
         self.events: list[str] = []
+        self.measured: list[tuple[int, float]] = []
 
     def log(self, event: str, **fields: object) -> None:
         self.events.append(event)
+
+    def uploaded(self, size: int, seconds: float) -> None:
+        self.measured.append((size, seconds))
+
+    link_failures = 0
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -189,6 +195,7 @@ async def test_the_daemons_submit_step_uploads_a_large_payload_in_parts(
         await upload.submit(cast(Any, d), pending)
         view = await d.api.manifest(0)
     assert d.events == [] and pending.bytes_up == len(payload)
+    assert [size for size, _ in d.measured] == [len(payload)]  # the link measured once
     assert counting.puts == {1: 2, 2: 1, 3: 1}
     assert isinstance(view, ManifestView) and [e.sha256 for e in view.signed.manifest.gather] == [
         sha

@@ -40,13 +40,14 @@ from node.daemon.ops import RankContext, merge_now
 from node.daemon.pending import Shard, restore_state, save_idle
 from node.errors import Abandoned
 from node.research.bench.codec_bench import error_buffer
-from protocol.codec import encode
+from protocol.codec import encode, read_payload
 from protocol.runconfig import RunConfig
 from support.ranks import spawn
 
 #: batch_size 5 over 2 or 4 processes: rows of unequal count, so the weighting by rows matters.
 RUN = RunConfig(name="ranks", model="llama_small", rounds=4, inner_steps=3, batch_size=5)
 RUN_ID = "ranks-test"
+SHAPES = model_shapes(get_preset(RUN.model))
 PEERS = ("a", "b", "c", "d", "e")
 #: The hostile peer: the first honest update with every sign flipped.
 FLIPPED = "e"
@@ -57,8 +58,15 @@ def _worker(group: Group | None = None) -> Worker:
     return Worker(RUN, run_id=RUN_ID, node_id="n", slot=3, group=group)
 
 
+#: The inner steps each peer's payload carries, and its entries per tile: unequal work and a
+#: thinner payload, so the applies below aggregate by the run's work rule with mixed k.
+PEER_STEPS = {"a": 3, "b": 1, "c": 2, "d": 3, "e": 3}
+PEER_TOPK = {"a": 64, "b": 64, "c": 16, "d": 64, "e": 64}
+
+
 def _peer_payloads(directory: Path) -> dict[str, Path]:
-    """Four honest payloads (one direction, each with its own noise) and a sign-flipped one."""
+    """Four honest payloads (one direction, each with its own noise) and a sign-flipped one;
+    of unequal work (``PEER_STEPS``), one of them thinner (``PEER_TOPK``)."""
     shapes = model_shapes(get_preset(RUN.model))
     common = error_buffer(shapes, seed=1)
     out = {}
@@ -69,8 +77,8 @@ def _peer_payloads(directory: Path) -> dict[str, Path]:
             noise = error_buffer(shapes, seed=10 + i)
             buffer = {n: common[n] + 0.5 * noise[n] for n in shapes}
         data, _ = encode(
-            buffer, topk=RUN.topk, tile=RUN.tile, run_id=RUN_ID, round=ROUND, node_id=node,
-            base="f" * 32,
+            buffer, topk=PEER_TOPK[node], tile=RUN.tile, run_id=RUN_ID, round=ROUND,
+            node_id=node, base="f" * 32, steps=PEER_STEPS[node],
         )  # fmt: skip
         path = directory / f"{node}.slc"
         path.write_bytes(data)
@@ -179,12 +187,22 @@ def _node(group: Group, out: Path, peers_dir: str, state_from: str | None) -> No
     merge_fp = m.fingerprint()  # a collective: every rank
     # 7. The ranks' word at the merge (``ops.merge_now``).
     word = _merge_word(group, out, peers_dir, tag)
+    # 8. A round's time budget on rank 0 only: its cutoff long past and 16 entries per tile
+    # planned. Every rank stops after the first step (the word is agreed with the stop flag),
+    # and every rank encodes with rank 0's k.
+    b = _worker(group)
+    if rank == 0:
+        b.cutoff, b.send_topk = float("-inf"), 16
+    budgeted = b.train_and_compress()
+    budget_facts = {"steps": budgeted.steps, "topk": budgeted.topk}
     if rank == 0:
         (out / f"{tag}-payload.slc").write_bytes(payload)
+        (out / f"{tag}-budgeted.slc").write_bytes(budgeted.payload)
         facts = {
             "fingerprint": fp, "screened": sorted(screened), "checkpoint": [size, sha, ckpt_fp],
             "losses": losses, "loaded": loaded, "merged": merged,
             "merge_fingerprint": merge_fp, "merge_losses": merge_losses, "merge_word": word,
+            "budgeted": budget_facts,
         }  # fmt: skip
         (out / f"{tag}.json").write_text(json.dumps(facts))
 
@@ -227,6 +245,16 @@ def test_every_rank_count_applies_bit_for_bit_what_one_process_applies(nodes, wo
     assert set(sharded) == set(reference)
     for name, value in reference.items():
         assert torch.equal(sharded[name], value), name
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_rank_stops_where_rank_0s_budget_says_and_sends_its_k(nodes, world) -> None:
+    out = nodes["out"]
+    for tag in ("solo", f"t{world}"):
+        facts = json.loads((out / f"{tag}.json").read_text())
+        assert facts["budgeted"] == {"steps": 1, "topk": 16}, tag
+        payload = read_payload((out / f"{tag}-budgeted.slc").read_bytes(), SHAPES, topk=RUN.topk)
+        assert (payload.steps, payload.topk) == (1, 16), tag
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

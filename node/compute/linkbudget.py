@@ -14,9 +14,9 @@ round's opening, the members should have submitted). A node that knows how much 
 **Links are budgeted like compute.** A payload's size hardly depends on the steps it carries
 (Top-k per tile: the same entries whatever the steps), so a thin link cannot be answered with
 fewer steps. If the upload of a whole payload would take more than ``LINK_SHARE`` of what is
-left, the node sends fewer entries per tile: the largest k' ≤ the run's k whose payload fits in
-that share (``payload_bytes``: positions at their entropy, 2 bits a value), and the error buffer
-keeps the rest for later rounds, as it keeps everything Top-k does not send. k' is the
+left (and more than ``LINK_MIN_S``), the node sends fewer entries per tile: the largest
+k' ≤ the run's k whose payload fits in that share (``payload_bytes``: positions at their
+entropy, 2 bits a value), and the error buffer keeps the rest for later rounds, as it keeps everything Top-k does not send. k' is the
 payload's own ``topk`` (payload format 3 allows any k up to the run's); peers aggregate each
 payload with its own k (``node.compute.outer``). Only when not even one entry per tile fits in
 what is left (a 70 B model over 5 Mbit/s) does the node stop trying: it *observes*
@@ -41,6 +41,10 @@ MARGIN_S = 0.2
 MARGIN_SHARE = 0.02
 #: The most of what is left the upload may take before the payload sends fewer entries per tile.
 LINK_SHARE = 0.5
+#: An upload this short never sends fewer entries per tile: a payload that takes under a second
+#: is carried by round trips more than by bytes (fewer bytes would hardly be quicker); a
+#: round that short is fitted by training less.
+LINK_MIN_S = 1.0
 #: Rounds an observing node lets pass between two tries of a payload.
 RETRY_ROUNDS = 10
 #: Bits a kept value costs besides its position: its 2-bit code.
@@ -162,8 +166,8 @@ def plan(
     whole = meter.upload_s(payload_size) if payload_size else None
     if whole is None or payload_size is None:
         return Plan(max(0.0, left), topk, "compute")
-    if whole <= LINK_SHARE * left:
-        return Plan(left - whole, topk, "compute", whole)
+    if whole <= max(LINK_MIN_S, LINK_SHARE * left):
+        return Plan(max(0.0, left - whole), topk, "compute", whole)
     for k in range(topk - 1, 0, -1):
         upload = meter.upload_s(payload_bytes(payload_size, topk, k, tile, fixed)) or 0.0
         if upload <= LINK_SHARE * left:

@@ -137,11 +137,10 @@ class Budgeting:
             rate = self.meter.up_rate or 0.0
             log.warning(
                 "event=cannot_contribute node=%s round=%d payload_bytes=%d upload_s=%.1f"
-                " budget_s=%.1f up_bytes_per_s=%.0f (this node's uplink cannot get even one"
-                " entry per tile in within the round's budget: it applies every round and sends"
-                " no payload; it tries one every %d rounds; see `sparseloco doctor`)",
+                " budget_s=%.1f retry_every=%d (applies every round, sends nothing: see"
+                " `sparseloco doctor`)",
                 node, round_, self.payload_size or 0, whole.upload_s, view.budget_s or 0.0,
-                rate, RETRY_ROUNDS,
+                RETRY_ROUNDS,
             )  # fmt: skip
             return True
         return (round_ - self.observing_since) % RETRY_ROUNDS != 0

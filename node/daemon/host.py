@@ -60,6 +60,11 @@ class Daemon(Protocol):
     def uploaded(self, size: int, seconds: float) -> None:
         """A payload of ``size`` bytes went up in ``seconds`` (the link's measurement)."""
 
+    @property
+    def link_failures(self) -> int:
+        """Failed attempts at the coordinator or the store so far (every retry counts)."""
+        ...
+
 
 class RoundDaemon(Daemon, Protocol):
     """What finishing a round needs (``node.daemon.rounds``)."""

@@ -13,9 +13,9 @@ A round, for round r with θ_r in the model:
    manifests are verified with that pinned key only;
 1. ask the coordinator for the current round; if r is already closed, only *apply* it (catch-up:
    a late joiner replays every closed round from θ_0 or a checkpoint, bit for bit);
-2. if expected in r: train H steps, compress (``node.compute.worker``), save the pending payload
-   and the state, upload through the presigned PUT, submit with the payload's sha256 and the base
-   fingerprint;
+2. if expected in r: train until H steps or the round's budget (``node.daemon.budgeting``),
+   compress (``node.compute.worker``), save the pending payload and the state, upload through
+   the presigned PUT, submit with the payload's sha256, its work and the base fingerprint;
 3. finish the round (``node.daemon.rounds``): wait for the signed manifest, download, verify,
    decode, aggregate in node-id order, apply, settle the own contribution, save, report.
 
@@ -245,7 +245,7 @@ class NodeDaemon:
                 self.api, self.transfers, joined.run, self.settings,
                 stop=self.compute_stop, sleep=self.sleep,
             )  # fmt: skip
-            root = str(data.root) if data is not None else None  # type: ignore[attr-defined]
+            root = str(data.root) if data is not None else None
             self.pending, resumed = await self.node(
                 "setup", joined.model_dump_json(), root, data=data
             )
@@ -365,12 +365,10 @@ class NodeDaemon:
         await submit(self, pending)
         await self.finisher.finish(r)
 
-    def trained(self, r: int, result: TrainResult, chosen: Plan) -> PendingRound:
-        """Round ``r``'s pending round from its training, with what cut it short."""
+    def trained(self, r: int, result: TrainResult, chosen: Plan) -> PendingRound:  # and its cut
         return self.budgeting.pending(r, result, chosen, self.worker.run, self.log)
 
-    def uploaded(self, size: int, seconds: float) -> None:
-        """A payload went up: the link's newest measurement (``node.daemon.budgeting``)."""
+    def uploaded(self, size: int, seconds: float) -> None:  # a clean upload measured the link
         self.budgeting.meter.uploaded(size, seconds)
 
     async def _resume_pending(self, view: RoundView) -> None:
@@ -387,9 +385,13 @@ class NodeDaemon:
         """θ differs from the round's base: start again (``node.daemon.resync``)."""
         await resync(self, self.resyncs)
 
+    @property
+    def link_failures(self) -> int:  # failed attempts at the coordinator or the store so far
+        return sum(link.failures for link in self.links)
+
     def retries_since_last_report(self) -> int:
         """Failed attempts at the coordinator or the store since the previous report."""
-        total = sum(link.failures for link in self.links)
+        total = self.link_failures
         new, self._retries_reported = total - self._retries_reported, total
         return new
 

@@ -72,7 +72,7 @@ async def submit(d: Daemon, pending: PendingRound) -> None:
     contribution.
     """
     r, payload = pending.round, pending.payload
-    t0, started = time.perf_counter(), d.clock.now()
+    t0 = time.perf_counter()
     pending.bytes_up = 0
     backoff = Backoff()
     try:
@@ -87,8 +87,13 @@ async def submit(d: Daemon, pending: PendingRound) -> None:
                 grant = await d.api.upload_grant(r, len(payload), pending.sha256, plan)
                 granted_at, done = d.clock.now(), {}
             d.faults.crash_point(r, "mid_upload")
+            started, failures, whole = d.clock.now(), d.link_failures, not done
             try:
                 await _upload(d, r, grant, payload, done)
+                if d.link_failures == failures and whole:
+                    # Only a clean attempt of the whole payload measures the link: one that
+                    # waited out an outage, or sent only the parts left, says nothing of it.
+                    d.uploaded(len(payload), d.clock.now() - started)
                 break
             except (TransferError, RetriesExhausted) as exc:
                 if isinstance(exc, TransferError):
@@ -103,7 +108,6 @@ async def submit(d: Daemon, pending: PendingRound) -> None:
                 await d.sleep(backoff.next())
         pending.bytes_up = len(payload)
         pending.timings["upload"] = time.perf_counter() - t0
-        d.uploaded(len(payload), d.clock.now() - started)
         d.faults.crash_point(r, "after_upload")
         request = SubmitRequest(
             size=len(payload),

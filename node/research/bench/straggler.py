@@ -93,7 +93,7 @@ def run_straggler(
             " --slow-from - 1 (>= 1 of them), slowed rounds at least two after it"
         )
     slow = f"node-{nodes - 1}"
-    envs = [{} for _ in range(nodes)]
+    envs: list[dict[str, str]] = [{} for _ in range(nodes)]
     envs[-1] = {"SPARSELOCO_FAULTS": f"slowsteps:{factor:g}@{slow_from}"}
     root = run_dir or Path("runs") / "bench-straggler"
     out: dict[str, Any] = {
