@@ -134,7 +134,6 @@ class Budgeting:
         if self.observing_since is None:
             self.observing_since = round_
             self.condition.observe(True)
-            rate = self.meter.up_rate or 0.0
             log.warning(
                 "event=cannot_contribute node=%s round=%d payload_bytes=%d upload_s=%.1f"
                 " budget_s=%.1f retry_every=%d (applies every round, sends nothing: see"
