@@ -14,15 +14,16 @@ round's opening, the members should have submitted). A node that knows how much 
 **Links are budgeted like compute.** A payload's size hardly depends on the steps it carries
 (Top-k per tile: the same entries whatever the steps), so a thin link cannot be answered with
 fewer steps. If the upload of a whole payload would take more than ``LINK_SHARE`` of what is
-left (and more than ``LINK_MIN_S``), the node sends fewer entries per tile: the largest
-k' ≤ the run's k whose payload fits in that share (``payload_bytes``: positions at their
-entropy, 2 bits a value), and the error buffer keeps the rest for later rounds, as it keeps
-everything Top-k does not send. k' is the payload's own ``topk`` (payload format 3 allows any k up to the run's); peers aggregate each
-payload with its own k (``node.compute.outer``). Only when not even one entry per tile fits in
-what is left (a 70 B model over 5 Mbit/s) does the node stop trying: it *observes*
-(``Plan.observing``): it applies every round, submits none, and says so once
-(``NodeCondition.OBSERVING``), so no round waits for it; every ``RETRY_ROUNDS`` rounds it tries
-one payload again (the link may have grown, or the budget), which also measures the link anew.
+left (and more than ``LINK_MIN_S``), the node sends fewer entries per tile: the largest k' up
+to the run's k whose payload fits in that share (``payload_bytes``: positions at their
+entropy, 2 bits a value); the error buffer keeps the rest for later rounds, as it keeps all
+that Top-k does not send. k' is the payload's own ``topk`` (payload format 3 allows any k up
+to the run's); peers aggregate each payload with its own k (``node.compute.bands``). Only when
+not even one entry per tile fits in what is left (a 70 B model over 5 Mbit/s) does the node
+stop trying: it *observes* (``Plan.observing``): it applies every round, submits none, and says
+so once (``NodeCondition.OBSERVING``), so no round waits for it; every ``RETRY_ROUNDS`` rounds
+it tries one payload again (the link may have grown, or the budget), which also measures the
+link anew.
 
 Pure arithmetic on measured numbers (``tests/test_linkbudget.py``).
 """
