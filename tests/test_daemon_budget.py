@@ -132,3 +132,31 @@ async def test_merge_is_never_cut_before_the_aggregate_is_merged(harness) -> Non
         # may stop only after it.
         want = 1 if r == 0 else 2
         assert {rep.steps for rep in reports.values()} == {want}, r
+
+
+async def test_a_round_cut_short_leaves_the_node_on_the_runs_schedule(monkeypatch) -> None:
+    """The inner schedule follows the round, not the node's step count: a round cut to one
+    step runs at global step r·H, and the next round starts at (r + 1)·H, as everyone's."""
+    import node.compute.inner as inner
+
+    run = budgeted()
+    seen: list[int] = []
+    real = inner.inner_step
+
+    def recording(*args, step: int, **kw):  # type: ignore[no-untyped-def]
+        seen.append(step)
+        return real(*args, step=step, **kw)
+
+    monkeypatch.setattr(inner, "inner_step", recording)
+
+    def go() -> None:
+        w = worker(run)
+        w.cutoff = float("-inf")
+        w.train_and_compress(0)  # cut to one step
+        w.cutoff = None
+        w.train_and_compress(1)  # a whole round
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(go).result()
+    H = run.inner_steps
+    assert seen == [0, *range(H, 2 * H)]
