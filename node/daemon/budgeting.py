@@ -76,9 +76,11 @@ class Budgeting:
 
     def plan(self, view: RoundView, worker: Worker) -> Plan:
         """The round's plan from what is left of its budget (``view.budget_in_s``)."""
-        run = worker.run
+        return self._fit(view.budget_in_s, worker.run)
+
+    def _fit(self, budget_s: float | None, run: RunConfig) -> Plan:
         return plan(
-            view.budget_in_s,
+            budget_s,
             topk=run.topk,
             tile=run.tile,
             payload_size=self.payload_size,
@@ -112,16 +114,7 @@ class Budgeting:
         """Whether the node sits round ``round_`` out: even one entry per tile would not get in
         within the round's whole budget (``view.budget_s``). Says so once when it starts, and
         once when it ends; every ``RETRY_ROUNDS`` rounds it tries one payload anyway."""
-        run = worker.run
-        whole = plan(
-            view.budget_s,
-            topk=run.topk,
-            tile=run.tile,
-            payload_size=self.payload_size,
-            encode_s=self.encode_s,
-            meter=self.meter,
-            fixed=self.header_size,
-        )
+        whole = self._fit(view.budget_s, worker.run)
         if not whole.observing:
             if self.observing_since is not None:
                 self.observing_since = None
