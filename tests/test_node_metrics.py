@@ -11,6 +11,7 @@ its live figures, there and after a restart; its run counters stay.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,38 @@ async def test_a_revoked_node_loses_its_live_figures(make_api: ApiFactory, tmp_p
     again = await make_api(run, prefix="node-metrics-revoked")  # restarted on its state
     restarted = (await again.call("GET", "/metrics", None))[1]
     assert live_of(restarted, "n1") == [] and len(live_of(restarted, "n0")) >= 10
+
+
+async def test_the_work_of_unequal_rounds_is_on_metrics(make_api: ApiFactory) -> None:
+    """A round cut short: its steps and tokens, the k it sent and what cut it per node, the
+    step time per step taken, and each node's share of the round's work (from the manifest)."""
+    run = RunConfig(name="work-metrics", rounds=3, inner_steps=10, min_nodes=2)
+    api = await make_api(run, prefix="work-metrics")
+    for node in ("n0", "n1"):
+        await api.call("POST", "/v1/join", node, {})
+    for node, steps in (("n0", 10), ("n1", 4)):
+        body = f"payload {node}".encode()
+        assert await api.put_payload(node, 0, body, claimed=body) == 200
+        req = {
+            "size": len(body),
+            "sha256": hashlib.sha256(body).hexdigest(),
+            "base_fingerprint": FP_A,
+            "steps": steps,
+            "tokens": steps * 512,
+        }
+        status, _ = await api.call("POST", "/v1/rounds/0/submit", node, req)
+        assert status == 200
+    assert (await api.manifest("n0", 0))[0] == 200
+    cut = {**REPORT, "steps": 4, "tokens": 2048, "cut": "link", "topk": 16}
+    assert (await api.call("POST", "/v1/rounds/0/report", "n1", cut))[0] == 200
+    lines = (await api.call("GET", "/metrics", None))[1]
+    for line in (
+        'sparseloco_node_steps{node="n1"} 4.0',
+        'sparseloco_node_tokens{node="n1"} 2048.0',
+        'sparseloco_node_topk{node="n1"} 16.0',
+        'sparseloco_node_cut_rounds_total{by="link",node="n1"} 1.0',
+        'sparseloco_node_step_seconds{node="n1"} 0.5',  # 2 s of training over 4 steps
+        f'sparseloco_node_work_share{{node="n0"}} {10 / 14}',
+        f'sparseloco_node_work_share{{node="n1"}} {4 / 14}',
+    ):
+        assert line in lines, line
