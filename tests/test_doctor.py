@@ -109,3 +109,36 @@ def test_a_token_the_coordinator_does_not_know(setup) -> None:
     assert "the coordinator refused it" in found["token"] and "401" in found["token"]
     assert found["store"] == "-- not checked: it needs a token the coordinator accepts"
     assert "token add" in proc.stdout and token not in proc.stdout + proc.stderr
+
+
+def test_the_link_line_says_whether_a_payload_gets_in_within_the_budget() -> None:
+    """doctor's ``link`` check, from the probe's upload rate and the round's budget, as the node
+    will plan it: a whole payload, fewer entries per tile, or nothing (a warning, not a FAIL)."""
+    from node.tools.doctor import Doctor
+    from protocol.messages import RoundState, RoundView
+    from protocol.status import StatusView
+
+    run = RunConfig(name="doctor-link", model="base")
+    probe = 4 << 20
+
+    def line(up_bytes_per_s: float, budget_s: float | None) -> tuple[str, str]:
+        d = Doctor("http://coordinator.invalid", None, None)
+        d.status = StatusView(
+            run_id=run.run_id, run=run, round=1, state=RoundState.OPEN, members=[], rounds=[]
+        )
+        d.view = RoundView(
+            run_id=run.run_id, round=1, state=RoundState.OPEN, expected=True, budget_s=budget_s
+        )
+        d._link(probe, probe / up_bytes_per_s)
+        (check,) = d.checks
+        assert check.name == "link"
+        return check.level, check.detail
+
+    level, detail = line(10e6, 30.0)  # 10 MB/s: a 200 kB payload in 0.02 s
+    assert level == "ok" and "within the round's budget of 30.0 s" in detail
+    level, detail = line(20e3, 10.0)  # 20 kB/s: 10 s for the whole payload, 5 s would fit
+    assert level == "ok" and "entries per tile" in detail
+    level, detail = line(100.0, 10.0)  # 100 B/s: not even one entry per tile gets in
+    assert level == "warn" and "apply every round and send nothing" in detail
+    level, detail = line(100.0, None)
+    assert level == "ok" and "no time budget yet" in detail
