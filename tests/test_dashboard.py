@@ -220,14 +220,14 @@ def _finished_status() -> dict[str, Any]:
             "reports": {
                 "node-0": {**_report(FP, 4.5), "tokens_per_s": 51234.6, "mfu": 0.4123},
                 "node-1": {**_report(FP, 4.5), "tokens_per_s": 40000.0},
-                # Its time budget cut it to 2 of the run's 5 steps, its link to 16 per tile.
+                # Its time budget cut it to 2 of the run's 30 steps, its link to 16 per tile.
                 HOSTILE_NODE: {**_report(FP_OTHER, 4.75), "steps": 2, "cut": "link", "topk": 16},
             },
             "duration_s": 0.75,
             "budget_s": 0.8,
             "work": {
-                "node-0": {"steps": 5, "tokens": 1280, "share": 5 / 7},
-                HOSTILE_NODE: {"steps": 2, "tokens": 512, "share": 2 / 7},
+                "node-0": {"steps": 30, "tokens": 7680, "share": 30 / 32},
+                HOSTILE_NODE: {"steps": 2, "tokens": 512, "share": 2 / 32},
             },
         },
     ]
@@ -316,7 +316,8 @@ async def test_hostile_strings_show_as_text(browser: WebDriver, canned: Any) -> 
     newest, oldest = page["rounds"]
     assert page["gathers"] == [["node-0", HOSTILE_NODE], ["node-0"]]
     # The work each payload carried: a whole round says nothing, a cut one its steps of H.
-    assert newest[GATHER] == f"node-0 {HOSTILE_NODE} 2/5 link k=16"
+    assert holder["status"]["run"]["inner_steps"] == 30  # the canned run's H
+    assert newest[GATHER] == f"node-0 {HOSTILE_NODE} 2/30 link k=16"
     assert oldest[GATHER] == "node-0"
     assert newest[TOOK] == "0.75 s / 0.80 s" and oldest[TOOK] == "0.50 s"
     assert oldest[EXCLUDED].splitlines() == [
