@@ -26,6 +26,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import get_args
 
 from node.cluster.command import UP, table_names
 from node.compute.modelconfig import PRESETS as MODEL_PRESETS
@@ -42,6 +43,7 @@ from node.tools.commands import (
     connection_values,
 )
 from protocol.errors import SparseLoCoError
+from protocol.runconfig import WorkRule
 from protocol.version import version_line
 
 log = logging.getLogger("sparseloco")
@@ -69,6 +71,12 @@ _SIM_FIELDS = (
     "outer_lr",
     "seed",
     "device",
+    "speeds",
+    "link",
+    "schedule",
+    "wall",
+    "work_weight",
+    "budget",
 )
 
 
@@ -175,6 +183,41 @@ SIMULATE = Command(
         flag("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)"),
         flag("--seed", type=int),
         device_flag("the workers'", "cpu", on_cpu="θ, the codec and the outer steps stay"),
+        # Unequal workers (SparseLoCo; node/research/simulate.py, docs/benchmarks.md §18)
+        flag(
+            "--speeds",
+            metavar="V,V,...",
+            help="one relative speed per worker, e.g. 1,1,1,0.333 (default: all 1)",
+        ),
+        flag(
+            "--link",
+            metavar="T,T,...",
+            help="per worker, a round's transfers in inner steps of a speed-1 worker, not"
+            " overlapping training, e.g. 0,0,0,5 (default: all 0)",
+        ),
+        flag(
+            "--schedule",
+            choices=["wait", "leave_out", "budget", "batch"],
+            help="how a round treats unequal workers: wait for the slowest (default), leave"
+            " out those over the budget, train until H or the budget, or scale the batch",
+        ),
+        flag(
+            "--wall",
+            type=float,
+            help="the run's wall time in inner steps of a speed-1 worker (default: rounds x"
+            " H); with unequal workers the run is as many rounds as fit in it",
+        ),
+        flag(
+            "--work-weight",
+            choices=list(get_args(WorkRule)),
+            help="how payloads of unequal steps count: steps (default), mean, per_step",
+        ),
+        flag(
+            "--budget",
+            metavar="median|fastest|off|STEPS",
+            help="the round's budget: the median or fastest worker's whole round, or that"
+            " many step units (default median)",
+        ),
         flag("--json", dest="json_out", metavar="OUT", help="write the result here"),
     ),
 )

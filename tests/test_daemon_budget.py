@@ -143,7 +143,7 @@ async def test_a_round_cut_short_leaves_the_node_on_the_runs_schedule(monkeypatc
     seen: list[int] = []
     real = inner.inner_step
 
-    def recording(*args, step: int, **kw):  # type: ignore[no-untyped-def]
+    def recording(*args, step: int, **kw):
         seen.append(step)
         return real(*args, step=step, **kw)
 

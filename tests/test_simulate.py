@@ -7,11 +7,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from node.cli import build_parser, main
 from node.research.simulate import build_config, simulate
+from protocol.codec import Payload
 from protocol.errors import ConfigError
 
 REQUIRED = {
@@ -195,3 +197,182 @@ def test_simulate_refuses_a_device_this_machine_lacks_before_training() -> None:
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert f"--device {missing}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- unequal workers
+
+MIX_ONE_SLOW = [1.0, 1.0, 1.0, 1 / 3]
+MIX_SPREAD = [1.0, 0.5, 0.333, 0.2]
+
+
+def unequal(schedule: str, speeds: list[float] | None = None, **options: object) -> dict:
+    """One tiny run (H = 10, batch 8, wall = 3 rounds × 10 step units) of four workers."""
+    cfg = build_config(
+        "tiny",
+        algo="sparseloco",
+        workers=4,
+        speeds=speeds or MIX_ONE_SLOW,
+        schedule=schedule,
+        eval_final_only=True,
+        **options,
+    )
+    return simulate(cfg)
+
+
+@pytest.fixture
+def headers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, int, int]]:
+    """(round, node id, steps, tokens) of every payload the simulator reads back."""
+    import node.research.simulate as sim_module
+
+    seen: list[tuple[int, str, int, int]] = []
+    real = sim_module.read_payload
+
+    def spy(*args: Any, **kwargs: Any) -> Payload:
+        payload = real(*args, **kwargs)
+        seen.append((payload.round, payload.node_id, payload.steps, payload.tokens))
+        return payload
+
+    monkeypatch.setattr(sim_module, "read_payload", spy)
+    return seen
+
+
+def test_budget_steps_follow_each_workers_speed() -> None:
+    # B is the median worker's whole round; worker w trains min(H, floor(B·v_w)) steps.
+    plan = build_config(
+        "tiny", algo="sparseloco", workers=4, speeds=MIX_ONE_SLOW, schedule="budget"
+    )
+    assert plan.round_plan().steps == (10, 10, 10, 3)  # B = 10
+    plan = build_config("tiny", algo="sparseloco", workers=4, speeds=MIX_SPREAD, schedule="budget")
+    assert plan.round_plan().steps == (10, 10, 8, 5)  # B = (20 + 30.03) / 2
+    # At H = 30 a third of the speed is 10 steps, not 9 (float rounding costs no step)...
+    third = build_config("bench", algo="sparseloco", speeds=MIX_ONE_SLOW, schedule="budget")
+    assert third.round_plan().steps == (30, 30, 30, 10)
+    # ... and 0.333 is a little less than a third.
+    approx = build_config("bench", algo="sparseloco", speeds="1,1,1,0.333", schedule="budget")
+    assert approx.round_plan().steps == (30, 30, 30, 9)
+    res = unequal("budget", MIX_SPREAD)
+    assert res["steps"] == [10, 10, 8, 5]
+    assert res["tokens"] == [res["rounds_run"] * s * 8 * 64 for s in (10, 10, 8, 5)]
+
+
+def test_wait_runs_fewer_rounds_than_budget_in_the_same_wall_time() -> None:
+    wait, budget = unequal("wait"), unequal("budget")
+    assert wait["wall"] == budget["wall"] == 30.0  # the preset's 3 rounds × H
+    assert (wait["rounds_run"], budget["rounds_run"]) == (1, 3)  # rounds of 30 and 10 units
+    assert wait["steps"] == [10, 10, 10, 10]
+    assert [r for r, _ in budget["eval_loss_curve"]] == [0, 3]
+    assert budget["config"]["rounds"] == 3  # so the learning-rate schedule spans them
+
+
+def test_leave_out_excludes_exactly_the_slow(headers: list[tuple[int, str, int, int]]) -> None:
+    res = unequal("leave_out", MIX_SPREAD)  # B = 25.0: workers of 10 and 20 units stay in
+    assert res["steps"] == [10, 10, 0, 0]
+    assert res["tokens"][2:] == [0, 0]
+    assert res["round_wall"] == 20.0 and res["rounds_run"] == 1
+    assert sorted((n, s) for _, n, s, _ in headers) == [("w000", 10), ("w001", 10)]
+
+
+def test_payload_headers_carry_the_work(headers: list[tuple[int, str, int, int]]) -> None:
+    res = unequal("budget")
+    rounds = res["rounds_run"]
+    assert len(headers) == 4 * rounds
+    for w, steps in enumerate((10, 10, 10, 3)):
+        mine = [(s, t) for _, n, s, t in headers if n == f"w{w:03d}"]
+        assert mine == [(steps, steps * 8 * 64)] * rounds
+    headers.clear()
+    batch = unequal("batch")  # the slow worker: H steps of 2 rows, worth round(10·2/8) = 2
+    assert batch["batch_rows"] == [8, 8, 8, 2]
+    assert {(n, s, t) for _, n, s, t in headers if n == "w003"} == {("w003", 2, 10 * 2 * 64)}
+
+
+def test_the_work_rule_reaches_the_aggregate() -> None:
+    prints = {unequal("budget", work_weight=r)["final_fingerprint"] for r in ("mean", "steps")}
+    assert len(prints) == 2
+
+
+@pytest.mark.parametrize("schedule", ["wait", "leave_out", "budget", "batch"])
+def test_equal_speeds_train_what_todays_run_trains(schedule: str) -> None:
+    # Equal steps make every payload count once (peer_weights is None): bit for bit the run
+    # without the model of time.
+    tiny = {"algo": "sparseloco", "rounds": 2}
+    plain = simulate(build_config("tiny", **tiny))
+    same = simulate(build_config("tiny", speeds=[1, 1], schedule=schedule, **tiny))
+    assert same["final_fingerprint"] == plain["final_fingerprint"]
+    assert same["rounds_run"] == plain["rounds_run"] == 2
+    assert same["tokens_per_worker"] == plain["tokens_per_worker"]
+
+
+def test_unequal_options_are_checked() -> None:
+    four = {"algo": "sparseloco", "workers": 4}
+    with pytest.raises(ConfigError, match="--speeds has 3 values for 4 workers"):
+        build_config("tiny", speeds="1,1,0.5", **four)
+    with pytest.raises(ConfigError, match="--speeds: every value must be above 0, got 0"):
+        build_config("tiny", speeds="1,1,0,1", **four)
+    with pytest.raises(ConfigError, match=r"--speeds: .*got -1"):
+        build_config("tiny", speeds=[1, 1, 1, -1], **four)
+    with pytest.raises(ConfigError, match="--speeds: expected comma-separated numbers"):
+        build_config("tiny", speeds="1,1,fast,1", **four)
+    with pytest.raises(ConfigError, match="--link: every value must be 0 or more"):
+        build_config("tiny", link="0,0,0,-5", **four)
+    with pytest.raises(ConfigError, match="--link has 1 values"):
+        build_config("tiny", link="5", **four)
+    with pytest.raises(ConfigError, match="SparseLoCo only; drop them for --algo diloco"):
+        build_config("tiny", algo="diloco", speeds="1,0.5")
+    with pytest.raises(ConfigError, match="drop --overlap eager"):
+        build_config("tiny", speeds="1,1,1,0.5", overlap="eager", **four)
+    with pytest.raises(ConfigError, match="--budget"):
+        build_config("tiny", speeds="1,1,1,0.5", budget="slowest", **four)
+    with pytest.raises(ConfigError, match="leaves every worker out"):
+        build_config("tiny", speeds="1,1,1,0.5", schedule="leave_out", budget="5", **four)
+    assert main(["simulate", "--algo", "sparseloco", "--workers", "2", "--speeds", "1,0"]) == 2
+
+
+def test_link_and_a_fixed_budget() -> None:
+    # f = 10/v + t: (10, 10, 12, 30.03). A budget of 12 step units leaves worker 2 (2 units of
+    # transfers) 10 units of training, 10 steps, and worker 3 floor(12 × 0.333) = 3 steps; the
+    # round lasts as long as worker 2's 10 steps and transfers.
+    cfg = build_config(
+        "tiny",
+        algo="sparseloco",
+        workers=4,
+        speeds="1,1,1,0.333",
+        link="0,0,2,0",
+        schedule="budget",
+        budget="12",
+        rounds=6,
+    )
+    plan = cfg.round_plan()
+    assert plan.budget == 12.0 and plan.steps == (10, 10, 10, 3)
+    assert plan.wall == 12.0
+    assert cfg.wall == 60.0 and cfg.rounds == 5  # 6 rounds × H of wall time, rounds of 12
+    assert cfg.timing.budget == 12.0
+
+
+def test_unequal_flags_are_pinned() -> None:
+    parser = build_parser()
+    sub = next(
+        a
+        for a in parser._actions
+        if isinstance(a, argparse._SubParsersAction) and a.dest == "command"
+    )
+    flags = {s for a in sub.choices["simulate"]._actions for s in a.option_strings}
+    assert {"--speeds", "--link", "--schedule", "--wall", "--work-weight", "--budget"} <= flags
+
+
+def test_bench_unequal_shares_runs_that_would_be_the_same(tmp_path: Path) -> None:
+    from node.research.bench.unequal import run
+
+    doc = run(
+        preset="tiny",
+        mixes="1,1,1,0.333",
+        variants=["budget", "steps", "fastest"],
+        final_only=True,
+        out=tmp_path,
+    )
+    runs = doc["runs"]
+    # steps is the default rule; the fastest worker's budget is the median's here (10 units).
+    assert runs["1,1,1,0.333-steps"]["same_as"] == "budget"
+    assert runs["1,1,1,0.333-fastest"]["same_as"] == "budget"
+    assert sorted(p.name for p in tmp_path.glob("1_*.json")) == ["1_1_1_0.333-budget.json"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "(c) budget" in summary and "not run" in summary

@@ -10,18 +10,35 @@ DiLoCo, and a dense fp32 gradient per step for DDP.
 
 SparseLoCo goes through the real codec path (``encode`` -> bytes -> ``read_payload`` ->
 ``apply_aggregate``), so the simulator measures what the network node will do.
+
+**Unequal workers** (SparseLoCo only; docs/benchmarks.md §18). Time is counted in *step units*,
+one inner step of a speed-1 worker. Worker w has a relative speed v_w (``speeds``) and a
+round's transfers take it t_w (``link``, not overlapping its training), so a whole round of H
+steps takes it f_w = H/v_w + t_w. ``schedule`` says how a round treats the differences
+(``plan_round``): ``wait`` (every worker trains H steps, the round waits for the slowest),
+``leave_out`` (a worker with f_w over the budget B sits the round out), ``budget`` (worker w
+trains min(H, floor((B - t_w) v_w)) steps, at least one, and its payload says so; the run's
+``work_weight`` weighs the payloads, ``node.compute.work``) or ``batch`` (H steps of fewer rows,
+step time proportional to rows). B is the quantile ``timing.budget`` of the f_w. The plan is the
+same every round, so a run of wall time W (``wall``, default rounds × H) is
+floor(W / round time) rounds (``at_equal_wall``), and the learning-rate schedule spans them.
+Worker w's inner step h of round r is global step r·H + h whatever its count: the schedule
+follows the round.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from node.compute.data import open_corpus
 from node.compute.model import LanguageModel, build_model, count_parameters, evaluate, get_preset
@@ -35,10 +52,11 @@ from node.compute.outer import (
 )
 from node.compute.placement import resolve_device
 from node.compute.presets import get_run_preset
-from protocol.codec import read_payload
+from node.compute.work import peer_weights
+from protocol.codec import Payload, read_payload
 from protocol.errors import Problem, config_error
 from protocol.fingerprint import fingerprint
-from protocol.runconfig import RunConfig
+from protocol.runconfig import Budget, RunConfig
 
 log = logging.getLogger("sparseloco.simulate")
 
@@ -52,8 +70,107 @@ Merge = tuple[int, int | None, list[dict[str, torch.Tensor]]]
 
 Algo = Literal["sparseloco", "diloco", "ddp"]
 
+#: How a round treats unequal workers (``plan_round``).
+Schedule = Literal["wait", "leave_out", "budget", "batch"]
+
 #: Inner learning rates by algorithm (DESIGN.md: 1e-3 SparseLoCo, 8e-4 DiLoCo, 3e-3-class DDP).
 DEFAULT_INNER_LR: dict[str, float] = {"sparseloco": 1e-3, "diloco": 8e-4, "ddp": 3e-3}
+
+#: Slack of the time model's floors and comparisons, so that float rounding never costs a step
+#: (30 × (1/3) is 10 steps, not 9).
+_SLACK = 1e-9
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What each worker does in a round under the model of time (the same every round).
+
+    Times are in step units. Worker w trains ``steps[w]`` inner steps (0: it sits the round
+    out) of ``rows[w]`` rows each, and its payload says it carries ``work[w]`` steps: the steps
+    it trained, except under ``batch``, where a step of fewer rows counts as that share of a
+    full-batch step (``work_weight`` weighs payloads by this). ``budget`` is B, ``wall`` the
+    round's wall time (its slowest participant's)."""
+
+    budget: float
+    steps: tuple[int, ...]
+    rows: tuple[int, ...]
+    work: tuple[int, ...]
+    wall: float
+
+    def rounds_in(self, wall: float) -> int:
+        """Whole rounds that fit in ``wall`` step units (at least one)."""
+        return max(1, math.floor(wall / self.wall + _SLACK))
+
+
+def round_budget(full: Sequence[float], budget: Budget) -> float:
+    """B, in step units, from the workers' full-round times f_w: "median" is
+    ``statistics.median`` (the mean of the middle two for an even count, as the coordinator's
+    budget); "fastest" the least; "off" the most (nobody is cut); a number is that many units."""
+    if budget == "median":
+        return float(statistics.median(full))
+    if budget == "fastest":
+        return min(full)
+    if budget == "off":
+        return max(full)
+    return float(budget)
+
+
+def plan_round(
+    *,
+    inner_steps: int,
+    batch_size: int,
+    speeds: Sequence[float],
+    link: Sequence[float],
+    schedule: Schedule,
+    budget: Budget,
+) -> RoundPlan:
+    """Every worker's steps, rows and work in one round, and the round's wall time (see the
+    module docstring). Raises ``ValueError`` when a budget leaves every worker out."""
+    H, n = inner_steps, len(speeds)
+    full = [H / v + t for v, t in zip(speeds, link, strict=True)]
+    whole = (batch_size,) * n
+    if schedule == "wait":
+        return RoundPlan(max(full), (H,) * n, whole, (H,) * n, max(full))
+    B = round_budget(full, budget)
+    if schedule == "leave_out":
+        steps = tuple(H if f <= B + _SLACK else 0 for f in full)
+        if not any(steps):
+            raise ValueError(
+                f"a budget of {B:g} step units leaves every worker out (the fastest needs"
+                f" {min(full):g}); raise --budget or use --budget median"
+            )
+        return RoundPlan(
+            B, steps, whole, steps, max(f for f, s in zip(full, steps, strict=True) if s)
+        )
+    if schedule == "budget":
+        steps = tuple(
+            min(H, max(1, _floor((B - t) * v))) for v, t in zip(speeds, link, strict=True)
+        )
+        wall = max(s / v + t for s, v, t in zip(steps, speeds, link, strict=True))
+        return RoundPlan(B, steps, whole, steps, wall)
+    rows = tuple(
+        min(batch_size, max(1, _floor(batch_size * v * (B - t) / H)))
+        for v, t in zip(speeds, link, strict=True)
+    )
+    wall = max(H * (b / batch_size) / v + t for b, v, t in zip(rows, speeds, link, strict=True))
+    work = tuple(max(1, round(H * b / batch_size)) for b in rows)
+    return RoundPlan(B, (H,) * n, rows, work, wall)
+
+
+def _floor(x: float) -> int:
+    return math.floor(x + _SLACK)
+
+
+def _numbers(value: Any) -> Any:
+    """A comma-separated flag value (``1,1,1,0.333``) as its numbers; other values unchanged."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return [float(w) for w in value.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(
+            f"expected comma-separated numbers such as 1,1,1,0.333, got {value!r}"
+        ) from None
 
 
 class SimConfig(RunConfig):
@@ -87,6 +204,23 @@ class SimConfig(RunConfig):
     #: take the estimate back at the merge: the first τ steps are taken nearer θ_{r+1}, the
     #: pseudo-gradient is the same sum of inner steps (docs/benchmarks.md §12).
     merge_estimate: bool = False
+    # Unequal workers (SparseLoCo; module docstring, docs/benchmarks.md §18)
+    #: One relative speed per worker (a speed-1 worker takes one step unit per inner step);
+    #: None: all 1.
+    speeds: list[float] | None = None
+    #: Per worker, a round's transfers (upload and download, not overlapping its training) in
+    #: step units; None: all 0.
+    link: list[float] | None = None
+    #: How a round treats unequal workers (``plan_round``): wait, leave_out, budget, batch.
+    schedule: Schedule = "wait"
+    #: The run's wall time in step units; None: rounds × H (a speed-1 fleet's). With unequal
+    #: workers the run is as many rounds as fit in it (``at_equal_wall``).
+    wall: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+    @field_validator("speeds", "link", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        return _numbers(value)
 
     @model_validator(mode="before")
     @classmethod
@@ -104,7 +238,60 @@ class SimConfig(RunConfig):
             raise ValueError(
                 "merge_estimate (--merge-estimate) needs overlap = 'merge' (--overlap merge)"
             )
+        for name, values in (("speeds", self.speeds), ("link", self.link)):
+            if values is None:
+                continue
+            if len(values) != self.workers:
+                raise ValueError(
+                    f"--{name} has {len(values)} values for {self.workers} workers: give one per"
+                    f" worker (or set --workers {len(values)})"
+                )
+            # A step takes 1/speed, so a speed must be above 0; a link time may be 0.
+            positive = name == "speeds"
+            for w, v in enumerate(values):
+                if not (math.isfinite(v) and (v > 0 if positive else v >= 0)):
+                    need = "above 0" if positive else "0 or more"
+                    raise ValueError(
+                        f"--{name}: every value must be {need}, got {v:g} (worker {w})"
+                    )
+        if self.unequal:
+            if self.algo != "sparseloco":
+                raise ValueError(
+                    f"--speeds, --link, --schedule and --wall model unequal workers for"
+                    f" SparseLoCo only; drop them for --algo {self.algo}"
+                )
+            if self.overlaps:
+                raise ValueError(
+                    "--speeds, --link, --schedule and --wall time rounds without overlap; drop"
+                    f" --overlap {self.overlap}"
+                )
+            self.round_plan()  # a budget that leaves everyone out fails here, not mid-run
         return self
+
+    @property
+    def unequal(self) -> bool:
+        """Whether the run uses the model of unequal workers (any of its options is set)."""
+        given = (self.speeds, self.link, self.wall)
+        return any(v is not None for v in given) or self.schedule != "wait"
+
+    @property
+    def worker_speeds(self) -> list[float]:
+        return list(self.speeds) if self.speeds is not None else [1.0] * self.workers
+
+    @property
+    def worker_link(self) -> list[float]:
+        return list(self.link) if self.link is not None else [0.0] * self.workers
+
+    def round_plan(self) -> RoundPlan:
+        """Each worker's steps, rows and work per round, and the round's wall time."""
+        return plan_round(
+            inner_steps=self.inner_steps,
+            batch_size=self.batch_size,
+            speeds=self.worker_speeds,
+            link=self.worker_link,
+            schedule=self.schedule,
+            budget=self.timing.budget,
+        )
 
     @property
     def resolved_inner_lr(self) -> float:
@@ -117,20 +304,52 @@ class SimConfig(RunConfig):
 
 
 def build_config(preset: str | None, **options: Any) -> SimConfig:
-    """A ``SimConfig`` from a run preset plus explicit options (``None`` values are ignored)."""
+    """A ``SimConfig`` from a run preset plus explicit options (``None`` values are ignored),
+    at equal wall time (``at_equal_wall``). ``budget`` is ``timing.budget`` ("median",
+    "fastest", "off", or step units, as a number or its text)."""
     values: dict[str, Any] = {}
     if preset is not None:
         values.update(get_run_preset(preset).values())
     values.update({k: v for k, v in options.items() if v is not None})
+    if "budget" in values:
+        values["timing"] = {
+            **dict(values.get("timing") or {}),
+            "budget": _budget(values.pop("budget")),
+        }
     try:
-        return SimConfig(**values)
+        return at_equal_wall(SimConfig(**values))
     except ValidationError as exc:
         raise config_error(exc, _flag) from exc
+
+
+def at_equal_wall(cfg: SimConfig) -> SimConfig:
+    """``cfg`` with as many rounds as fit in its wall time (``wall``, default rounds × H) under
+    its plan of unequal workers, and ``wall`` set; ``cfg`` itself when it has no unequal
+    workers. Idempotent: the round's wall time does not depend on the rounds."""
+    if not cfg.unequal:
+        return cfg
+    wall = cfg.wall if cfg.wall is not None else float(cfg.rounds * cfg.inner_steps)
+    rounds = cfg.round_plan().rounds_in(wall)
+    if (rounds, wall) == (cfg.rounds, cfg.wall):
+        return cfg
+    return SimConfig(**{**cfg.model_dump(), "rounds": rounds, "wall": wall})
+
+
+def _budget(value: Any) -> Any:
+    """``--budget``'s text as ``Timing.budget`` takes it: a name, or a number of step units."""
+    if isinstance(value, str) and value not in ("median", "fastest", "off"):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # Timing's own message names the choices
+    return value
 
 
 def _flag(problem: Problem) -> str:
     if not problem.loc:
         return problem.message
+    if problem.loc[:2] == ("timing", "budget"):
+        return f"--budget: {problem.message}"
     return "--" + "-".join(str(p) for p in problem.loc).replace("_", "-") + f": {problem.message}"
 
 
@@ -150,6 +369,8 @@ class Simulation:
         self.eval_model: LanguageModel | None = None
         self.optim_cfg = cfg.inner_optim()
         self.progress = progress
+        #: What each worker does in every round (all alike but for unequal workers).
+        self.plan = cfg.round_plan()
         self.curve: list[list[float]] = []
         self.train_curve: list[list[float]] = []
 
@@ -193,7 +414,8 @@ class Simulation:
     def train_workers(
         self, workers: list[Replica], round_: int, merge: Merge | None = None
     ) -> float:
-        """H inner steps on every worker from its current parameters; mean last-step loss.
+        """Each worker's inner steps of the round from its current parameters (``plan``: H of
+        the whole batch, but for unequal workers); the mean last-step loss of those that trained.
 
         ``merge`` = (τ, rows, steps): after τ inner steps (or inside step τ, after the
         gradients of its first ``rows`` rows) worker w subtracts ``steps[w]`` (θ_old - θ_new,
@@ -202,9 +424,12 @@ class Simulation:
         losses = []
         H = self.cfg.inner_steps
         for w, (model, opt) in enumerate(workers):
-            for h in range(H):
+            rows = self.plan.rows[w]
+            for h in range(self.plan.steps[w]):
                 step = round_ * H + h
                 x, y = self.batch(w, step)
+                if rows < len(x):  # ``batch``: the first rows of the stream's batch
+                    x, y = x[:rows], y[:rows]
                 at = merge is not None and h + 1 == merge[0]
                 pause = None
                 if at and merge[1] is not None:  # type: ignore[index]
@@ -212,7 +437,8 @@ class Simulation:
                 loss = inner_step(model, opt, x, y, step=step, cfg=self.optim_cfg, pause=pause)
                 if at and pause is None:
                     merge_into(model, merge[2][w])  # type: ignore[index]
-            losses.append(loss)
+            if self.plan.steps[w]:
+                losses.append(loss)
         return sum(losses) / len(losses)
 
     def replicas(self) -> list[Replica]:
@@ -244,6 +470,7 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
     workers = sim.replicas()
     errors = [{n: torch.zeros_like(t) for n, t in theta.items()} for _ in workers]
     shapes = {n: tuple(t.shape) for n, t in theta.items()}
+    plan, ctx_len = sim.plan, sim.model_cfg.ctx_len
     sent = 0
     in_flight: dict[str, Any] | None = None  # with overlap: the aggregate still travelling
     offsets: list[dict[str, torch.Tensor] | None] = [None] * len(workers)  # eager: start - θ
@@ -258,7 +485,7 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
             # started from the θ before, less their estimate if any), and each worker takes
             # the step at inner step τ, less the estimate it already took.
             old = {n: t.clone() for n, t in theta.items()}
-            apply_aggregate(theta, in_flight, step)
+            _aggregate(theta, in_flight, step, cfg)
             taken = {n: old[n] - theta[n] for n in theta}
             steps = [taken if o is None else {n: taken[n] - o[n] for n in theta} for o in offsets]
             merge = (cfg.merge_step, cfg.merge_rows, steps)
@@ -267,19 +494,28 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
         train_loss = sim.train_workers(workers, r, merge)
         payloads, recons = {}, []
         for w, (model, _) in enumerate(workers):
+            if not plan.steps[w]:
+                continue  # left out of the round: nothing sent, its error buffer untouched
             delta = pseudo_gradient(theta, sim.host_params(model))
             if offsets[w] is not None and merge is None:  # (a merge took the estimate back)
                 for n, d in delta.items():
                     d.sub_(offsets[w][n])  # type: ignore[index]
             feed_error(errors[w], delta, cfg.beta)
             data, recon = compress(
-                errors[w], topk=cfg.topk, tile=cfg.tile, round=r, node_id=f"w{w:03d}", base=base
+                errors[w],
+                topk=cfg.topk,
+                tile=cfg.tile,
+                round=r,
+                node_id=f"w{w:03d}",
+                base=base,
+                steps=plan.work[w],
+                tokens=plan.steps[w] * plan.rows[w] * ctx_len,
             )
             sent += len(data)
             recons.append(recon)
             payloads[f"w{w:03d}"] = read_payload(data, shapes, topk=cfg.topk, tile=cfg.tile)
         if not cfg.overlaps:
-            apply_aggregate(theta, payloads, step)
+            _aggregate(theta, payloads, step, cfg)
         else:
             # Round r-1's aggregate travelled while round r trained: it is applied now. The
             # last round's own aggregate follows at once (nothing trains after it).
@@ -287,7 +523,7 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
             before = {n: t.clone() for n, t in theta.items()} if in_flight else None
             for due in (in_flight, payloads if last else None):
                 if due is not None:
-                    apply_aggregate(theta, due, step)
+                    _aggregate(theta, due, step, cfg)
             if cfg.overlap == "eager" and before is not None and in_flight and not last:
                 offsets = _eager_offsets(before, theta, len(in_flight), recons, cfg.alpha)
             elif cfg.merge_estimate and merge is not None and not last:
@@ -297,6 +533,18 @@ def run_sparseloco(sim: Simulation) -> dict[str, Any]:
             in_flight = None if last else payloads
         sim.record(r + 1, train_loss)
     return {"bytes_sent_per_worker": sent / cfg.workers}
+
+
+def _aggregate(
+    theta: dict[str, torch.Tensor],
+    payloads: Mapping[str, Payload],
+    options: AggregateOptions,
+    cfg: SimConfig,
+) -> None:
+    """``apply_aggregate``, each payload weighted by the steps its header says it carries under
+    the run's ``work_weight``, as a node weighs them (equal steps: unweighted, bit for bit)."""
+    steps = {n: p.steps for n, p in payloads.items()}
+    apply_aggregate(theta, payloads, options, peer_weights(steps, cfg.inner_steps, cfg.work_weight))
 
 
 def _eager_offsets(
@@ -369,12 +617,17 @@ def simulate(
     cfg: SimConfig, progress: Callable[[int, float], None] | None = None
 ) -> dict[str, Any]:
     """Run one simulation and return the result document (see module docstring)."""
+    cfg = at_equal_wall(cfg)
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
     sim = Simulation(cfg, progress)
     extra = RUNNERS[cfg.algo](sim)
     wall = time.perf_counter() - start
-    tokens = cfg.rounds * cfg.inner_steps * cfg.batch_size * sim.model_cfg.ctx_len
+    plan = sim.plan
+    tokens = [
+        cfg.rounds * s * b * sim.model_cfg.ctx_len
+        for s, b in zip(plan.steps, plan.rows, strict=True)
+    ]
     sent = extra["bytes_sent_per_worker"]
     return {
         "algo": cfg.algo,
@@ -383,7 +636,19 @@ def simulate(
         "train_loss_curve": sim.train_curve,
         "bytes_sent_per_worker": sent,
         "bytes_per_round_per_worker": sent / cfg.rounds,
-        "tokens_per_worker": tokens,
+        "tokens_per_worker": statistics.mean(tokens),
+        # The model of time (step units; module docstring): the same plan every round.
+        "schedule": cfg.schedule,
+        "speeds": cfg.worker_speeds,
+        "link": cfg.worker_link,
+        "wall": cfg.wall if cfg.wall is not None else float(cfg.rounds * cfg.inner_steps),
+        "rounds_run": cfg.rounds,
+        "round_wall": plan.wall,
+        "round_budget": plan.budget,
+        "steps": list(plan.steps),
+        "batch_rows": list(plan.rows),
+        "work_steps": list(plan.work),
+        "tokens": tokens,
         "parameters": count_parameters(sim.global_model),
         "wall_seconds": wall,
         "final_fingerprint": fingerprint(sim.host_params(sim.global_model)),

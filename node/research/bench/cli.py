@@ -11,7 +11,10 @@
 - ``sweep``: SparseLoCo's loss over H and k at equal tokens (``sweep``);
 - ``node-work``: the node's own work per round and rank, memory per rank (``node_work``);
 - ``speed``: the node's training speed round by round beside ``simulate``'s (``speed``);
-- ``wan``: round time and utilisation across the WAN lab beside the projection (``wan``).
+- ``wan``: round time and utilisation across the WAN lab beside the projection (``wan``);
+- ``unequal``: unequal workers at equal wall time: wait, leave out, budget, batch (``unequal``);
+- ``straggler``: one node of a real run slowed, the budget off and on: what the others keep
+  (``straggler``, runs ``up`` twice).
 
 A bench is one ``Bench`` row: its flags as data, and the function that runs it, called with one
 keyword per flag, or one value for flags that belong together (``Gather``: the ``up`` runs of
@@ -276,6 +279,45 @@ WAN_FLAGS = (
     ),
 )
 
+UNEQUAL_FLAGS = (
+    flag("--preset", default="bench", help="run preset (its rounds x H is the wall time)"),
+    flag("--model", help="model preset, overriding the run preset's"),
+    flag("--data", help="a folder made by `sparseloco data prepare` (or text)"),
+    number("--inner-steps", help="H, overriding the preset's"),
+    number("--batch-size", help="overriding the preset's"),
+    number("--rounds", help="a speed-1 fleet's rounds: the wall time is these x H"),
+    flag("--wall", type=float, help="the wall time in step units (default: rounds x H)"),
+    flag(
+        "--mixes",
+        help="speed mixes, ';'-separated, each one speed per worker (default"
+        " 1,1,1,0.333;1,0.5,0.333,0.2)",
+    ),
+    flag(
+        "--variants",
+        help="runs to make, comma-separated (default all): wait, leave_out, budget, batch,"
+        " mean, steps, per_step, fastest",
+    ),
+    flag("--final-only", action="store_true", help="evaluate only before and after the run"),
+    number("--seed"),
+    flag("--out", default="bench-out/unequal", help="folder for the runs' JSON and the tables"),
+)
+
+STRAGGLER_FLAGS = (
+    number("--nodes", 4),
+    number("--rounds", 12),
+    flag("--preset", default="small"),
+    number("--inner-steps", 60, help="H of both runs"),
+    flag("--factor", type=float, default=3.0, help="the last node's steps take this much longer"),
+    number("--slow-from", 4, help="the round the slowdown starts"),
+    flag(
+        "--budgets",
+        default="off,median",
+        help="the [run.timing] budget of each run, in turn: off, median, fastest or seconds",
+    ),
+    run_dir("keep the runs' folders here"),
+    json_out(),
+)
+
 #: Every ``sparseloco bench`` command, in the order ``--help`` lists them.
 BENCHES = (
     Bench(
@@ -353,6 +395,21 @@ BENCHES = (
         WAN_FLAGS,
         rename={"profiles": "profile_names"},
         convert={"profiles": words, "models": words, "schedules": words},
+    ),
+    Bench(
+        "unequal",
+        "unequal workers at equal wall time: wait, leave out, budget, batch (simulated)",
+        "unequal:run",
+        UNEQUAL_FLAGS,
+        convert={"variants": words},
+    ),
+    Bench(
+        "straggler",
+        "one node of a real run slowed to 1/F: the others' training share, budget off and on"
+        " (runs up twice)",
+        "straggler:run",
+        STRAGGLER_FLAGS,
+        convert={"budgets": words},
     ),
 )
 
