@@ -189,6 +189,10 @@ class Hostile:
             round=pending.round,
             node_id=worker.node_id,
             base=pending.base,
+            # The work the honest payload carried: the submit claims it, and a header that
+            # says otherwise fails validation before any screening is reached.
+            steps=pending.steps or 0,
+            tokens=pending.tokens or 0,
         )
         return data
 
