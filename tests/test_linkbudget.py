@@ -103,3 +103,24 @@ def test_a_short_upload_never_sends_fewer_entries_per_tile() -> None:
     p = plan(1.0, topk=TOPK, tile=TILE, payload_size=3000, encode_s=0.05, meter=m)
     assert p.topk == TOPK and p.cut == "compute"
     assert p.train_s == pytest.approx(max(0.0, 1.0 - 0.05 - margin(1.0) - 0.1))
+
+
+def test_what_cut_a_round_is_said_as_the_plan_made_it() -> None:
+    from node.compute.linkbudget import Plan
+    from node.compute.worker import TrainResult
+    from node.daemon.budgeting import cut_of
+
+    def result(steps: int, topk: int) -> TrainResult:
+        return TrainResult(b"", "", "", {}, 0.0, 0.0, 0.0, steps=steps, topk=topk)
+
+    H = 8
+    assert cut_of(Plan(None, TOPK), result(H, TOPK), H, observing=False) is None
+    assert cut_of(Plan(1.0, TOPK, "compute"), result(3, TOPK), H, observing=False) == "compute"
+    assert cut_of(Plan(1.0, 5, "link"), result(3, 5), H, observing=False) == "link"
+    # A node that starts a round late finds not even one entry per tile fits in what is left
+    # (though it would in a whole budget): it sends one entry per tile after a single step,
+    # and it was its link that cut the round, not its compute (seen in the WAN lab's round 1).
+    late = plan(2.0, topk=TOPK, tile=TILE, payload_size=200_000, encode_s=0.1, meter=meter(1e3))
+    assert late.observing and late.topk == 1
+    assert cut_of(late, result(1, 1), H, observing=False) == "link"
+    assert cut_of(late, result(1, 1), H, observing=True) == "observing"

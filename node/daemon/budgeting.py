@@ -165,10 +165,13 @@ class Budgeting:
 
 def cut_of(chosen: Plan, result: TrainResult, inner_steps: int, observing: bool) -> Cut | None:
     """What cut the round short, for its report: the link (fewer entries per tile), the budget
-    (fewer steps), or nothing; "observing" for a payload sent while observing."""
+    (fewer steps), or nothing; "observing" for a payload sent while observing. A plan that
+    would observe for what is left of a round (one entry per tile would not get in, though it
+    would in a whole budget: a node that starts the round late) sends one entry per tile after
+    the least training: its link cut it."""
     if observing:
         return "observing"
-    if chosen.cut == "link" or (result.topk and result.topk < chosen.topk):
+    if chosen.cut in ("link", "observing") or (result.topk and result.topk < chosen.topk):
         return "link"
     if result.steps < inner_steps:
         return "compute"
