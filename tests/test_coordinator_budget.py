@@ -62,6 +62,19 @@ def test_mixed_speeds_take_the_median_of_the_members() -> None:
     assert budget.budget_s(history, timing(), H) == pytest.approx(want)
 
 
+def test_a_hostile_minority_cannot_set_the_median_pace() -> None:
+    # 3 of 8 members collude: they submit 0.1 s after the opening and claim H steps, to cut
+    # everyone else's round to nothing. The median stays within the honest members' times;
+    # "fastest" takes theirs (which is why it is not the default: benchmark 18).
+    honest = [(f"h{i}", 10.0 + i, H) for i in range(5)]
+    hostile = [(f"x{i}", 0.1, H) for i in range(3)]
+    history = [honest + hostile] * budget.HISTORY
+    got = budget.budget_s(history, timing(), H)
+    assert got is not None and got >= 10.0 * (1 + budget.SLACK)  # at least the fastest honest
+    fastest = budget.budget_s(history, timing(budget="fastest"), H)
+    assert fastest == pytest.approx(0.1 * (1 + budget.SLACK) + budget.MARGIN_S)
+
+
 def test_only_the_members_active_now_and_the_recent_rounds_count() -> None:
     old = [[("gone", 500.0, H)]] * 10
     recent = [[("a", 10.0, H), ("b", 12.0, H)]] * budget.HISTORY

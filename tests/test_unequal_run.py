@@ -9,8 +9,9 @@ the machine's load, ``test_no_lost_rounds``).
 Verdicts are behaviour, never times: every round closes and gathers; the slowed node is in at
 least 90 % of the gather sets; once the budget has learnt the others' pace its rounds are cut
 (fewer than H steps, "compute" in its report, the steps in the signed manifest and in the status),
-the others train whole rounds, and every node that reported a round reported the same
-fingerprint. The wall-time shares these give are benchmark 18's (``sparseloco bench straggler``).
+the others train whole rounds, every node that reported a round reported the same
+fingerprint, and no node rejected a peer (a clean run of unequal work screens nobody). The
+wall-time shares these give are benchmark 19's (``sparseloco bench straggler``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def test_a_node_slowed_to_a_third_is_cut_short_and_stays_in_the_run(
     for r in closed:
         assert r.gather, f"round {r.round} closed empty: {r.excluded}"
         assert len(set(r.fingerprints.values())) == 1, (r.round, r.fingerprints)
+        # A clean run of unequal work screens nobody: less work is no reason to be rejected.
+        for node, report in r.reports.items():
+            assert not report.rejected, (r.round, node, report.rejected)
     with_slow = [r.round for r in closed if SLOW in r.gather]
     assert len(with_slow) >= 0.9 * ROUNDS, (with_slow, {r.round: r.excluded for r in closed})
     # The budget learns the others' pace from the rounds after the slowdown began (round 4 itself

@@ -9,7 +9,7 @@ the rest (``node.compute.linkbudget``).
 Verdicts are behaviour, never times: every round closes with one fingerprint; node-3 is in at
 least 90 % of the gather sets; its payloads carry fewer entries per tile than the run's (its
 reports say the link cut them); the others send whole payloads. The training shares (the
-other nodes' against the same run with all four on 100 Mbit/s) are benchmark 18's: run this
+other nodes' against the same run with all four on 100 Mbit/s) are benchmark 19's: run this
 file with ``WAN_UNEQUAL_BASELINE=1`` to measure both, printed on one line.
 """
 
