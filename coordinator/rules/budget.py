@@ -48,8 +48,11 @@ HISTORY = 3
 #: Share of the learnt time added to the budget: a member at the budget's pace arrives within it
 #: despite the jitter of its own rounds (and the node's own margin before the budget's end,
 #: ``node.compute.linkbudget.MARGIN_SHARE``), so equal nodes are not cut by noise. Every bit
-#: of it is time the members at that pace wait for one cut to arrive at the budget's end.
-SLACK = 0.05
+#: of it is time the members at that pace wait for one cut to arrive at the budget's end: 5 %
+#: left the others 0.90-0.92 of their training share beside a node at a third of the speed,
+#: 2.5 % 0.92-0.93 (docs/benchmarks.md §19), and a member cut by its jitter loses a step or
+#: two, not time.
+SLACK = 0.025
 #: Seconds added to the budget besides (the same, for rounds of a few seconds).
 MARGIN_S = 0.25
 
