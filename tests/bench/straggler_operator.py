@@ -33,6 +33,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from node.research.bench.straggler import status_shares
+from protocol.messages import RoundState
+from protocol.status import StatusView
+
 ROOT = Path(__file__).resolve().parents[2]
 PERIOD_S = 0.3
 STORE_PORT, COORD_PORT = 18333, 18700
@@ -172,29 +176,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summary(view: dict[str, Any], slow_from: int) -> dict[str, Any]:
-    rounds = [x for x in view["rounds"] if x["state"] in ("closed", "finished")]
-    last = max(x["round"] for x in rounds)
-
-    def shares(span: range) -> dict[str, float]:
-        chosen = [x for x in rounds if x["round"] in span]
-        wall = sum(x["duration_s"] or 0.0 for x in chosen)
-        trained: dict[str, float] = {}
-        for x in chosen:
-            for node, report in x["reports"].items():
-                trained[node] = trained.get(node, 0.0) + report["timings"].get("train", 0.0)
-        return {n: t / wall for n, t in sorted(trained.items())}
-
-    equal, slowed = shares(range(1, slow_from)), shares(range(slow_from + 1, last))
-    reported = [x for x in rounds if x["fingerprints"]]
+    status = StatusView.model_validate(view)
+    rounds = [r for r in status.rounds if r.state in (RoundState.CLOSED, RoundState.FINISHED)]
+    last = max(r.round for r in rounds)
+    equal = status_shares(status, range(1, slow_from))
+    slowed = status_shares(status, range(slow_from + 1, last))
+    reported = [r for r in rounds if r.fingerprints]
     return {
         "share_equal": equal,
         "share_slowed": slowed,
         "kept": {n: slowed.get(n, 0.0) / equal[n] for n in equal if n != SLOW},
-        "slow_in_gather": sum(SLOW in x["gather"] for x in rounds if x["round"] >= 1),
-        "rounds": len([x for x in rounds if x["round"] >= 1]),
-        "slow_steps": [((x.get("work") or {}).get(SLOW) or {}).get("steps") for x in rounds],
-        "fingerprints_agree": all(len(set(x["fingerprints"].values())) == 1 for x in reported),
-        "duration_s": [x["duration_s"] for x in rounds],
+        "slow_in_gather": sum(SLOW in r.gather for r in rounds if r.round >= 1),
+        "rounds": len([r for r in rounds if r.round >= 1]),
+        "slow_steps": [r.work[SLOW].steps if SLOW in r.work else None for r in rounds],
+        "fingerprints_agree": all(len(set(r.fingerprints.values())) == 1 for r in reported),
+        "duration_s": [r.duration_s for r in rounds],
     }
 
 

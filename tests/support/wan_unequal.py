@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from node.cluster.seaweed import EmbeddedStore
+from node.research.bench.straggler import status_shares
 from node.research.wan.lab import WanLab
 from node.research.wan.profiles import PROFILES, LinkProfile
 from protocol.runconfig import RunConfig, Timing
@@ -39,14 +40,9 @@ def links(thin: bool) -> dict[str, LinkProfile]:
 
 
 def shares(status: StatusView) -> dict[str, float]:
-    """Per node: Σ its training seconds over Σ the rounds' durations, steady rounds only."""
-    steady = [r for r in status.rounds if 1 <= r.round < ROUNDS - 1 and r.duration_s]
-    wall = sum(r.duration_s or 0.0 for r in steady)
-    trained: dict[str, float] = {}
-    for r in steady:
-        for node, report in r.reports.items():
-            trained[node] = trained.get(node, 0.0) + report.timings.get("train", 0.0)
-    return {n: t / wall for n, t in sorted(trained.items())}
+    """Per node: its share of the steady rounds' wall time spent training (1 to the one before
+    last)."""
+    return status_shares(status, range(1, ROUNDS - 1))
 
 
 def run(root: Path, *, thin: bool) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from node.cluster.up import UpConfig, up
 from node.research.report import publish
+from protocol.status import StatusView
 
 log = logging.getLogger("sparseloco.bench.straggler")
 
@@ -44,6 +45,20 @@ def shares(result: dict[str, Any], rounds: range) -> dict[str, float]:
             trained[node] = trained.get(node, 0.0) + timings.get("train", 0.0)
     if wall <= 0:
         raise ValueError(f"no closed rounds with durations in {rounds}")
+    return {node: t / wall for node, t in sorted(trained.items())}
+
+
+def status_shares(status: StatusView, rounds: range) -> dict[str, float]:
+    """``shares`` from the coordinator's status (``GET /v1/status``) instead of ``up``'s
+    result: per node, Σ its training seconds over Σ the durations of the closed ``rounds``."""
+    chosen = [r for r in status.rounds if r.round in rounds and r.duration_s]
+    wall = sum(r.duration_s or 0.0 for r in chosen)
+    if wall <= 0:
+        raise ValueError(f"no closed rounds with durations in {rounds}")
+    trained: dict[str, float] = {}
+    for r in chosen:
+        for node, report in r.reports.items():
+            trained[node] = trained.get(node, 0.0) + report.timings.get("train", 0.0)
     return {node: t / wall for node, t in sorted(trained.items())}
 
 
