@@ -10,6 +10,8 @@ missing bucket). No message or log line shows a secret.
 directory, also while the coordinator runs (``coordinator.ops.admin``; ``token --help``).
 ``python -m coordinator backup|restore ...`` copies the state directory into one file, also while
 the coordinator runs, and back into a new state directory (``coordinator.ops.backup_cli``).
+``python -m coordinator check-store ...`` (``sparseloco store check``) tries what an object store
+keeps of the project's promises (``coordinator.ops.storecheck``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         " 0 after a clean stop (SIGTERM, Ctrl-C), 1 when a start-up check fails, 2 for a bad"
         " configuration.",
         epilog=f"token administration: {prog()} token {{add,list,revoke}} --help; state:"
-        f" {prog()} {{backup,restore}} --help",
+        f" {prog()} {{backup,restore}} --help; the object store: sparseloco store check --help",
     )
     parser.add_argument("--version", action="version", version=version_line("sparseloco"))
     parser.add_argument("--config", required=True, help="TOML file (see deploy/run.example.toml)")
@@ -60,6 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coordinator.ops.backup_cli import main as backup_main
 
         return backup_main(args_in[0], args_in[1:], prog=f"{prog()} {args_in[0]}")
+    if args_in[:1] == ["check-store"]:
+        from coordinator.ops.storecheck import main as check_main
+
+        return check_main(args_in[1:], prog=os.environ.get(PROG_ENV) or f"{prog()} check-store")
     args = parse_args(args_in)
     # The service's libraries are imported only now: the token commands above and ``--help``
     # need none of them, and they take seconds to import on a busy machine.

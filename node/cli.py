@@ -266,6 +266,26 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def _cmd_store_check(args: argparse.Namespace) -> int:
+    # The probes are the coordinator's (its store, its signer): run there, like ``coordinator``.
+    import os
+
+    env = dict(os.environ, SPARSELOCO_PROG="sparseloco store check")
+    command = [sys.executable, "-m", "coordinator", "check-store", *args.forward]
+    os.execve(sys.executable, command, env)
+    return 0  # not reached
+
+
+def _split_store_check(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
+    """``argv`` as (the global flags, what follows ``store check``), or None if it is not a
+    ``store check`` command."""
+    words = list(argv)
+    at = next((i for i, w in enumerate(words) if not w.startswith("-")), len(words))
+    if words[at : at + 2] == ["store", "check"]:
+        return words[:at], words[at + 2 :]
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed so a test can pin the flags)."""
     parser = argparse.ArgumentParser(
@@ -287,8 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``argv``; what follows ``coordinator`` is kept, unparsed, in ``args.forward``."""
+    """Parse ``argv``; what follows ``coordinator`` (or ``store check``) is kept, unparsed, in
+    ``args.forward``."""
     parser = build_parser()
+    split = _split_store_check(sys.argv[1:] if argv is None else argv)
+    if split is not None:
+        head, forward = split
+        args = parser.parse_args([*head, "store", "--dir", "-"])  # the global flags only
+        args.command, args.func, args.forward = "store check", _cmd_store_check, forward
+        return args
     args, rest = parser.parse_known_args(argv)
     if args.command == "coordinator":
         args.forward = rest

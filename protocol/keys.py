@@ -2,7 +2,9 @@
 
 Every key of a run lives under ``{prefix}/runs/{run_id}/``::
 
-    rounds/{round:08d}/payloads/{node_id}.slc   a node's payload for a round
+    rounds/{round:08d}/payloads/{node_id}.slc   a node's payload for a round (on a store that
+                                                does not keep If-None-Match:
+                                                ``{node_id}.{sha256}.slc``, write-once by naming)
     rounds/{round:08d}/manifest.json            the closed round, signed by the coordinator
     checkpoints/{round:08d}/model.safetensors   parameters at the start of a round
     checkpoints/{round:08d}/model.json          its sidecar: the committed CheckpointInfo
@@ -19,6 +21,7 @@ import re
 #: Node ids and run ids are short, printable and safe in a key and a URL path.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _ID = re.compile(ID_PATTERN)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def check_id(kind: str, value: str) -> str:
@@ -41,10 +44,18 @@ def round_prefix(prefix: str, run_id: str, round_: int) -> str:
     return f"{run_prefix(prefix, run_id)}rounds/{round_:08d}/"
 
 
-def payload_key(prefix: str, run_id: str, round_: int, node_id: str) -> str:
-    """Key of ``node_id``'s payload for ``round_``."""
+def payload_key(
+    prefix: str, run_id: str, round_: int, node_id: str, sha256: str | None = None
+) -> str:
+    """Key of ``node_id``'s payload for ``round_``; with ``sha256`` (hex), a key that names the
+    payload's digest too, so another payload can never be written at it (write-once by naming,
+    for a store that does not refuse a second write: ``coordinator.store.promises``)."""
     check_id("node id", node_id)
-    return f"{round_prefix(prefix, run_id, round_)}payloads/{node_id}.slc"
+    if sha256 is None:
+        return f"{round_prefix(prefix, run_id, round_)}payloads/{node_id}.slc"
+    if not _SHA256.match(sha256):
+        raise ValueError(f"invalid sha256 {sha256!r}: 64 lower-case hex digits")
+    return f"{round_prefix(prefix, run_id, round_)}payloads/{node_id}.{sha256}.slc"
 
 
 def manifest_key(prefix: str, run_id: str, round_: int) -> str:

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3-compatible object store (SeaweedFS ``weed mini``) for the session.
+"""Shared fixtures: a real S3-compatible object store (SeaweedFS ``weed mini``) for the session,
+and moto's S3 server as a second implementation for the tests that name it (``moto``).
 
 Tests that touch storage use this one store and keep apart by key prefix (one per test), so the
 few seconds the store takes to start are paid once.
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from node.cluster.seaweed import EmbeddedStore
+from support.moto import MotoStore
 
 #: Fixture modules of ``tests/support`` every test may use: ``make_api`` (the coordinator's API
 #: in-process on this store); and the session's plugins: ``reaper`` (SIGTERM tears down like
@@ -35,6 +37,17 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
         yield embedded
     finally:
         embedded.stop()
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoStore]:
+    """moto's S3 server, started (a second S3 implementation: ``support.moto``)."""
+    server = MotoStore(tmp_path_factory.mktemp("moto"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

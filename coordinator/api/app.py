@@ -140,10 +140,18 @@ def s3_store(config: CoordinatorConfig) -> S3Store:
 
 
 def multipart_of(store: ObjectStore) -> PartStore | None:
-    """Multipart uploads on ``store``, if it is the S3 store (a test's fake store has none)."""
-    if not isinstance(store, S3Store):
+    """Multipart uploads on ``store``, if it is the S3 store (a test's fake store has none) and
+    its multipart uploads work (``coordinator.store.promises``)."""
+    if not isinstance(store, S3Store) or not store.profile.multipart:
         return None
-    return S3Parts(store.client, store.bucket, store.run, store.presign_part)
+    return S3Parts(
+        store.client,
+        store.bucket,
+        store.run,
+        store.presign_part,
+        conditional=lambda: store.profile.complete_header,
+        checksums=lambda: store.profile.checksum_header,
+    )
 
 
 def _tokens(
@@ -184,7 +192,12 @@ def create_app(
     db = Database(state_dir / DB_FILE, durable=not group_commit)
     signer = ManifestSigner.load_or_create(state_dir)
     try:
-        machine = RoundMachine(db, config.run, signer, prefix=storage.prefix, clock=clock)
+        # Write-once by naming where the store does not refuse a second write (what the
+        # start-up's store check found: ``coordinator.store.promises``).
+        digest_keys = isinstance(store, S3Store) and store.profile.digest_keys
+        machine = RoundMachine(
+            db, config.run, signer, prefix=storage.prefix, clock=clock, digest_keys=digest_keys
+        )
         tokens = _tokens(db, config, machine, clock)
     except BaseException:
         db.close()

@@ -130,7 +130,7 @@ async def submit(request: web.Request) -> web.Response:
     prior = coord.machine.previous_submission(node_id, round_, req)
     if prior is not None:
         return ok(prior)
-    key = own_payload_key(coord, node_id, round_)
+    key = own_payload_key(coord, node_id, round_, req.sha256)
     digest_ok: bool | None = None  # the only payload granted here: confirmed before the close
     if not coord.machine.checks.trusts(round_, node_id, req.sha256, req.size):
         digest_ok = matches(await coord.store.head(key), req.size, req.sha256)

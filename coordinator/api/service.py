@@ -24,6 +24,7 @@ from coordinator.base.config import CoordinatorConfig
 from coordinator.monitoring.metrics import CoordinatorMetrics
 from coordinator.rules.checkpoints import CheckpointBook
 from coordinator.rules.machine import RoundMachine
+from coordinator.rules.payloadchecks import PartKeys
 from coordinator.rules.tokens import TokenBook
 from coordinator.state.durability import GroupSync
 from coordinator.state.signing import ManifestSigner
@@ -65,6 +66,8 @@ class Coordinator:
     storewatch: StoreWatch | None = None
     #: Multipart uploads (``coordinator.store.multipart``); ``None``: every grant is a single PUT.
     parts: PartStore | None = None
+    #: The key of each multipart upload of a payload granted by this process.
+    part_keys: PartKeys = field(default_factory=PartKeys)
     #: Long-polls of a round's manifest, by round, released when it closes.
     waiters: Wakeups = field(default_factory=Wakeups)
     #: Long-polls of a waiting round, by round, released when it opens (or is no longer newest).

@@ -26,7 +26,6 @@ from aiohttp import web
 from coordinator.api.handling import ok, round_request
 from coordinator.api.service import Coordinator
 from coordinator.base.errors import ApiError, Conflict, StorageError
-from protocol.keys import payload_key
 from protocol.messages import UploadGrant, UploadRequest
 from protocol.parts import MultipartGrant, PartPlan, UploadComplete, UploadDone, parts_in_order
 
@@ -69,19 +68,22 @@ def check_size(coord: Coordinator, size: int) -> None:
         raise ApiError(413, "too_large", f"size {size} exceeds the run's limit {limit}", "size")
 
 
-def own_payload_key(coord: Coordinator, node_id: str, round_: int) -> str:
-    """The key of ``node_id``'s payload for ``round_``, once the round state allows it."""
+def own_payload_key(coord: Coordinator, node_id: str, round_: int, sha256: str) -> str:
+    """The key of ``node_id``'s payload for ``round_`` hashing to ``sha256``, once the round
+    state allows it."""
     coord.machine.check_submittable(node_id, round_)
-    return payload_key(coord.config.storage.prefix, coord.machine.run_id, round_, node_id)
+    return coord.machine.payload_key(round_, node_id, sha256)
 
 
 async def upload(request: web.Request) -> web.Response:
     coord, node_id, round_, req = await round_request(request, UploadRequest)
     check_size(coord, req.size)
-    key = own_payload_key(coord, node_id, round_)
+    key = own_payload_key(coord, node_id, round_, req.sha256)
     granted = await grant(coord, key, req.size, req.sha256, req.parts)
     coord.machine.checks.grant(round_, node_id, req.sha256, req.size)
     parts = 0 if granted.multipart is None else len(granted.multipart.parts)
+    if granted.multipart is not None:
+        coord.part_keys.remember(round_, node_id, granted.multipart.upload_id, key)
     # DEBUG: one line per node and round (the round's close line sums them up).
     log.debug(
         "event=upload_granted round=%d node=%s size=%d parts=%d", round_, node_id, req.size, parts
@@ -113,7 +115,14 @@ async def _complete(coord: Coordinator, key: str, req: UploadComplete) -> bool:
 async def upload_complete(request: web.Request) -> web.Response:
     """Complete the caller's multipart upload of its payload, write-once."""
     coord, node_id, round_, req = await round_request(request, UploadComplete)
-    key = own_payload_key(coord, node_id, round_)
+    coord.machine.check_submittable(node_id, round_)
+    key = coord.part_keys.key(round_, node_id, req.upload_id)
+    if key is None and not coord.machine.digest_keys:  # granted before a restart: one key
+        key = coord.machine.payload_key(round_, node_id, None)
+    if key is None:  # keys named by digest, granted by an earlier process (or never)
+        raise Conflict(
+            "upload_incomplete", "this coordinator did not grant that upload; upload again"
+        )
     created = await _complete(coord, key, req)
     log.info(
         "event=upload_completed round=%d node=%s parts=%d created=%s",

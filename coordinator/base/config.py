@@ -87,7 +87,8 @@ class ServerConfig(_Section):
 
 
 class StorageConfig(_Section):
-    """An S3-compatible object store: AWS S3, Cloudflare R2, MinIO or SeaweedFS."""
+    """An S3-compatible object store: AWS S3, Cloudflare R2, MinIO, SeaweedFS... (what each
+    keeps of the project's promises: docs/stores.md, ``sparseloco store check``)."""
 
     endpoint_url: str = Field(pattern=r"^https?://")
     bucket: str = Field(min_length=3, max_length=63)
@@ -100,6 +101,11 @@ class StorageConfig(_Section):
     #: back to verify it (``coordinator.store.verify``: one chunk in memory at a time), so this
     #: bounds the download and its time, not the coordinator's memory.
     max_checkpoint_bytes: Count = 16 * 1024**3
+    #: Start even where the store does not bind an upload's bytes to its presigned URL (a signed
+    #: length or sha256, or the signature itself, not enforced: ``coordinator.store.promises``).
+    #: Nodes still check every payload against the signed manifest; SECURITY.md says what is
+    #: lost.
+    accept_unbound_uploads: bool = False
 
 
 class CoordinatorConfig(BaseSettings):

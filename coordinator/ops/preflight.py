@@ -11,6 +11,10 @@ and leaves no state directory, database or signing key behind:
    prefix: the endpoint, the credentials, the bucket and the right to write and delete are
    proven before any node is told to upload. Each failure is named (unreachable, credentials,
    no bucket, no permission) with the config field that fixes it, and carries no secret.
+3. ``adopt_promises`` tries every promise the project relies on (``coordinator.store.conformance``,
+   what ``sparseloco store check`` prints): where the store misses one the project can do
+   without, the store is used the other way and a WARNING line says so, one per fallback; where
+   it cannot, a ``StartupError`` names what is missing and what to use instead.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import logging
 import socket
 import uuid
 
+from coordinator.base.config import StorageConfig
 from coordinator.base.errors import StartupError, StorageError
+from coordinator.store.conformance import check_promises
+from coordinator.store.promises import StoreProfile
 from coordinator.store.storage import S3Store
 from protocol.keys import run_prefix
 
@@ -103,11 +110,40 @@ async def check_store(store: S3Store, *, endpoint: str, prefix: str, run_id: str
         step = f"delete {key}"
         await store.delete_keys([key])
     except StorageError as exc:
-        raise StartupError(_store_problem(exc, step, endpoint, store.bucket)) from exc
+        raise StartupError(store_problem(exc, step, endpoint, store.bucket)) from exc
     log.info("event=store_ok endpoint=%s bucket=%s", endpoint, store.bucket)
 
 
-def _store_problem(exc: StorageError, step: str, endpoint: str, bucket: str) -> str:
+async def adopt_promises(store: S3Store, storage: StorageConfig, *, run_id: str) -> StoreProfile:
+    """Try the store's promises under the run's prefix and work with what it keeps; a
+    ``StartupError`` where the project cannot run on it."""
+    try:
+        report = await check_promises(store, run_prefix(storage.prefix, run_id))
+    except StorageError as exc:
+        raise StartupError(
+            f"the object store at {storage.endpoint_url} failed the store check: {exc.code}:"
+            f" {exc}; `sparseloco store check --config FILE` shows each step"
+        ) from exc
+    profile = report.profile
+    accept = storage.accept_unbound_uploads
+    problems = profile.problems(accept_unbound=accept)
+    if problems:
+        missing = [f.promise for f in report.findings if f.kept is False]
+        raise StartupError(
+            f"the object store at {storage.endpoint_url} cannot carry this run: "
+            + "; ".join(problems)
+            + f" (promises not kept: {', '.join(missing)}; `sparseloco store check --config FILE`"
+            " prints the whole table)"
+        )
+    for line in profile.fallbacks(accept_unbound=accept):
+        log.warning("event=store_fallback what=%r", line)
+    kept = sum(f.kept is True for f in report.findings)
+    log.info("event=store_promises kept=%d of=%d", kept, len(report.findings))
+    store.adopt(profile)
+    return profile
+
+
+def store_problem(exc: StorageError, step: str, endpoint: str, bucket: str) -> str:
     """One line: which check failed, what it means, and which setting fixes it."""
     code = exc.code
     if code is None:

@@ -38,7 +38,7 @@ from coordinator.api.app import create_app, s3_store
 from coordinator.api.service import COORDINATOR
 from coordinator.base.config import CoordinatorConfig, ServerConfig
 from coordinator.base.limits import server_settings
-from coordinator.ops.preflight import check_store, listen_socket
+from coordinator.ops.preflight import adopt_promises, check_store, listen_socket
 from coordinator.store.catchup import learn_closed_rounds
 from coordinator.store.datasets import check_dataset
 from protocol.errors import ConfigError
@@ -105,6 +105,7 @@ async def serve(config: CoordinatorConfig) -> None:
             prefix=config.storage.prefix,
             run_id=config.run_id,
         )
+        await adopt_promises(store, config.storage, run_id=config.run_id)
         await learn_closed_rounds(config, store)  # a state dir restored from a backup
         app = create_app(config, store=store)
         await check_dataset(app[COORDINATOR].datasets)

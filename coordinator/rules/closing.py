@@ -41,6 +41,8 @@ class RoundCloser:
     members: Membership
     votes: Votes
     prefix: str
+    #: Payload keys carry the payload's sha256 (``protocol.keys.payload_key``).
+    digest_keys: bool = False
 
     def deadline_length(self) -> float:
         """Seconds the next round may take, learnt from the recent rounds."""
@@ -113,6 +115,10 @@ class RoundCloser:
             _log_opened(*opened)
         return signed
 
+    def _key(self, round_: int, node_id: str, sha256: str) -> str:
+        named = sha256 if self.digest_keys else None
+        return payload_key(self.prefix, self.run.run_id, round_, node_id, named)
+
     def _manifest(
         self, round_: int, decision: rounds.CloseDecision, opened_at: float, closed_at: float
     ) -> Manifest:
@@ -124,7 +130,7 @@ class RoundCloser:
             gather=[
                 ManifestEntry(
                     node_id=s.node_id,
-                    key=payload_key(self.prefix, run_id, round_, s.node_id),
+                    key=self._key(round_, s.node_id, s.sha256),
                     sha256=s.sha256,
                     size=s.size,
                     steps=s.steps,

@@ -35,6 +35,7 @@ from coordinator.rules.submissions import SubmissionRules
 from coordinator.rules.votes import Votes
 from coordinator.state.db import Database, RoundRow
 from coordinator.state.signing import ManifestSigner
+from protocol.keys import payload_key
 from protocol.messages import (
     Exclusion,
     NodeCondition,
@@ -61,12 +62,15 @@ class RoundMachine:
         *,
         prefix: str = "",
         clock: Callable[[], float] = time.time,
+        digest_keys: bool = False,
     ) -> None:
         self.db = db
         self.run = run
         self.run_id = run.run_id
         self.signer = signer
         self.prefix = prefix
+        #: Write-once by naming: payload keys carry the payload's sha256 (``payload_key``).
+        self.digest_keys = digest_keys
         self.clock = clock
         self.votes = Votes(db)
         self._open_run()
@@ -79,7 +83,9 @@ class RoundMachine:
         )
         self.deadlines = Deadlines(db, self.members, run.timing)
         self.submissions = SubmissionRules(db, run, self.members, self.progress, self.votes)
-        self.closer = RoundCloser(db, run, signer, self.members, self.votes, prefix=prefix)
+        self.closer = RoundCloser(
+            db, run, signer, self.members, self.votes, prefix=prefix, digest_keys=digest_keys
+        )
         #: Submissions answered before their object was confirmed (``payloadchecks``).
         self.checks = PayloadChecks()
         cur = self._current()
@@ -231,6 +237,15 @@ class RoundMachine:
         return self._maybe_close(now)
 
     # ---- submissions (the rules: coordinator.rules.submissions) ---------------------------
+    def payload_key(self, round_: int, node_id: str, sha256: str | None) -> str:
+        """The key of ``node_id``'s payload of ``round_`` that hashes to ``sha256`` (hex; only
+        needed, and then required, with ``digest_keys``)."""
+        if not self.digest_keys:
+            return payload_key(self.prefix, self.run_id, round_, node_id)
+        if sha256 is None:
+            raise ValueError("with keys named by digest, a payload's key needs its sha256")
+        return payload_key(self.prefix, self.run_id, round_, node_id, sha256)
+
     def check_submittable(self, node_id: str, round_: int) -> None:
         """Raise unless ``node_id`` may upload to / submit for ``round_`` now."""
         self.submissions.check(self._current(), node_id, round_)

@@ -73,3 +73,21 @@ class PayloadChecks:
             for node in nodes:
                 self.unconfirmed.pop(node, None)
             self.wanted = bool(self.unconfirmed) and self.wanted
+
+
+@dataclass
+class PartKeys:
+    """The key each multipart upload of a payload was granted at, by (round, node, upload id):
+    with write-once by naming the key depends on the payload's sha256, which a completion does
+    not repeat. Kept for the newest round only; a completion this process did not grant (it
+    restarted meanwhile) is refused, and the node uploads again."""
+
+    keys: dict[tuple[int, str, str], str] = field(default_factory=dict)
+
+    def remember(self, round_: int, node_id: str, upload_id: str, key: str) -> None:
+        for old in [k for k in self.keys if k[0] < round_]:
+            del self.keys[old]
+        self.keys[(round_, node_id, upload_id)] = key
+
+    def key(self, round_: int, node_id: str, upload_id: str) -> str | None:
+        return self.keys.get((round_, node_id, upload_id))

@@ -13,7 +13,8 @@ holds the store's credentials, so it does what needs them:
 - ``complete`` sends ``CompleteMultipartUpload`` with ``If-None-Match: *``: SeaweedFS answers
   412 when the key already holds an object (measured: the first object stays), so the key stays
   write-once. Without that header SeaweedFS would replace the object, even by completing the
-  same upload id a second time: the header is never left out. For a store that ignores it, a
+  same upload id a second time: the header is left out only where the store refuses
+  completions that carry it (``coordinator.store.promises``). For a store that ignores it, a
   HEAD before the completion refuses a key that already holds an object (what is left is the
   race of two completions at once, and only the key's own node, or its checkpoint's grant
   holder, may complete anything there);
@@ -92,19 +93,32 @@ PartSigner = Callable[[str, str, int, int, str], tuple[str, dict[str, str]]]
 class S3Parts:
     """``PartStore`` on boto3: ``client`` for ``bucket``, each call through ``run`` (which
     puts it on a thread and translates botocore's errors, ``S3Store.run``); part URLs from
-    ``sign`` (``S3Store.presign_part``: the fast SigV4 signer where it agrees with boto3)."""
+    ``sign`` (``S3Store.presign_part``: the fast SigV4 signer where it agrees with boto3).
+    ``conditional()``: whether a completion carries ``If-None-Match: *`` (False for a store
+    that refuses completions with it; the HEAD before the completion still guards the key);
+    ``checksums()``: whether parts carry their sha256 (False for a store that refuses it)."""
 
-    def __init__(self, client: Any, bucket: str, run: Runner, sign: PartSigner) -> None:
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        run: Runner,
+        sign: PartSigner,
+        conditional: Callable[[], bool] = lambda: True,
+        checksums: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.client = client
         self.bucket = bucket
         self.run = run
         self.sign = sign
+        self.conditional = conditional
+        self.checksums = checksums
 
     async def create(self, key: str) -> str:
         resp = await self.run(
             f"create upload {key}",
             lambda: self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=key, ChecksumAlgorithm="SHA256"
+                Bucket=self.bucket, Key=key, **self._algorithm()
             ),
         )
         upload_id: str = resp["UploadId"]
@@ -129,10 +143,13 @@ class S3Parts:
         # store honours If-None-Match on the completion (SeaweedFS 4.48 does, measured).
         if await self._exists(key):
             return False
+        sums = self.checksums()
         listed = [
-            {"PartNumber": p.number, "ETag": p.etag, "ChecksumSHA256": sha256_b64(p.sha256)}
+            {"PartNumber": p.number, "ETag": p.etag}
+            | ({"ChecksumSHA256": sha256_b64(p.sha256)} if sums else {})
             for p in parts
         ]
+        once = {"IfNoneMatch": "*"} if self.conditional() else {}
         try:
             await self.run(
                 f"complete upload {key}",
@@ -141,7 +158,7 @@ class S3Parts:
                     Key=key,
                     UploadId=upload_id,
                     MultipartUpload={"Parts": listed},
-                    IfNoneMatch="*",
+                    **once,
                 ),
             )
         except StorageError as exc:
@@ -154,6 +171,10 @@ class S3Parts:
                 ) from exc
             raise
         return True
+
+    def _algorithm(self) -> dict[str, str]:
+        """A new upload's checksum algorithm: SHA256, unless the store refuses checksums."""
+        return {"ChecksumAlgorithm": "SHA256"} if self.checksums() else {}
 
     async def _exists(self, key: str) -> bool:
         head = functools.partial(self.client.head_object, Bucket=self.bucket, Key=key)

@@ -158,19 +158,48 @@ class Request:
     query: tuple[tuple[str, str], ...] = ()
 
 
-def put_request(key: str, size: int, checksum: str) -> Request:
-    """A write-once PUT of ``size`` bytes with sha256 ``checksum`` (base64)."""
-    headers = {"Content-Length": str(size), "x-amz-checksum-sha256": checksum, "If-None-Match": "*"}
-    params = {"Key": key, "ContentLength": size, "ChecksumSHA256": checksum, "IfNoneMatch": "*"}
+def checksum_headers(checksum: str | None, sdk: bool) -> dict[str, str]:
+    """The headers that bind a body to its sha256 (base64): ``x-amz-checksum-sha256``, and with
+    ``sdk`` also ``x-amz-sdk-checksum-algorithm`` (Ceph RGW checks the checksum only then).
+    None: no checksum (a store that refuses the header: nothing binds the bytes)."""
+    if checksum is None:
+        return {}
+    headers = {"x-amz-checksum-sha256": checksum}
+    if sdk:
+        headers["x-amz-sdk-checksum-algorithm"] = "SHA256"
+    return headers
+
+
+def put_request(
+    key: str, size: int, checksum: str | None, *, once: bool = True, sdk: bool = False
+) -> Request:
+    """A PUT of ``size`` bytes with sha256 ``checksum`` (base64); write-once (``If-None-Match:
+    *``) unless ``once`` is False (a store that refuses the header); ``sdk``: the checksum's
+    algorithm signed as well (``checksum_headers``)."""
+    headers = {"Content-Length": str(size), **checksum_headers(checksum, sdk)}
+    params: dict[str, Any] = {"Key": key, "ContentLength": size}
+    if checksum is not None:
+        params["ChecksumSHA256"] = checksum
+        if sdk:
+            params["ChecksumAlgorithm"] = "SHA256"
+    if once:
+        headers["If-None-Match"] = "*"
+        params["IfNoneMatch"] = "*"
     return Request("put_object", params, "PUT", key, headers)
 
 
-def part_request(key: str, upload_id: str, number: int, size: int, checksum: str) -> Request:
+def part_request(
+    key: str, upload_id: str, number: int, size: int, checksum: str | None, *, sdk: bool = False
+) -> Request:
     """Part ``number`` of multipart upload ``upload_id``: ``size`` bytes with sha256
-    ``checksum`` (base64)."""
-    headers = {"Content-Length": str(size), "x-amz-checksum-sha256": checksum}
-    params = {"Key": key, "UploadId": upload_id, "PartNumber": number, "ContentLength": size}
-    params["ChecksumSHA256"] = checksum
+    ``checksum`` (base64; None: unbound, ``checksum_headers``)."""
+    headers = {"Content-Length": str(size), **checksum_headers(checksum, sdk)}
+    params: dict[str, Any] = {"Key": key, "UploadId": upload_id, "PartNumber": number}
+    params["ContentLength"] = size
+    if checksum is not None:
+        params["ChecksumSHA256"] = checksum
+        if sdk:
+            params["ChecksumAlgorithm"] = "SHA256"
     query = (("uploadId", upload_id), ("partNumber", str(number)))
     return Request("upload_part", params, "PUT", key, headers, query)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,7 @@ from coordinator.store.presign import (
     part_request,
     put_request,
 )
+from coordinator.store.promises import StoreProfile
 from protocol.causes import cause
 from protocol.links import Link
 
@@ -91,6 +93,9 @@ class S3Store:
     ) -> None:
         self.bucket = bucket
         self.expiry_s = expiry_s
+        #: What the store was seen to do (``adopt``): which headers a grant binds, how keys are
+        #: named. Until a check says otherwise, every promise is taken as kept.
+        self.profile = StoreProfile()
         #: Whether the store answers; logs once when it stops, once when it is back.
         self.link = Link("store", logger=log)
         #: Sends ``head``'s HEADs and ``sizes``' listing pages, presigned, on the event loop.
@@ -108,11 +113,18 @@ class S3Store:
                 retries={"max_attempts": 3, "mode": "standard"},
             ),
         )
-        presigner = SigV4Presigner(
+        self._fast = SigV4Presigner(
             BucketAccess(endpoint_url, bucket, access_key, secret_key, region=region)
         )
         #: The fast signer, or ``None`` when it does not sign as boto3 does for this endpoint.
-        self._presigner = presigner if self._agrees(presigner) else None
+        self._presigner = self._fast if self._agrees(self._fast) else None
+
+    def adopt(self, profile: StoreProfile) -> None:
+        """Work with ``profile`` from now on (``coordinator.store.conformance`` found it): the
+        headers of every grant follow it, and the fast signer is checked against boto3 again
+        for the requests it now makes."""
+        self.profile = profile
+        self._presigner = self._fast if self._agrees(self._fast) else None
 
     def _sign(self, request: Request, expires_s: int) -> str:
         """``request``'s URL, valid ``expires_s`` seconds: the fast signer's where it agrees
@@ -133,10 +145,10 @@ class S3Store:
         """Whether ``presigner`` gives boto3's URL for each kind of request made here."""
         key, checksum = PROBE_KEY, sha256_b64("00" * 32)
         cases = [
-            (put_request(key, 1, checksum), self.expiry_s),
+            (self.put_request(key, 1, checksum), self.expiry_s),
             (get_request(key), self.expiry_s),
             (head_request(key), HEAD_EXPIRY_S),
-            (part_request(key, PROBE_UPLOAD_ID, 7, 1, checksum), self.expiry_s),
+            (self.part_request(key, PROBE_UPLOAD_ID, 7, 1, checksum), self.expiry_s),
             (list_request(PROBE_PREFIX, PROBE_UPLOAD_ID), LIST_EXPIRY_S),
         ]
         for r, expires_s in cases:
@@ -149,8 +161,35 @@ class S3Store:
                 return False
         return True
 
+    def put_request(self, key: str, size: int, checksum: str) -> Request:
+        """A grant's PUT as this store's profile wants it (``checksum``: sha256, base64)."""
+        p = self.profile
+        bound = checksum if p.checksum_header else None
+        return put_request(key, size, bound, once=p.put_header, sdk=p.sdk_checksum)
+
+    def part_request(
+        self, key: str, upload_id: str, number: int, size: int, checksum: str
+    ) -> Request:
+        """A grant's part as this store's profile wants it (``checksum``: sha256, base64)."""
+        p = self.profile
+        bound = checksum if p.checksum_header else None
+        return part_request(key, upload_id, number, size, bound, sdk=p.sdk_checksum)
+
+    def presign(self, request: Request, expires_s: int) -> str:
+        """``request``'s URL, valid ``expires_s`` seconds (the store check's probes)."""
+        return self._sign(request, expires_s)
+
+    def presign_lapsed(self, request: Request) -> str | None:
+        """``request``'s URL as signed a minute ago for a second (the store check's expired URL),
+        or None where boto3 signs (it signs only now)."""
+        if self._presigner is None:
+            return None
+        r = request
+        now = time.time() - 60
+        return self._presigner.presign(r.method, r.key, 1, r.headers, now=now, query=r.query)
+
     def presign_put(self, key: str, size: int, sha256_hex: str) -> tuple[str, dict[str, str]]:
-        request = put_request(key, size, sha256_b64(sha256_hex))
+        request = self.put_request(key, size, sha256_b64(sha256_hex))
         return self._sign(request, self.expiry_s), dict(request.headers or {})
 
     def presign_part(
@@ -158,7 +197,7 @@ class S3Store:
     ) -> tuple[str, dict[str, str]]:
         """A URL and the exact headers for part ``number`` of multipart upload ``upload_id``:
         ``size`` bytes hashing to ``sha256_hex`` (``coordinator.store.multipart``)."""
-        request = part_request(key, upload_id, number, size, sha256_b64(sha256_hex))
+        request = self.part_request(key, upload_id, number, size, sha256_b64(sha256_hex))
         return self._sign(request, self.expiry_s), dict(request.headers or {})
 
     def presign_get(self, key: str) -> str:
@@ -270,6 +309,10 @@ class S3Store:
         )
 
     async def delete_keys(self, keys: list[str]) -> int:
+        if not self.profile.multi_delete:  # one DELETE per key (GCS's XML API, for one)
+            for key in keys:
+                await self._call(f"delete {key}", "delete_object", Key=key)
+            return len(keys)
         for start in range(0, len(keys), DELETE_BATCH):
             batch = keys[start : start + DELETE_BATCH]
             objects = [{"Key": k} for k in batch]

@@ -56,10 +56,12 @@ def coordinator_toml(
     *,
     prefix: str = "",
     server: dict[str, Any] | None = None,
+    storage: dict[str, Any] | None = None,
 ) -> str:
     """The coordinator's config file for a local run (see ``deploy/run.example.toml``).
 
-    ``server`` adds to or overrides the ``[server]`` table (loopback, any free port).
+    ``server`` adds to or overrides the ``[server]`` table (loopback, any free port), ``storage``
+    the ``[storage]`` table.
     """
     lines = _toml_table("run", run.model_dump(mode="json"))
     server_table = {"host": "127.0.0.1", "port": 0, "state_dir": str(state_dir), **(server or {})}
@@ -73,6 +75,7 @@ def coordinator_toml(
             "region": endpoint.region,
             "access_key": endpoint.access_key,
             "secret_key": endpoint.secret_key,
+            **(storage or {}),
         },
     )
     lines += _toml_table("tokens", tokens)

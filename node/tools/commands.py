@@ -258,7 +258,8 @@ STORE = Command(
     description="Starts SeaweedFS `weed mini` with its data in --dir, every port bound to"
     " --host only, the admin UI off, and the bucket created. Credentials come from"
     " AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (put the same in the coordinator's"
-    " [storage]). Nodes only need to reach the S3 port (presigned URLs).",
+    " [storage]). Nodes only need to reach the S3 port (presigned URLs). `sparseloco store"
+    " check --help`: try what any S3-compatible store keeps of the project's promises.",
     run=_cmd_store,
     flags=(
         flag("--dir", required=True, help="data folder (kept across restarts)"),

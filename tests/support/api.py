@@ -26,7 +26,8 @@ from coordinator.api.app import create_app
 from coordinator.api.service import COORDINATOR, Coordinator
 from coordinator.base.config import CoordinatorConfig, ServerConfig, StorageConfig, load_config
 from coordinator.base.limits import LimitsConfig, server_settings
-from node.cluster.seaweed import EmbeddedStore
+from coordinator.store.object_store import ObjectStore
+from node.cluster.seaweed import EmbeddedStore, StoreEndpoint
 from protocol.runconfig import RunConfig
 
 #: Fingerprints of θ that tests hand around (any 32 hex digits do).
@@ -43,15 +44,21 @@ def token(node: str) -> str:
 
 
 def make_config(
-    store: EmbeddedStore, state_dir: Path, run: RunConfig, *, prefix: str, **fields: Any
+    store: EmbeddedStore | StoreEndpoint,
+    state_dir: Path,
+    run: RunConfig,
+    *,
+    prefix: str,
+    **fields: Any,
 ) -> CoordinatorConfig:
-    """A config for ``run`` on ``store`` under key ``prefix``, with tokens for ``NODES``.
+    """A config for ``run`` on ``store`` (or an endpoint) under key ``prefix``, with tokens for
+    ``NODES``.
 
     ``fields`` are keys of the ``[server]``, ``[storage]`` or ``[limits]`` section
     (``max_body_bytes=2048``, ``max_checkpoint_bytes=4096``, ``body_timeout_s=0.5``), each put
     in the section that has it.
     """
-    e = store.endpoint
+    e = store if isinstance(store, StoreEndpoint) else store.endpoint
     server: dict[str, Any] = {"state_dir": str(state_dir)}
     storage: dict[str, Any] = {
         "endpoint_url": e.endpoint_url,
@@ -146,7 +153,9 @@ async def make_api(store: EmbeddedStore, tmp_path: Path) -> AsyncIterator[ApiFac
 
     ``state`` names the state directory under ``tmp_path``: a second call with the same one is
     the coordinator restarted on its state. ``prefix`` defaults to a fresh key prefix per call;
-    ``clock`` is the coordinator's wall clock; ``fields`` go to ``make_config``.
+    ``clock`` is the coordinator's wall clock; ``endpoint``: another store than the session's
+    (``object_store``: the coordinator's store object itself, e.g. an ``S3Store`` that adopted
+    a store check's profile); ``fields`` go to ``make_config``.
     """
     clients: list[TestClient[Any, Any]] = []
 
@@ -156,11 +165,13 @@ async def make_api(store: EmbeddedStore, tmp_path: Path) -> AsyncIterator[ApiFac
         state: str = "state",
         prefix: str | None = None,
         clock: Callable[[], float] = time.time,
+        endpoint: StoreEndpoint | None = None,
+        object_store: ObjectStore | None = None,
         **fields: Any,
     ) -> Api:
         prefix = prefix or f"t-{uuid.uuid4().hex[:8]}"
-        config = make_config(store, tmp_path / state, run, prefix=prefix, **fields)
-        server = TestServer(create_app(config, clock=clock))
+        config = make_config(endpoint or store, tmp_path / state, run, prefix=prefix, **fields)
+        server = TestServer(create_app(config, clock=clock, store=object_store))
         # The connection limits the real server runs with (``TestServer`` takes them here).
         await server.start_server(**server_settings(config.limits))
         client = TestClient(server)

@@ -17,7 +17,7 @@ import time
 import urllib.error
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
 from node.cluster.launch import coordinator_toml, start_coordinator, start_node
 from node.cluster.process import Process
-from node.cluster.seaweed import EmbeddedStore
+from node.cluster.seaweed import EmbeddedStore, StoreEndpoint
 from node.cluster.status import fetch_status
 from node.research.bench.hostile import KINDS
 from protocol.errors import ConfigError
@@ -34,6 +34,14 @@ from protocol.runconfig import RunConfig
 from protocol.signing import public_key_hex
 from protocol.status import StatusView
 from support.diverge import split_faults
+
+
+class HasEndpoint(Protocol):
+    """A store the cluster's coordinator is pointed at: its endpoint."""
+
+    @property
+    def endpoint(self) -> StoreEndpoint: ...
+
 
 #: Safety net for any single wait; a healthy tiny run needs a small fraction of it.
 WAIT_S = 240.0
@@ -48,18 +56,21 @@ class Cluster:
     def __init__(
         self,
         root: Path,
-        store: EmbeddedStore,
+        store: EmbeddedStore | HasEndpoint,
         run: RunConfig,
         nodes: int,
         *,
         prefix: str | None = None,
         public_host: str | None = None,
         server: dict[str, Any] | None = None,
+        storage: dict[str, Any] | None = None,
         wait_s: float = WAIT_S,
     ) -> None:
         """``public_host``: the coordinator listens on every address and nodes are told to reach
         it by this one (the WAN lab's service address), instead of loopback. ``server``: more
-        settings of the coordinator's ``[server]`` table (``coordinator.base.config``).
+        settings of the coordinator's ``[server]`` table (``coordinator.base.config``), ``storage``
+        of its ``[storage]`` table. ``store``: anything with the ``endpoint`` to use (another
+        S3 implementation, a proxy in front of one).
         ``wait_s``: how long ``wait_for`` waits before it fails."""
         self.wait_s = wait_s
         self.root = root
@@ -79,6 +90,7 @@ class Cluster:
                 self.state_dir,
                 prefix=self.prefix,
                 server={**({} if public_host is None else {"host": "0.0.0.0"}), **(server or {})},
+                storage=storage,
             )
         )
         self.coordinator: Process | None = None
@@ -137,6 +149,14 @@ class Cluster:
                 name, self.url, self.tokens[name], state_dir, log_path, None, env or None,
                 ranks=ranks,
             )  # fmt: skip
+        self.nodes[name] = proc
+        return proc
+
+    def start_wrapped_node(self, name: str, module: str, first: str) -> Process:
+        """Start ``python -m MODULE FIRST node ...`` as node ``name`` (a module of
+        ``tests/support`` that wraps ``sparseloco node``, e.g. ``support.parts_node``)."""
+        state_dir, log_path = self.root / "nodes" / name, self.root / "logs" / f"{name}.log"
+        proc = self._start_wrapped(module, first, name, state_dir, log_path, {})
         self.nodes[name] = proc
         return proc
 
