@@ -1,5 +1,6 @@
 """Shared fixtures: a real S3-compatible object store (SeaweedFS ``weed mini``) for the session,
-and moto's S3 server as a second implementation for the tests that name it (``moto``).
+and moto's S3 server and MiniStack as other implementations for the tests that name them
+(``moto``, ``ministack``).
 
 Tests that touch storage use this one store and keep apart by key prefix (one per test), so the
 few seconds the store takes to start are paid once.
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from node.cluster.seaweed import EmbeddedStore
-from support.moto import MotoStore
+from support.s3servers import MiniStackStore, MotoStore
 
 #: Fixture modules of ``tests/support`` every test may use: ``make_api`` (the coordinator's API
 #: in-process on this store); and the session's plugins: ``reaper`` (SIGTERM tears down like
@@ -41,8 +42,20 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
 
 @pytest.fixture(scope="session")
 def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoStore]:
-    """moto's S3 server, started (a second S3 implementation: ``support.moto``)."""
+    """moto's S3 server, started (a second S3 implementation: ``support.s3servers``)."""
     server = MotoStore(tmp_path_factory.mktemp("moto"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def ministack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MiniStackStore]:
+    """MiniStack, started (a third S3 implementation, in a virtual environment of its own:
+    ``support.s3servers``)."""
+    server = MiniStackStore(tmp_path_factory.mktemp("ministack"))
     server.start()
     try:
         yield server

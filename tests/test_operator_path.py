@@ -146,7 +146,13 @@ def test_an_operator_runs_a_multi_party_run_from_the_readme(operator: Operator) 
     }
     op.env.update(secrets_env)
 
-    # 3. Start it; it checks the store before it writes anything.
+    # 3. First thing against a new store: what it keeps of the project's promises.
+    checked = op.run("store", "check", "--config", "run.toml")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "a coordinator would start: every promise is kept" in checked.stdout
+    assert op.env["AWS_SECRET_ACCESS_KEY"] not in checked.stdout + checked.stderr
+
+    # 4. Start it; it checks the store before it writes anything.
     coordinator = op.start("coordinator", "coordinator", "--config", "run.toml")
     announce = op.root / "coordinator-state" / "coordinator.json"
 
@@ -155,7 +161,7 @@ def test_an_operator_runs_a_multi_party_run_from_the_readme(operator: Operator) 
 
     url = str(_wait("the coordinator", announced, [coordinator]))
 
-    # 4. Invite two participants: one with a bare token, one with an invite (URL, token and the
+    # 5. Invite two participants: one with a bare token, one with an invite (URL, token and the
     # manifest key's fingerprint in one string).
     added = op.run("coordinator", "token", "add", "node-a", "--config", "run.toml")
     assert added.returncode == 0, added.stderr
@@ -172,7 +178,7 @@ def test_an_operator_runs_a_multi_party_run_from_the_readme(operator: Operator) 
     assert listed.returncode == 0 and "node-a" in listed.stdout and "node-b" in listed.stdout
     assert not any(t in listed.stdout + listed.stderr for t in tokens.values())
 
-    # 5. Participants check their machine, then run a node.
+    # 6. Participants check their machine, then run a node.
     participant = {"SPARSELOCO_NODE_COORDINATOR": url}
 
     def as_node(token: str) -> dict[str, str]:

@@ -5,6 +5,8 @@
   those promises as not kept and exits 1, a coordinator refuses to start there with the reason
   and the fix, and starts when the operator accepts the risk (``storage.accept_unbound_uploads``),
   saying so.
+- MiniStack: everything kept but the 5 MiB part minimum, which the project does not need.
+- moto and MiniStack both carry a payload of three parts through the coordinator's grants.
 - SeaweedFS behind ``support.s3proxy``: a store that ignores ``If-None-Match`` (the proxy lets a
   second write replace the first) and one that refuses requests carrying it (as Backblaze B2
   does). The check finds both; the coordinator then names payload keys by their sha256, and a
@@ -37,9 +39,9 @@ from node.daemon import multipart
 from node.daemon.transfer import HttpTransfers
 from protocol.runconfig import RunConfig
 from support.api import ApiFactory
-from support.moto import MotoStore
 from support.parts import node_client, small_parts
 from support.s3proxy import S3Proxy
+from support.s3servers import MiniStackStore, MotoStore, ServerStore
 
 #: The promises moto's server does not keep: nothing binds an upload to its URL.
 MOTO_MISSING = {
@@ -110,6 +112,19 @@ def test_moto_is_named_for_what_it_does_not_bind(moto: MotoStore) -> None:
     assert "accept_unbound_uploads" in done.stdout
     assert_no_secret(e, done.stdout, done.stderr)
     assert left_under(moto.client(), e.bucket, "sc/") == []
+
+
+def test_ministack_binds_the_bytes_and_keeps_write_once(ministack: MiniStackStore) -> None:
+    """MiniStack checks signatures, lengths and checksums like a real store; of the promises
+    only the 5 MiB part minimum is not kept, which the project does not need."""
+    e = ministack.endpoint
+    done = store_check(e, "--endpoint-url", e.endpoint_url, "--bucket", e.bucket, "--prefix", "sc")
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = rows(done.stdout)
+    assert {p for p, kept in found.items() if kept == "NO"} == {"part under 5 MiB (not the last)"}
+    assert "what the store does not keep, the project does not need" in done.stdout
+    assert_no_secret(e, done.stdout, done.stderr)
+    assert left_under(ministack.client(), e.bucket, "sc/") == []
 
 
 def test_bad_flags_and_an_unreachable_store_are_one_line_each(store: EmbeddedStore) -> None:
@@ -264,14 +279,20 @@ async def test_a_second_upload_never_replaces_what_the_manifest_names(
 
 
 @pytest.mark.asyncio
-async def test_a_payload_in_parts_crosses_moto(
-    make_api: ApiFactory, moto: MotoStore, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("server", ["moto", "ministack"])
+async def test_a_payload_in_parts_crosses_the_other_servers(
+    make_api: ApiFactory,
+    server: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A payload of three parts (5, 5 and 2 MiB) through the coordinator's grants on moto:
-    every part presigned, uploaded and completed, the object whole and write-once."""
+    """A payload of three parts (5, 5 and 2 MiB) through the coordinator's grants on moto and
+    on MiniStack: every part presigned, uploaded and completed, the object whole and
+    write-once."""
+    other: ServerStore = request.getfixturevalue(server)
     small_parts(monkeypatch)
-    run = RunConfig(name="moto-parts", min_nodes=1, gather_size=4, rounds=2)
-    api = await make_api(run, endpoint=moto.endpoint)
+    run = RunConfig(name="other-parts", min_nodes=1, gather_size=4, rounds=2)
+    api = await make_api(run, endpoint=other.endpoint)
     assert (await api.call("POST", "/v1/join", "n0", {}))[0] == 200
     payload = os.urandom(12 << 20)
     async with aiohttp.ClientSession() as http:
@@ -286,8 +307,8 @@ async def test_a_payload_in_parts_crosses_moto(
     done = {"upload_id": grant.multipart.upload_id, "parts": [p.model_dump() for p in parts]}
     status, answer = await api.call("POST", "/v1/rounds/0/upload/complete", "n0", done)
     assert (status, answer) == (200, {"created": True})
-    stored = moto.client().get_object(Bucket=moto.bucket, Key=grant.key)["Body"].read()
+    stored = other.client().get_object(Bucket=other.bucket, Key=grant.key)["Body"].read()
     assert stored == payload
-    # Completing again never replaces it (moto keeps If-None-Match on the completion).
+    # Completing again never replaces it (both keep If-None-Match on the completion).
     status, answer = await api.call("POST", "/v1/rounds/0/upload/complete", "n0", done)
     assert status in (200, 409) and answer.get("created") is not True, answer

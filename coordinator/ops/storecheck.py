@@ -114,7 +114,11 @@ def verdict(report: Report, storage: StorageConfig) -> tuple[int, list[str]]:
     lines = [f"a coordinator would start, with: {f}" for f in report.profile.fallbacks(
         accept_unbound=accept
     )]  # fmt: skip
-    return 0, lines or ["a coordinator would start: every promise is kept"]
+    if lines:
+        return 0, lines
+    if all(f.kept for f in report.findings):
+        return 0, ["a coordinator would start: every promise is kept"]
+    return 0, ["a coordinator would start: what the store does not keep, the project does not need"]
 
 
 def main(argv: Sequence[str], *, prog: str) -> int:

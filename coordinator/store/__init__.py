@@ -7,6 +7,8 @@ May import ``base``, ``state``, ``rules`` and ``monitoring``.
                      leave as StorageError)
     head.py          the HEAD that checks each submission, presigned and sent with aiohttp
     presign.py       presigned URLs (SigV4) in microseconds, used once shown equal to boto3's
+    promises.py      what a store promises and what the coordinator does with each answer
+    conformance.py   the store check: every promise tried with throwaway keys
     multipart.py     multipart uploads on the store: create, presign parts, complete write-once,
                      abort the stale
     storewatch.py    whether the store answers; deadlines pause while it does not

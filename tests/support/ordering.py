@@ -54,7 +54,7 @@ STARTERS: tuple[object, ...] = (
     WanLab,
 )
 #: Fixtures that start a process for the test.
-PROCESS_FIXTURES = frozenset({"browser", "moto"})
+PROCESS_FIXTURES = frozenset({"browser", "moto", "ministack"})
 #: The fixture of the session's store.
 STORE_FIXTURE = "store"
 
