@@ -29,8 +29,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from yarl import URL
 
+from coordinator.base.errors import StorageError
 from coordinator.store.conformance import check_promises
 from coordinator.store.storage import S3Store
 from node.cluster.launch import coordinator_toml
@@ -312,3 +315,25 @@ async def test_a_payload_in_parts_crosses_the_other_servers(
     # Completing again never replaces it (both keep If-None-Match on the completion).
     status, answer = await api.call("POST", "/v1/rounds/0/upload/complete", "n0", done)
     assert status in (200, 409) and answer.get("created") is not True, answer
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_cannot_serve_now_fails_the_check_instead_of_a_verdict() -> None:
+    """503 SlowDown to every probe: an outage says nothing about a promise, so the check
+    raises an unreachable ``StorageError`` (the coordinator's start then fails and is retried)
+    rather than concluding that the store keeps nothing."""
+    slow = b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>later</Message></Error>"
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(status=503, body=slow, content_type="application/xml")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    async with TestServer(app) as server:
+        s3 = s3_store(StoreEndpoint(str(server.make_url("")).rstrip("/"), "b", "k", "s"))
+        try:
+            with pytest.raises(StorageError) as caught:
+                await check_promises(s3, "down/")
+        finally:
+            await s3.close()
+    assert caught.value.unreachable, caught.value

@@ -38,7 +38,7 @@ from typing import Any
 
 import aiohttp
 
-from coordinator.base.errors import StorageError
+from coordinator.base.errors import UNAVAILABLE_CODES, StorageError
 from coordinator.store.presign import Request, get_request, part_request, put_request
 from coordinator.store.promises import ACCEPT_SETTING, Report, StoreProfile
 from coordinator.store.storage import S3Store
@@ -51,6 +51,8 @@ PROBE_EXPIRY_S = 300
 PROBE_TIMEOUT_S = 30.0
 #: What the project does where a store lets other bytes through.
 UNBOUND = f"refuses to start, unless {ACCEPT_SETTING}"
+#: Answers that mean "not now" (501 is not among them: B2 refuses a header with it).
+UNAVAILABLE_STATUS = frozenset({500, 502, 503, 504})
 _CODE = re.compile(rb"<Code>([^<]{1,64})</Code>")
 
 
@@ -92,12 +94,22 @@ class Prober:
     async def send(
         self, method: str, url: str, headers: dict[str, str], body: bytes = b""
     ) -> Answer:
-        async with self.session.request(
-            method, url, headers=headers, data=body if method == "PUT" else None
-        ) as resp:
-            data = await resp.read()
+        """The store's answer; ``StorageError`` (unreachable) where it gave none or said it
+        cannot serve now: an outage says nothing about a promise."""
+        try:
+            async with self.session.request(
+                method, url, headers=headers, data=body if method == "PUT" else None
+            ) as resp:
+                data = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise StorageError(f"store check: {method} {url.split('?')[0]}: {exc!r}") from exc
         match = _CODE.search(data)
         code = match.group(1).decode(errors="replace") if match else ""
+        if resp.status in UNAVAILABLE_STATUS or code in UNAVAILABLE_CODES:
+            raise StorageError(
+                f"store check: {method} {url.split('?')[0]}: {resp.status} {code}",
+                code=code or str(resp.status),
+            )
         headers = {name.lower(): value for name, value in resp.headers.items()}
         return Answer(resp.status, code, data, headers)
 
@@ -233,6 +245,8 @@ async def _run(probe: Prober, report: Report) -> None:
     try:
         listed = await store.sizes(probe.folder)
     except StorageError as exc:
+        if exc.unreachable:
+            raise
         listed, listing = {}, f"refused it ({exc.code})"
     else:
         listing = f"listed {len(listed)} objects"
@@ -252,6 +266,8 @@ async def _run(probe: Prober, report: Report) -> None:
         left = await store.sizes(probe.folder) if profile.listing else {}
         deleted, did = not left, f"left {len(left)} objects" if left else "deleted them"
     except StorageError as exc:
+        if exc.unreachable:
+            raise
         deleted, did = False, f"refused it ({exc.code})"
     profile = replace(profile, multi_delete=deleted, bound=bound)
     report.add("DeleteObjects", deleted, did, "-" if deleted else "deletes one key at a time")
@@ -306,6 +322,8 @@ async def _multipart(
                 ),
             )  # fmt: skip
         except StorageError as exc:
+            if exc.unreachable:
+                raise
             return exc.code or "failed"
         probe.uploads.remove((at, upload_id))
         return ""
@@ -313,6 +331,8 @@ async def _multipart(
     try:
         upload_id = await create(key)
     except StorageError as exc:
+        if exc.unreachable:
+            raise
         report.add("multipart upload", False, f"refused it ({exc.code})",
                    "sends every object as one PUT")  # fmt: skip
         return replace(profile, multipart=False), True
