@@ -32,6 +32,8 @@ TINY = PRESETS["tiny"]
         ("medium", 110e6, 140e6),
         ("large", 320e6, 380e6),
         ("1b", 0.95e9, 1.1e9),
+        ("llama_moe", 10e6, 12e6),
+        ("llama_moe_645m", 0.62e9, 0.66e9),
     ],
 )
 def test_preset_sizes(name: str, low: float, high: float) -> None:
@@ -41,7 +43,7 @@ def test_preset_sizes(name: str, low: float, high: float) -> None:
         assert dim % 64 == 0
 
 
-@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("name", ["tiny", "small", "llama_moe"])
 def test_param_count_matches_built_model(name: str) -> None:
     model = build_model(PRESETS[name], seed=0)
     assert count_parameters(model) == param_count(PRESETS[name])
@@ -169,3 +171,12 @@ def test_autocast_is_noop_on_cpu() -> None:
     with autocast(torch.device("cpu")):
         out = torch.ones(2, 2) @ torch.ones(2, 2)
     assert out.dtype == torch.float32
+
+
+def test_a_mixture_of_experts_counts_its_active_parameters() -> None:
+    """The paper's MoE is 645M with 273M active; the shape here is of that class."""
+    small, paper = get_preset("llama_moe"), get_preset("llama_moe_645m")
+    assert 4.0e6 <= param_count(small, active=True) <= 4.5e6
+    assert 0.25e9 <= param_count(paper, active=True) <= 0.28e9
+    dense = get_preset("llama_bpe4k")
+    assert param_count(dense, active=True) == param_count(dense)

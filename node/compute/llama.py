@@ -10,7 +10,9 @@ Parameter names follow the Hugging Face ``LlamaForCausalLM`` layout under its ``
 (``embed_tokens``, ``layers.{i}.self_attn.q_proj``, ``layers.{i}.mlp.gate_proj``,
 ``layers.{i}.input_layernorm``, ``norm``, and ``lm_head`` when untied), so an export is a renaming
 and a config file. Every parameter is a 1-D norm gain or a 2-D matrix whose sides are multiples
-of 64 (``ModelConfig`` refuses anything else), which is what the codec's tiles need. The rotary
+of 64 (``ModelConfig`` refuses anything else), which is what the codec's tiles need; in a mixture
+of experts (``node.compute.moe``) the router, experts × d_model, is the one exception (tiles
+divide any side), and an export maps it onto Mixtral's layout. The rotary
 tables are buffers, not parameters: computed, never trained or sent.
 """
 
@@ -22,6 +24,7 @@ from torch import Tensor, nn
 
 from node.compute.modelbase import LanguageModel
 from node.compute.modelconfig import ModelConfig
+from node.compute.moe import MoE, SwiGLU
 
 
 class RMSNorm(nn.Module):
@@ -78,24 +81,13 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp: SwiGLU | MoE = MoE(cfg) if cfg.n_experts else SwiGLU(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -131,6 +123,15 @@ class Llama(LanguageModel):
         if self.lm_head is not None:
             return self.lm_head(x)  # through the module: FSDP shards it as a unit of its own
         return F.linear(x, self.embed_tokens.weight)
+
+    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
+        """The cross-entropy, plus the experts' load-balancing loss times ``router_aux_coef``
+        in a mixture of experts (``node.compute.moe``)."""
+        ce = super().loss(idx, targets)
+        if not self.cfg.n_experts or not self.training:
+            return ce
+        aux = [m.aux for m in self.modules() if isinstance(m, MoE) and m.aux is not None]
+        return ce + self.cfg.router_aux_coef * torch.stack(aux).mean()
 
     def units(self) -> list[nn.Module]:
         return list(self.layers)

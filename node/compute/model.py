@@ -42,11 +42,18 @@ __all__ = ["PRESETS", "ModelConfig", "get_preset"]
 INIT_STD = 0.02
 
 
-def param_count(cfg: ModelConfig) -> int:
-    """Number of parameters ``build_model(cfg)`` would have, computed without allocating them."""
+def param_count(cfg: ModelConfig, *, active: bool = False) -> int:
+    """Number of parameters ``build_model(cfg)`` would have, computed without allocating them;
+    ``active``: those one token goes through (a mixture of experts counts the router and the
+    ``experts_per_token`` experts of each layer, not all of them)."""
     d, hidden = cfg.d_model, cfg.ffn
     if cfg.arch == "llama":
-        per_layer = 2 * d + 2 * d * d + 2 * d * cfg.kv_dim + 3 * d * hidden
+        ffns = 1
+        router = 0
+        if cfg.n_experts:
+            ffns = (cfg.experts_per_token if active else cfg.n_experts) + int(cfg.shared_expert)
+            router = cfg.n_experts * d
+        per_layer = 2 * d + 2 * d * d + 2 * d * cfg.kv_dim + ffns * 3 * d * hidden + router
         heads = 1 if cfg.tie_embeddings else 2
         return heads * cfg.vocab_size * d + cfg.n_layers * per_layer + d
     per_block = (

@@ -18,7 +18,8 @@ class ModelConfig(BaseModel):
 
     ``arch`` "gpt" is this module's byte-level GPT; "llama" is ``node.compute.llama`` (RMSNorm,
     rotary positions, SwiGLU of width ``ffn_dim``, ``n_kv_heads`` key/value heads, a tied or
-    separate output head). The fields after ``arch`` are the LLaMA ones.
+    separate output head). The fields after ``arch`` are the LLaMA ones; with ``n_experts`` > 0
+    every layer's SwiGLU is a mixture of experts (``node.compute.moe``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -37,6 +38,14 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = True
     rope_theta: float = Field(default=10000.0, gt=0)
     norm_eps: float = Field(default=1e-5, gt=0)
+    #: Experts per layer (each a SwiGLU of width ``ffn_dim``); 0: a dense SwiGLU.
+    n_experts: int = Field(default=0, ge=0, le=256)
+    #: Experts each token is routed to (top-k).
+    experts_per_token: int = Field(default=2, gt=0)
+    #: One more expert that every token goes through (DeepSeek's shared expert).
+    shared_expert: bool = False
+    #: Weight of the load-balancing loss added to the cross-entropy.
+    router_aux_coef: float = Field(default=0.01, ge=0)
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
@@ -60,6 +69,13 @@ class ModelConfig(BaseModel):
             self._check_llama()
         elif self.n_kv_heads is not None or self.ffn_dim is not None or not self.tie_embeddings:
             raise ValueError("n_kv_heads, ffn_dim and tie_embeddings=false need arch='llama'")
+        elif self.n_experts:
+            raise ValueError("n_experts needs arch='llama' (the experts are SwiGLU blocks)")
+        if self.n_experts and self.experts_per_token > self.n_experts:
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} must be at most"
+                f" n_experts={self.n_experts}"
+            )
         return self
 
     def _check_llama(self) -> None:
@@ -91,7 +107,7 @@ class ModelConfig(BaseModel):
 
     @property
     def ffn(self) -> int:
-        """The MLP's hidden width."""
+        """The MLP's hidden width (one expert's, in a mixture of experts)."""
         if self.arch == "gpt":
             return self.mlp_ratio * self.d_model
         return self.ffn_dim or -(-8 * self.d_model // 3 // 64) * 64
@@ -139,6 +155,24 @@ PRESETS: dict[str, ModelConfig] = {
     # ~12.2M with the same vocabulary: a 30-minute comparison on a quiet 2-core CPU (estimated).
     "llama_bpe4k_12m": ModelConfig(
         arch="llama", vocab_size=4096, d_model=384, n_layers=6, n_heads=6, ffn_dim=1024, ctx_len=256
+    ),
+    # A mixture of experts on the same vocabulary: 8 experts of width 512 in each of 3 layers,
+    # 2 per token (Mixtral's routing): ~11.3M parameters, ~4.2M active per token.
+    "llama_moe": ModelConfig(
+        arch="llama",
+        vocab_size=4096,
+        d_model=256,
+        n_layers=3,
+        n_heads=4,
+        ffn_dim=512,
+        ctx_len=128,
+        n_experts=8,
+        experts_per_token=2,
+    ),
+    # ~637M with ~260M active: the shape class of the SparseLoCo paper's MoE (645M-A273M);
+    # 8 experts of width 1280 in each of 16 layers, 2 per token, untied 32,768-id embeddings.
+    "llama_moe_645m": _paper_llama(
+        d_model=1024, n_layers=16, n_heads=16, ffn_dim=1280, n_experts=8, experts_per_token=2
     ),
     # ~520M, the class of the SparseLoCo paper's 512 M LLaMA runs.
     "llama_512m": _paper_llama(d_model=1280, n_layers=22, n_heads=20, ffn_dim=3456),

@@ -13,6 +13,7 @@ any value, and ``up`` has its own defaults for ``--nodes`` and ``--rounds``.
 | base | base (10.8 M) | 5 | 4 | 4 | 6 | ``bench round`` at a size where the payload path shows |
 | llama | llama_tiny (0.1 M, LLaMA-style) | 10 | 8 | 2 | 3 | the LLaMA-style model in seconds |
 | llama_bpe | llama_bpe4k (2.6 M, 4,096 ids) | 10 | 8 | 2 | 3 | data from ``--train-bpe 4096`` |
+| llama_moe | llama_moe (11.3 M, 4.2 M active) | 10 | 8 | 2 | 3 | experts on the BPE data |
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ PRESETS: dict[str, RunPreset] = {
     "base": RunPreset(model="base", inner_steps=5, batch_size=4, workers=4, rounds=6),
     "llama": RunPreset(model="llama_tiny", inner_steps=10, batch_size=8, workers=2, rounds=3),
     "llama_bpe": RunPreset(model="llama_bpe4k", inner_steps=10, batch_size=8, workers=2, rounds=3),
+    "llama_moe": RunPreset(model="llama_moe", inner_steps=10, batch_size=8, workers=2, rounds=3),
 }
 
 

@@ -68,11 +68,12 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token of ``cfg`` (forward and backward)."""
+    """Training FLOPs per token of ``cfg`` (forward and backward); a mixture of experts counts
+    the parameters a token goes through (its experts and the router), not every expert."""
     lookup = cfg.vocab_size * cfg.d_model if not cfg.tie_embeddings else 0
     if cfg.arch == "gpt":
         lookup += cfg.ctx_len * cfg.d_model  # learned positions: a lookup too
-    matrices = param_count(cfg) - lookup
+    matrices = param_count(cfg, active=True) - lookup
     attention = 12 * cfg.n_layers * cfg.d_model * cfg.ctx_len
     return 6.0 * matrices + attention
 

@@ -2,9 +2,12 @@
 
 ``write_hf`` writes ``config.json`` (a ``LlamaConfig``) and ``model.safetensors`` (the tensors
 under the names ``LlamaForCausalLM`` loads), so ``AutoModelForCausalLM.from_pretrained(out)``
-rebuilds the model and generates. ``node.compute.llama`` already uses the Hugging Face layout
-(the rotate-half pairing of rotary positions, RMSNorm in fp32, SwiGLU, key/value heads repeated
-in groups), so the tensors are renamed, never transformed: the decoder's parameters take the
+rebuilds the model and generates. A mixture of experts (``node.compute.moe``) is written as a
+``MixtralForCausalLM`` (the same routing: softmax, top-k, renormalised), its experts stacked into
+Mixtral's two 3-D tensors per layer (``MixtralTensors``). ``node.compute.llama`` already uses
+the Hugging Face layout (the rotate-half pairing of rotary positions, RMSNorm in fp32, SwiGLU,
+key/value heads repeated in groups), so the tensors are renamed, never transformed (but for the
+experts' stacking): the decoder's parameters take the
 ``model.`` prefix, a separate output head stays ``lm_head.weight``, and a tied head is left out
 (``tie_word_embeddings``). Nothing here imports ``transformers``: writing needs only torch (and
 the ``tokenizers`` library for a tokenizer).
@@ -36,6 +39,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -58,14 +62,31 @@ HEADER_ALIGN = 8
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The ``config.json`` of ``cfg`` (a ``LlamaConfig``)."""
+    """The ``config.json`` of ``cfg`` (a ``LlamaConfig``; with experts a ``MixtralConfig``)."""
     if cfg.arch != "llama":
         raise CheckpointError(
             f"only LLaMA-style models export to transformers; this run's model is {cfg.arch!r}"
         )
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    if cfg.n_experts:
+        if cfg.shared_expert:
+            raise CheckpointError(
+                "a mixture of experts with a shared expert has no exact transformers class"
+                " (Mixtral has none; Qwen2-MoE gates its shared expert): export needs"
+                " shared_expert=false"
+            )
+        experts = {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.router_aux_coef,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+            "sliding_window": None,
+        }
+    else:
+        experts = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    return experts | {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn,
@@ -82,6 +103,66 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
+
+
+#: Our expert matrices: ``layers.{i}.mlp.experts.{e}.{gate|up|down}_proj.weight``.
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+class MixtralTensors(Mapping[str, torch.Tensor]):
+    """``tensors`` under the names and in the layout ``MixtralForCausalLM`` loads: each layer's
+    experts stacked into two 3-D tensors, ``mlp.experts.gate_up_proj`` (experts, 2·ffn, d:
+    every expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` (experts, d, ffn),
+    each built when asked for (one layer's experts in memory at a time); every other tensor
+    renamed as for ``LlamaForCausalLM``."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+        self.tensors = tensors
+        self.cfg = cfg
+        self.names: dict[str, str | tuple[int, str]] = {}
+        for name in tensors:
+            m = _EXPERT.match(name)
+            if m is None:
+                self.names[hf_name(name)] = name
+            else:
+                fused = "gate_up_proj" if m.group(3) in ("gate", "up") else "down_proj"
+                self.names[f"{PREFIX}layers.{m.group(1)}.mlp.experts.{fused}"] = (
+                    int(m.group(1)),
+                    fused,
+                )
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        source = self.names[name]
+        if isinstance(source, str):
+            return _spec(self.tensors, source)
+        cfg = self.cfg
+        _, dtype = _spec(self.tensors, f"layers.{source[0]}.mlp.experts.0.down_proj.weight")
+        if source[1] == "gate_up_proj":
+            return (cfg.n_experts, 2 * cfg.ffn, cfg.d_model), dtype
+        return (cfg.n_experts, cfg.d_model, cfg.ffn), dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        source = self.names[name]
+        if isinstance(source, str):
+            return self.tensors[source]
+        layer, fused = source
+        experts = f"layers.{layer}.mlp.experts"
+        if fused == "down_proj":
+            return torch.stack(
+                [self.tensors[f"{experts}.{e}.down_proj.weight"] for e in range(self.cfg.n_experts)]
+            )
+        return torch.stack(
+            [
+                torch.cat([self.tensors[f"{experts}.{e}.{p}_proj.weight"] for p in ("gate", "up")])
+                for e in range(self.cfg.n_experts)
+            ]
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def hf_name(name: str) -> str:
@@ -142,7 +223,11 @@ def write_hf(
     files.append(("config.json", _json(config)))
     out.mkdir(parents=True, exist_ok=True)
     weights = out / "model.safetensors"
-    save_streaming(weights, tensors, {"format": "pt", **metadata}, rename=hf_name)
+    meta = {"format": "pt", **metadata}
+    if cfg.n_experts:
+        save_streaming(weights, MixtralTensors(tensors, cfg), meta)
+    else:
+        save_streaming(weights, tensors, meta, rename=hf_name)
     written = [weights]
     for name, data in files:
         path = out / name
@@ -191,6 +276,8 @@ def _spec(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[tuple[int, ..
     """Shape and dtype of ``tensors[name]``, without reading it from a ``FileTensors``."""
     if isinstance(tensors, FileTensors):
         return tensors.shape(name), torch.float32
+    if isinstance(tensors, MixtralTensors):
+        return tensors.spec(name)
     t = tensors[name]
     if t.dtype not in ST_DTYPES:
         raise CheckpointError(f"tensor {name!r} is {t.dtype}; only {sorted(map(str, ST_DTYPES))}")
