@@ -37,6 +37,11 @@ def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode(tmp_path: Path) -> None:
     assert "gpu_check: OK" in proc.stdout
     summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["ok"] and summary["codec"]["ok"] and summary["device"] == "cpu"
+    # The mixture of experts: trained a few steps, its payload the same on both encoders, its
+    # export to Mixtral loading with our logits (llama_moe here; 645M-A273M on a GPU).
+    moe = summary["moe"]
+    assert moe["ok"] and moe["model"] == "llama_moe" and moe["payload_identical"]
+    assert moe["losses"][-1] < moe["losses"][0] and moe["export_max_logit_diff"] <= 1e-4
     nodes = summary["nodes"]
     assert nodes["ok"] and nodes["model"] == "llama_tiny" and nodes["failures"] == []
     assert nodes["devices"] == ["cpu", "cpu", "cpu"]

@@ -2,6 +2,7 @@
 
     python tests/bench/gpu_check.py [--preset base] [--peers 8] [--repeat 3] [--no-nodes]
         [--model llama_1b] [--gpu-nodes 2] [--cpu-nodes 1] [--rounds 3] [--inner-steps 2]
+        [--moe-model llama_moe_645m] [--moe-batch 8] [--moe-seq 1024]
     python tests/bench/gpu_check.py --smoke    # the whole script on the CPU, in seconds
 
 Encodes ``--peers`` seeded error-feedback-like buffers of the preset's shapes on the CPU
@@ -20,15 +21,23 @@ whose θ, error buffer, codec and aggregation live on the device, beside a torch
 must agree as well; its table has each node's speed and the reports' phase timings. The
 summary of all of it goes to ``$OUT/gpu_check.json`` when ``OUT`` is set (and to ``--json``).
 
+Then the mixture of experts at the paper's shape (``--moe-model``, 645M-A273M class): a few
+inner steps on the GPU in bf16 autocast (loss finite and falling, seconds a step, tokens/s, MFU
+counted on the active parameters, peak memory), the codec's payload of its real pseudo-gradient
+encoded on the GPU and on the CPU byte for byte, and the model's export to Mixtral loading in
+``transformers`` with our logits (fp32, ≤ 1e-4).
+
 Exits 0 when everything matched, 1 on any difference, and 0 with a "no CUDA device" line
 (checking nothing) where torch sees no GPU. ``--smoke`` runs all of it on the CPU: the codec on
-the ``tiny`` shapes and the nodes on ``llama_tiny`` (the test suite runs it).
+the ``tiny`` shapes, the nodes on ``llama_tiny`` and the mixture of experts on ``llama_moe``
+(the test suite runs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -75,10 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script itself")
     ap.add_argument("--no-nodes", dest="nodes", action="store_false", help="the codec only")
     ap.add_argument("--json", dest="json_out", help="write the summary here too")
+    ap.add_argument("--moe-model", default="llama_moe_645m", help="the mixture of experts")
+    ap.add_argument("--moe-batch", type=int, default=8)
+    ap.add_argument("--moe-seq", type=int, default=1024)
+    ap.add_argument("--no-moe", dest="moe", action="store_false", help="skip the MoE step")
     gpu_nodes.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.device, args.preset, args.peers, args.repeat = "cpu", "tiny", 2, 1
+        args.moe_model, args.moe_batch, args.moe_seq = "llama_moe", 2, 64
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible to torch; nothing checked (run it on a GPU box)")
         return 0
@@ -97,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         gpu_nodes.run_ranked(args) if args.nodes and args.ranked else {"ok": True, "skipped": True}
     )
     summary["ranked"] = ranked
-    ok = bool(codec["ok"] and nodes["ok"] and ranked["ok"])
+    moe = moe_check(args) if args.moe else {"ok": True, "skipped": True}
+    summary["moe"] = moe
+    ok = bool(codec["ok"] and nodes["ok"] and ranked["ok"] and moe["ok"])
     summary["ok"] = ok
     text = json.dumps(summary, indent=2) + "\n"
     for path in [
@@ -192,6 +208,79 @@ def codec_check(args: argparse.Namespace) -> dict[str, object]:
         "seconds": {op: {"cpu": c, "device": g} for op, c, g in rows},
         "peak_device_memory": peak,
     }
+
+
+def moe_check(args: argparse.Namespace) -> dict[str, object]:
+    """The mixture of experts on the device: inner steps, the codec on its pseudo-gradient, the
+    export to Mixtral (module docstring)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from node.compute.model import autocast, build_model, get_preset, param_count
+    from node.compute.throughput import flops_per_token, peak_flops
+    from node.tools.hf import write_hf
+
+    cfg = get_preset(args.moe_model)
+    dev = torch.device(args.device)
+    model = build_model(cfg, seed=0).to(dev)
+    start = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    gen = torch.Generator().manual_seed(0)
+    seq = min(args.moe_seq, cfg.ctx_len)
+    tokens = torch.randint(0, cfg.vocab_size, (args.moe_batch, seq + 1), generator=gen).to(dev)
+    model.train()
+    losses, times = [], []
+    for _ in range(4):
+        _sync()
+        t0 = time.perf_counter()
+        with autocast(dev):
+            loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    step_s = min(times[1:])
+    tokens_per_s = args.moe_batch * seq / step_s
+    peak = peak_flops(dev) if dev.type == "cuda" else None
+    delta = {n: start[n] - p.detach().to("cpu") for n, p in model.named_parameters()}
+    cpu_bytes, _ = encode(delta, topk=64, tile=64, node_id="moe")
+    dev_bytes, _ = device.encode(
+        {n: t.to(dev) for n, t in delta.items()}, topk=64, tile=64, node_id="moe"
+    )
+    model = model.float().to("cpu").eval()
+    with tempfile.TemporaryDirectory() as folder:
+        write_hf({n: p.data for n, p in model.named_parameters()}, cfg, Path(folder), {})
+        theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        ids = tokens[:1, :64].to("cpu")
+        with torch.no_grad():
+            logit_diff = (theirs(ids).logits - model(ids)).abs().max().item()
+    result: dict[str, object] = {
+        "model": args.moe_model,
+        "parameters": param_count(cfg),
+        "active": param_count(cfg, active=True),
+        "losses": losses,
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "mfu": None if peak is None else tokens_per_s * flops_per_token(cfg) / peak,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30
+        if dev.type == "cuda"
+        else None,
+        "payload_bytes": len(cpu_bytes),
+        "payload_identical": cpu_bytes == dev_bytes,
+        "export_max_logit_diff": logit_diff,
+    }
+    finite = all(map(math.isfinite, losses))
+    result["ok"] = bool(finite and cpu_bytes == dev_bytes and logit_diff <= 1e-4)
+    print(
+        f"moe {args.moe_model}: {param_count(cfg) / 1e6:.0f} M ({result['active']} active),"
+        f" {step_s:.3f} s a step, {tokens_per_s:,.0f} tokens/s, losses {losses},"
+        f" payload {'identical' if cpu_bytes == dev_bytes else 'DIFFERENT'},"
+        f" export logits within {logit_diff:.1e}"
+    )
+    return result
 
 
 if __name__ == "__main__":
