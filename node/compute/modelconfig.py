@@ -156,6 +156,11 @@ PRESETS: dict[str, ModelConfig] = {
     "llama_bpe4k_12m": ModelConfig(
         arch="llama", vocab_size=4096, d_model=384, n_layers=6, n_heads=6, ffn_dim=1024, ctx_len=256
     ),
+    # ~4.2M with the same vocabulary: a dense model of llama_moe's active parameters (the
+    # width of its two active experts in one SwiGLU), for the MoE-vs-dense comparison.
+    "llama_bpe4k_4m": ModelConfig(
+        arch="llama", vocab_size=4096, d_model=256, n_layers=3, n_heads=4, ffn_dim=1024, ctx_len=128
+    ),
     # A mixture of experts on the same vocabulary: 8 experts of width 512 in each of 3 layers,
     # 2 per token (Mixtral's routing): ~11.3M parameters, ~4.2M active per token.
     "llama_moe": ModelConfig(
