@@ -6,11 +6,13 @@ be mixed up in the object store or the coordinator's database. Node-local choice
 threads, state directory) are not part of it.
 
 The model is named by preset (``node.compute.model.PRESETS``); the coordinator never builds it,
-so this module only checks that the name is well formed and leaves the list of presets to the node.
+but checks the name against ``MODEL_PRESETS``, the names every node of this release builds, so a
+typo is refused where it is written (with the nearest name), not by each node after it joined.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from typing import Any, Literal, Union
@@ -24,6 +26,13 @@ from protocol.bounds import Count, Fraction, Natural, NonNegative, Positive
 #: (``protocol.fingerprint``) and rounds with a time budget. Part of the run id
 #: (``RunConfig.canonical``).
 PROTOCOL = 3
+#: The model presets a node of this release builds, in ``node.compute.modelconfig.PRESETS``'s
+#: order (which checks at import that it holds exactly these).
+MODEL_PRESETS = (
+    "tiny", "small", "base", "medium", "large", "1b", "llama_tiny", "llama_small", "llama_bpe4k",
+    "llama_bpe4k_1m", "llama_bpe4k_12m", "llama_bpe4k_4m", "llama_moe", "llama_moe_645m",
+    "llama_512m", "llama_1b",
+)  # fmt: skip
 #: Hex digits of the sha256 of the canonical config kept as the run id.
 RUN_ID_HEX = 16
 #: τ of ``overlap = "merge"`` when the run does not set ``overlap_tau`` (docs/benchmarks.md §12).
@@ -101,7 +110,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field("demo", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    #: Model preset name, resolved by the node (tiny, small, base, medium, large, 1b).
+    #: Model preset name (``MODEL_PRESETS``), built by the node.
     model: str = Field("tiny", min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")
     seed: Natural = 0
     #: Total rounds of the run; the inner learning-rate schedule spans rounds x inner_steps.
@@ -167,6 +176,17 @@ class RunConfig(BaseModel):
     #: it); nodes stream their own shards of it from the store. None: each node's local data.
     dataset: str | None = Field(None, pattern=DATASET_ID_PATTERN)
     timing: Timing = Timing()
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value not in MODEL_PRESETS:
+            near = difflib.get_close_matches(value, MODEL_PRESETS, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(
+                f"unknown model preset {value!r}; {hint}choose one of: {', '.join(MODEL_PRESETS)}"
+            )
+        return value
 
     @field_validator("overlap", mode="before")
     @classmethod

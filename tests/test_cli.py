@@ -198,6 +198,23 @@ def test_a_bad_coordinator_config_is_refused_through_the_console_script(tmp_path
     assert "did you mean server.port?" in proc.stderr and "storage" in proc.stderr
 
 
+def test_a_misspelled_model_preset_is_refused_where_it_is_written(tmp_path: Path) -> None:
+    """Before, the coordinator took ``model = "llama_tin"``, listened, and every node that
+    joined crashed with a traceback; now the config check refuses it: one line, the nearest
+    name, exit 2, nothing written."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        '[run]\nmodel = "llama_tin"\n[server]\nstate_dir = "state"\n[storage]\n'
+        'endpoint_url = "http://127.0.0.1:9"\nbucket = "bucket"\naccess_key = "a"\n'
+        'secret_key = "b"\n'
+    )
+    proc = sparseloco("coordinator", "--config", str(bad))
+    assert proc.returncode == 2, proc.stderr
+    assert "run.model: unknown model preset 'llama_tin'; did you mean 'llama_tiny'?" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "state").exists()
+
+
 def http(url: str, method: str, path: str, token: str | None, body: Any = None) -> tuple[int, Any]:
     headers = {"Content-Type": "application/json"}
     if token is not None:

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocol.runconfig import MODEL_PRESETS
+
 
 class ModelConfig(BaseModel):
     """Shape of the transformer. Dimensions are multiples of 64 so the codec's tiles divide them.
@@ -184,6 +186,9 @@ PRESETS: dict[str, ModelConfig] = {
     # ~0.97B with grouped-query attention (8 key/value heads).
     "llama_1b": _paper_llama(d_model=2048, n_layers=18, n_heads=16, ffn_dim=5504, n_kv_heads=8),
 }
+
+if tuple(PRESETS) != MODEL_PRESETS:  # a run config checks names against the protocol's list
+    raise RuntimeError("protocol.runconfig.MODEL_PRESETS must list exactly PRESETS, in order")
 
 
 def get_preset(name: str) -> ModelConfig:
