@@ -239,7 +239,12 @@ NODE = Command(
             " folder made by `sparseloco data prepare`, read here instead of downloaded (default:"
             " the bundled corpus, or the run's dataset streamed from the store)",
         ),
-        flag("--threads", type=int, help="torch threads (default: torch's choice)"),
+        flag(
+            "--threads",
+            type=int,
+            help="compute threads, torch's and the codec's (default: every core; nodes sharing"
+            " a machine: cores / nodes)",
+        ),
         device_flag("the", "auto; or SPARSELOCO_NODE_DEVICE"),
         *transfer_limit_flags("this node's", env=True),
     ),

@@ -165,7 +165,7 @@ def _tokens(
         log.warning(
             "event=no_tokens fix=%s",
             "no node can join: add one with `sparseloco coordinator token add NODE_ID"
-            " --state-dir DIR`, or list nodes under [tokens] in the config",
+            " --config run.toml` (as the README does), or list nodes under [tokens] in the config",
         )
     return book
 

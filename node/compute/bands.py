@@ -126,3 +126,14 @@ def peer_arrays(parts: Sequence[SparseTensor]) -> tuple[List, List]:
     if len({a.dtype for a in indices}) > 1:
         indices = [a.astype(np.int64) for a in indices]
     return typed(indices), typed([p.codes.numpy() for p in parts])
+
+
+def limit_threads(threads: int) -> None:
+    """Use at most ``threads`` threads for torch and for this module's parallel loops (numba's
+    pool sizes itself from ``NUMBA_NUM_THREADS`` at import, which ``sparseloco up`` sets but a
+    node started by hand does not: ``--threads`` alone must bound both)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    pool: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    numba.set_num_threads(max(1, min(threads, pool)))

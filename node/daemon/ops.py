@@ -104,12 +104,13 @@ def setup(
     """Build this rank's worker for the run the node joined and load its share of the state:
     the pending round (rank 0) and whether state was restored. ``data``: rank 0's stream of
     the run's dataset; the other ranks read the same folder (``dataset_root``)."""
-    import torch
+
+    from node.compute.bands import limit_threads
 
     s = ctx.settings
     joined = JoinResponse.model_validate_json(joined_json)
     if s.threads:
-        torch.set_num_threads(s.threads)
+        limit_threads(s.threads)
     if data is None and dataset_root is not None:
         data = follower_stream(Path(dataset_root), joined.run, ctx.stop)
     worker = Worker(

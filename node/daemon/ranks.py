@@ -119,9 +119,9 @@ def follow(settings: NodeSettings, group: Group) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, noted)
     if settings.threads:
-        import torch
+        from node.compute.bands import limit_threads
 
-        torch.set_num_threads(settings.threads)
+        limit_threads(settings.threads)
     while True:
         name, args = group.receive_op()
         if name == STOP:
