@@ -115,7 +115,7 @@ def test_dashboard_follows_a_real_run(
             return members == {(m.node_id, m.state.value) for m in status.members} and reported
 
         page = wait_page(browser, "the finished run as the status has it", settled)
-        assert page["counter"] == f"round {rounds} of {rounds}"
+        assert page["counter"] == f"{rounds} of {rounds} rounds done"  # not "round 40 of 40"
         assert page["state"] == "finished"
         assert page["note"] == f"all {rounds} rounds closed"
         assert sorted(row[0] for row in page["members"]) == ["node-0", "node-1"]
@@ -309,7 +309,7 @@ async def test_hostile_strings_show_as_text(browser: WebDriver, canned: Any) -> 
     page = await asyncio.to_thread(
         wait_page, browser, "the finished run", lambda p: p["state"] == "finished"
     )
-    assert page["counter"] == "round 2 of 2"
+    assert page["counter"] == "2 of 2 rounds done"
     assert page["members"][1][:2] == [HOSTILE_NODE, "timed out"]
     assert page["members"][2][:2] == ["node-1", "revoked"]
     assert [row[5] for row in page["members"]] == ["51,235 · MFU 41.2 %", "–", "–"]
@@ -341,7 +341,7 @@ async def test_hostile_strings_show_as_text(browser: WebDriver, canned: Any) -> 
     page = await asyncio.to_thread(
         wait_page, browser, "the lost connection", lambda p: "unreachable" in p["connection"]
     )
-    assert page["counter"] == "round 2 of 2"
+    assert page["counter"] == "2 of 2 rounds done"
 
 
 @pytest.mark.asyncio

@@ -163,7 +163,13 @@ class Doctor:
         self.add(
             "coordinator",
             "ok",
-            f"run {s.run_id}: round {s.round} of {s.run.rounds}, {s.state.value},"
+            f"run {s.run_id}: "
+            + (
+                f"all {s.run.rounds} rounds done"
+                if s.state.value == "finished"
+                else f"round {s.round} of {s.run.rounds} (from 0)"
+            )
+            + f", {s.state.value},"
             f" model {s.run.model}, {sum(m.state.value == 'active' for m in s.members)} active",
         )
         if date:

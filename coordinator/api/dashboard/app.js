@@ -118,7 +118,13 @@
   function renderHeader(status) {
     const run = status.run || {};
     setText("run-id", status.run_id);
-    setText("round-counter", `round ${status.round} of ${run.rounds}`);
+    // Rounds are numbered from 0; a finished run's round is one past its last, so it says how
+    // many rounds there were instead of naming a round that never ran.
+    const counter =
+      status.state === "finished"
+        ? `${run.rounds} of ${run.rounds} rounds done`
+        : `round ${status.round} of ${run.rounds}`;
+    setText("round-counter", counter);
     const state = $("run-state");
     state.textContent = status.state;
     state.className = `badge state-${String(status.state).replace(/[^a-z]/g, "-")}`;
@@ -139,7 +145,7 @@
         ` · gather ≤ ${run.gather_size} · min nodes ${run.min_nodes}` +
         ` · checkpoint every ${run.checkpoint_every} · heartbeat timeout ${t.heartbeat_timeout_s} s`,
     );
-    document.title = `${status.state} · round ${status.round} of ${run.rounds} · sparseloco`;
+    document.title = `${status.state} · ${counter} · sparseloco`;
   }
 
   // Each node's newest training speed: tokens/s (and MFU where its device's peak is known).
