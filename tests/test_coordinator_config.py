@@ -51,6 +51,15 @@ def test_errors_name_field_and_fix(overrides: dict[str, object], needle: str) ->
     assert "SPARSELOCO_COORD_" in str(info.value)
 
 
+def test_a_rule_across_a_tables_fields_does_not_list_every_key() -> None:
+    """A cross-field error's "got" is the whole table: its size, not a list of its keys."""
+    with pytest.raises(ConfigError, match="overlap_tau=3 applies to") as info:
+        load_config(EXAMPLE, {"run": {"overlap_tau": 3}})
+    text = str(info.value)
+    assert "(got a table of " in text and "inner_steps, " not in text and "\n" not in text
+    assert len(text) < 300
+
+
 def test_missing_and_broken_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
