@@ -94,7 +94,26 @@ def test_rounds_without_evaluation_keep_the_newest_loss_and_the_summary_ends(cap
         "run_dir": "runs/x",
     }
     view.summary(result)
-    assert "eval loss 3.0000 -> 2.5000" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "eval loss 3.0000 -> 2.5000" in out
+
+
+def test_the_closing_summary_fits_80_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    """The summary was one line of 121 characters, which an 80-column terminal wrapped."""
+    view = UpView(rounds=40, nodes=32)
+    view.tty, view.live = False, None
+    result = {
+        "rounds": [{"eval_loss": 12.3456}] * 40,
+        "final_eval_loss": 10.1234,
+        "fingerprints_agree": True,
+        "run_id": RUN.run_id,
+        "nodes": 32,
+        "wall_seconds": 12345.6,
+        "run_dir": "runs/up-20261206-095959",
+    }
+    view.summary(result)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and max(map(len, lines)) <= 80, lines
 
 
 def test_the_table_fits_80_columns_with_the_widest_values() -> None:

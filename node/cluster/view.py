@@ -199,10 +199,11 @@ class UpView:
         # Rounds off the evaluation schedule report no loss: the first one measured.
         first = next((r["eval_loss"] for r in rounds if r["eval_loss"] is not None), None)
         agree = "identical on all nodes" if result["fingerprints_agree"] else "DIFFERED"
-        print(
-            f"run {result['run_id']}: {len(rounds)} rounds with {result['nodes']} nodes in"
-            f" {result['wall_seconds']:.1f} s; eval loss"
-            f" {first:.4f} -> {loss:.4f}; fingerprints {agree}; files in {result['run_dir']}"
-            if loss is not None and first is not None
-            else f"run {result['run_id']}: {len(rounds)} rounds; fingerprints {agree}"
-        )
+        # Lines that fit 80 columns (the run folder's path is as long as it is).
+        head = f"run {result['run_id']}: {len(rounds)} rounds"
+        if loss is None or first is None:
+            print(f"{head}; fingerprints {agree}")
+            return
+        print(f"{head} with {result['nodes']} nodes in {result['wall_seconds']:.1f} s")
+        print(f"  eval loss {first:.4f} -> {loss:.4f}; fingerprints {agree}")
+        print(f"  files in {result['run_dir']}")
