@@ -21,6 +21,9 @@ log = logging.getLogger("sparseloco.link")
 BEHIND_ERRORS = frozenset({"storage_unavailable"})
 #: Longest ``what`` in a line; an object key keeps its end (the round, the file).
 MAX_WHAT = 48
+#: Seconds between the reminders that a service was never reached at all (a mistyped address
+#: looks like an outage; an outage of a service that answered before gets no reminder).
+NEVER_REACHED_EVERY_S = 60.0
 
 
 class Link:
@@ -35,17 +38,27 @@ class Link:
     ``behind``: the service this one reaches for us (the coordinator's object store). An answer
     of this service saying that one failed (503 ``storage_unavailable``) is this service
     answering and that one not: it is counted, and logged, against ``behind``.
+
+    A service that has never answered since the start (a mistyped address, a port typo) is not
+    an outage to wait out quietly: every ``NEVER_REACHED_EVERY_S`` the link says again that it
+    was never reached, where, and ``hint`` (what to check).
     """
 
     def __init__(
         self,
         service: str,
         *,
+        where: str = "",
+        hint: str = "",
         logger: logging.Logger | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.service = service
+        self.where = where
+        self.hint = hint
+        self.ever_answered = False
+        self._reminded_at = 0.0
         self.log = logger or log
         self.down_since: float | None = None
         self.failed_attempts = 0
@@ -70,6 +83,7 @@ class Link:
         self.failed_attempts += 1
         self.log.debug("event=retry service=%s what=%r error=%r", self.service, what, exc)
         if self.down_since is not None:
+            self._remind(exc)
             return
         self.down_since = self._monotonic()
         self._down_at = time.strftime("%H:%M:%S", time.localtime(self._wall()))
@@ -83,7 +97,27 @@ class Link:
             nxt,
         )
 
+    def _remind(self, exc: BaseException) -> None:
+        """Say again, at most every ``NEVER_REACHED_EVERY_S``, that the service never answered."""
+        assert self.down_since is not None
+        now = self._monotonic()
+        if self.ever_answered or now - max(self.down_since, self._reminded_at) < (
+            NEVER_REACHED_EVERY_S
+        ):
+            return
+        self._reminded_at = now
+        self.log.warning(
+            "event=never_reached service=%s at=%s down_s=%.0f failed_attempts=%d cause=%r hint=%r",
+            self.service,
+            self.where or "-",
+            now - self.down_since,
+            self.failed_attempts,
+            cause(exc),
+            self.hint or "-",
+        )
+
     def answered(self) -> None:
+        self.ever_answered = True
         if self.down_since is None:
             return
         self.log.info(

@@ -143,6 +143,30 @@ def test_a_link_logs_one_line_down_and_one_back_per_outage(caplog) -> None:
     assert link.failures == 10
 
 
+def test_a_service_never_reached_is_named_again_at_a_bounded_interval(caplog) -> None:
+    """A node given a mistyped address logged one warning and then nothing while it waited; a
+    service that never answered is now named again every minute, with where and what to do. An
+    outage of a service that answered before gets no reminder."""
+    caplog.set_level(logging.INFO, logger="sparseloco.link")
+    clock = Clock()
+    link = Link("coordinator", where="http://127.0.0.1:8070", hint="run doctor", monotonic=clock)
+    refused = TransientError("connection refused by 127.0.0.1:8070", None)
+    for _ in range(26):  # 250 s of tries every 10 s
+        link.failed("join", refused, retry_in_s=10.0)
+        clock.t += 10
+    lines = _lines(caplog, logging.INFO)
+    reminders = [line for line in lines if line.startswith("event=never_reached")]
+    assert lines[0].startswith("event=unreachable") and len(reminders) == 4  # at 60, 120, ...
+    assert "at=http://127.0.0.1:8070" in reminders[0] and "hint='run doctor'" in reminders[0]
+    assert "down_s=60" in reminders[0] and "down_s=240" in reminders[-1]
+    caplog.clear()
+    link.answered()
+    for _ in range(26):
+        link.failed("round", refused, retry_in_s=10.0)
+        clock.t += 10
+    assert not [line for line in _lines(caplog, logging.INFO) if "never_reached" in line]
+
+
 def test_a_store_failure_reported_by_the_coordinator_counts_against_the_store(caplog) -> None:
     caplog.set_level(logging.INFO, logger="sparseloco.link")
     store, coordinator = Link("store"), Link("coordinator")

@@ -120,7 +120,12 @@ class CoordinatorClient:
         self.timeouts = timeouts or ClientTimeouts()
         self.policy = policy
         #: Whether the coordinator answers; logs once per change of state, not per attempt.
-        self.link = Link("coordinator")
+        self.link = Link(
+            "coordinator",
+            where=self.base_url,
+            hint=f"check the address; `sparseloco doctor --coordinator {self.base_url}` says"
+            " what is wrong",
+        )
         #: The last round view said "waiting": the next ``round()`` long-polls.
         self._waiting = False
         #: False once the coordinator refused the round long-poll (an older one).
