@@ -348,7 +348,8 @@ def test_token_add_invite_carries_url_token_and_key_and_the_tools_read_it(tmp_pa
     ("args", "says"),
     [
         (["--invite", "not-an-invite"], "--invite: not a sparseloco invite"),
-        (["--coordinator", "http://coord.example:8700", "--token", "t"], "plain HTTP"),
+        (["--coordinator", "http://192.0.2.10:8700", "--token", "t"], "plain HTTP"),
+        (["--coordinator", "http://localhots:8700", "--token", "t"], "does not resolve (a typo?)"),
         (
             [
                 "--coordinator",

@@ -110,7 +110,10 @@ def test_plain_http_is_refused_to_another_machine_unless_allowed(
     for url in ("http://127.0.0.1:8700", "http://localhost:8700/", "http://[::1]:8700"):
         assert load_connection(coordinator=url).coordinator == url.rstrip("/")
     with pytest.raises(ConfigError, match="plain HTTP to another machine"):
-        load_connection(coordinator="http://coord.example:8700", token="t")
+        load_connection(coordinator="http://192.0.2.10:8700", token="t")
+    # A name that does not resolve is a typo first, not a security question.
+    with pytest.raises(ConfigError, match="'localhots' does not resolve"):
+        load_connection(coordinator="http://localhots:8700", token="t")
     with pytest.raises(ConfigError, match="plain HTTP to another machine"):
         load_settings(invite=invite("http://10.0.0.5:8700"), state_dir=tmp_path)
     allowed = load_connection(coordinator="http://coord.example:8700", allow_insecure_http=True)

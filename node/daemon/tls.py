@@ -19,6 +19,7 @@ Three rules, shared by ``sparseloco node``, ``doctor`` and ``export``:
 from __future__ import annotations
 
 import ipaddress
+import socket
 import ssl
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -47,6 +48,15 @@ def is_loopback(host: str) -> bool:
         return False  # a name: it could resolve anywhere
 
 
+def resolves(host: str) -> bool:
+    """Whether ``host`` is an address, or a name this machine resolves."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return True
+
+
 def check_coordinator_url(url: str, *, allow_insecure_http: bool) -> str:
     """``url`` without a trailing slash; ``ValueError`` saying what to do if it is not https and
     not loopback (unless allowed), or not an http(s) URL at all."""
@@ -54,6 +64,12 @@ def check_coordinator_url(url: str, *, allow_insecure_http: bool) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"--coordinator {url!r} is not an http(s) URL; e.g. https://HOST:8700")
     if parts.scheme == "http" and not allow_insecure_http and not is_loopback(parts.hostname):
+        if not resolves(parts.hostname):  # a typo first: the security advice would mislead
+            raise ValueError(
+                f"--coordinator {url}: the name {parts.hostname!r} does not resolve (a typo?);"
+                " check the address the operator gave (e.g. http://localhost:8700 on this"
+                " machine)"
+            )
         raise ValueError(
             f"--coordinator {url} is plain HTTP to another machine: the token and the run's"
             " manifest key would cross the network unprotected. Use the coordinator's https://"
