@@ -101,6 +101,17 @@ def test_no_coordinator_at_the_address(setup) -> None:
     assert found["disk"].startswith("--") and "free at" in found["disk"]
 
 
+def test_an_address_that_answers_as_something_else_is_named_so(setup) -> None:
+    """The store's port given instead of the coordinator's: it answers (403), so doctor says
+    that it answered, and as what, instead of "did not answer"."""
+    own, _ = setup
+    proc = doctor(own.endpoint.endpoint_url, "t" * 20)
+    found = checked(proc, "coordinator")
+    assert "answered HTTP 403" in found["coordinator"], found["coordinator"]
+    assert "not as a sparseloco coordinator" in found["coordinator"]
+    assert "did not answer" not in found["coordinator"]
+
+
 def test_a_token_the_coordinator_does_not_know(setup) -> None:
     _, cluster = setup
     token = "not-a-token-of-this-run-0123"

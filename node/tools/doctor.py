@@ -137,8 +137,18 @@ class Doctor:
             async with http.get(url, timeout=timeout) as resp:
                 raw = await resp.read()
                 date = resp.headers.get("Date")
-                if resp.status != 200:
-                    raise TransferError(f"HTTP {resp.status}", resp.status)
+                server = resp.headers.get("Server", "")
+                status = resp.status
+            if status != 200:
+                # It answered, with something that is not a coordinator's status (the store's
+                # port given by mistake answers 403; a web server, 404).
+                what = f"HTTP {status}" + (f" from {server!r}" if server else "")
+                self.add(
+                    "coordinator", "FAIL",
+                    f"{self.coordinator} answered {what}, not as a sparseloco coordinator",
+                    FIX_COORDINATOR,
+                )  # fmt: skip
+                return
             self.status = StatusView.model_validate_json(raw)
         except aiohttp.ClientConnectorCertificateError as exc:
             reason = certificate_reason(exc)
