@@ -142,3 +142,32 @@ async def test_sigterm_between_inner_steps_abandons_the_round_and_leaves(harness
     assert state is not None and state.round == 0 and state.phase == "idle"
     assert state.fingerprint == worker(run).fingerprint()  # θ_0, untouched by the abandoned steps
     assert all(bool((e == 0).all()) for e in state.error.values())
+
+
+@pytest.mark.asyncio
+async def test_a_replayed_rounds_refused_report_says_nothing_but_others_do() -> None:
+    """A node catching up reports rounds it took no part in; the coordinator answers
+    ``not_member`` (13 INFO lines in one catch-up, before): now silent. Other refusals still
+    make a line."""
+    from types import SimpleNamespace
+
+    from node.daemon.rounds import RoundFinisher
+    from node.errors import CoordinatorError
+    from protocol.reports import RoundReport
+
+    logged: list[tuple[str, dict[str, object]]] = []
+    refusal = {"error": "not_member"}
+
+    async def refuse(round_: int, report: RoundReport) -> None:
+        raise CoordinatorError(409, str(refusal["error"]), "no part in that round")
+
+    daemon = SimpleNamespace(
+        api=SimpleNamespace(report=refuse), log=lambda event, **f: logged.append((event, f))
+    )
+    finisher = RoundFinisher(daemon)
+    report = RoundReport(fingerprint="a" * 32)
+    await finisher.report(3, report)
+    assert logged == []
+    refusal["error"] = "round_open"
+    await finisher.report(4, report)
+    assert logged == [("report_refused", {"error": "round_open"})]

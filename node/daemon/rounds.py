@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ from protocol.causes import cause
 from protocol.messages import Manifest, ManifestView, RoundState, RoundView
 from protocol.reports import Mass, RoundReport
 from protocol.signing import verify_manifest
+
+log = logging.getLogger("sparseloco.node")
 
 #: Attempts at a gather set that answer 404 (each with fresh URLs) before the round counts as
 #: pruned by retention.
@@ -389,4 +392,9 @@ class RoundFinisher:
         try:
             await self.d.api.report(r, report)
         except CoordinatorError as exc:
+            if exc.error == "not_member":
+                # A round replayed in a catch-up, closed while this node was away: it took no
+                # part, so its fingerprint is not asked for. Nothing to fix; not worth a line.
+                log.debug("event=report_not_asked round=%d", r)
+                return
             self.d.log("report_refused", error=exc.error)
