@@ -97,6 +97,7 @@ def test_torchrun_nodes_of_2_and_4_processes_train_beside_single_ones(tmp_path, 
         )
 
         # kill -9 of one rank of the 4-process node: the whole node ends, the run goes on.
+        before_kill = closed_count(cluster.status())
         del cluster.nodes["node-1"]
         os.kill(first_four[2], signal.SIGKILL)
         assert four.popen.wait(timeout=GONE_S) != 0
@@ -132,7 +133,9 @@ def test_torchrun_nodes_of_2_and_4_processes_train_beside_single_ones(tmp_path, 
     last = closed[-1]
     assert set(last.gather) == {"node-0", "node-1", "node-2", "node-3"}
     assert set(last.fingerprints) == {"node-0", "node-1", "node-2", "node-3"}
-    assert {0, 1} <= set(_gathered(status, "node-1"))  # the 4-rank node's rounds counted
+    # The 4-rank node's rounds counted: at least two before its kill (which ones depends on when
+    # its four processes joined: round 0 opens once two nodes are in, often before it).
+    assert len([r for r in _gathered(status, "node-1") if r < before_kill]) >= 2
 
 
 def test_a_torchrun_node_merges_inside_a_step_beside_a_single_one(tmp_path, store) -> None:
