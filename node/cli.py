@@ -42,7 +42,7 @@ from node.tools.commands import (
     add_data,
     connection_values,
 )
-from protocol.errors import SparseLoCoError
+from protocol.errors import ConfigError, SparseLoCoError
 from protocol.runconfig import WorkRule
 from protocol.version import version_line
 
@@ -101,11 +101,38 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 _NODE_FIELDS = ("state_dir", "data", "threads", "device", "upload_limit", "download_limit")
 
 
+def positive_int(text: str) -> int:
+    """argparse's type for a count of one or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+    return value
+
+
 def _cmd_node(args: argparse.Namespace) -> int:
     from node.daemon.settings import load_settings
 
     # Settings first: a missing flag is an error in a moment, not after torch has loaded.
     settings = load_settings(**connection_values(args), **values(args, *_NODE_FIELDS))
+    from node.daemon.launcher import Launcher, started_world
+
+    if args.ranks is not None:
+        world = started_world()
+        if world == 0:  # start the node's processes; each runs this command again
+            if settings.device not in ("auto", "cpu"):  # one error line, not one per process
+                from node.compute.placement import resolve_device
+
+                resolve_device(settings.device)
+            command = [sys.executable, "-m", "node", *args.argv]
+            return Launcher(command, args.ranks, threads=settings.threads).run()
+        if world != args.ranks:
+            raise ConfigError(
+                f"--ranks {args.ranks} under a launcher that started {world} processes: give"
+                " the count once (torchrun's --nproc-per-node, or --ranks without torchrun)"
+            )
     from node.compute.placement import resolve_device
 
     device = resolve_device(settings.device)  # DeviceError now, not after joining
@@ -182,7 +209,9 @@ SIMULATE = Command(
         flag("--inner-lr", type=float, help="inner AdamW lr (default by algorithm)"),
         flag("--outer-lr", type=float, help="DiLoCo outer lr (default 0.7)"),
         flag("--seed", type=int),
-        device_flag("the workers'", "cpu", on_cpu="θ, the codec and the outer steps stay"),
+        device_flag(
+            "the workers'", "cpu", on_cpu="θ, the codec and the outer steps stay on the CPU"
+        ),
         # Unequal workers (SparseLoCo; node/research/simulate.py, docs/benchmarks.md §18)
         flag(
             "--speeds",
@@ -245,7 +274,19 @@ NODE = Command(
             help="compute threads, torch's and the codec's (default: every core; nodes sharing"
             " a machine: cores / nodes)",
         ),
-        device_flag("the", "auto; or SPARSELOCO_NODE_DEVICE"),
+        flag(
+            "--ranks",
+            type=positive_int,
+            help="processes of this node on this host, one per GPU, started as torchrun starts"
+            " them (default: one plain process); the node shards its model state over them and"
+            " exits as one process would (0 after SIGTERM, 2 if refused)",
+        ),
+        device_flag(
+            "the",
+            "auto; or SPARSELOCO_NODE_DEVICE",
+            on_cpu="θ, the codec and the outer step stay on the CPU in a plain process, and go"
+            " on each process's device with --ranks (or torchrun), --ranks 1 included",
+        ),
         *transfer_limit_flags("this node's", env=True),
     ),
 )
@@ -322,6 +363,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.command, args.func, args.forward = "store check", _cmd_store_check, forward
         return args
     args, rest = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: --ranks repeats it
     if args.command == "coordinator":
         args.forward = rest
     elif rest:

@@ -47,17 +47,22 @@ OVERLAP_FLAGS = (
 
 
 def device_flag(
-    whose: str, default: str, *, more: str = "", on_cpu: str = "θ stays", fill: bool = False
+    whose: str,
+    default: str,
+    *,
+    more: str = "",
+    on_cpu: str = "θ stays on the CPU",
+    fill: bool = False,
 ) -> Flag:
     """``--device``: where ``whose`` inner steps run (``node.compute.placement``).
 
     ``default`` is what the command runs on without the flag (argparse fills it in when
     ``fill``; otherwise the command's config does), ``more`` what the command takes besides one
-    device, ``on_cpu`` what stays on the CPU whatever the flag says."""
+    device, ``on_cpu`` where the rest of the node's state is."""
     return flag(
         "--device",
         help=f"where {whose} inner steps run: auto (the first GPU if there is one, else the CPU),"
-        f" cpu or cuda:N{more} (default: {default}); {on_cpu} on the CPU",
+        f" cpu or cuda:N{more} (default: {default}); {on_cpu}",
         **({"default": default} if fill else {}),
     )
 

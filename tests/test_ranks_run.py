@@ -1,13 +1,14 @@
 """Nodes of 2 and 4 processes under torchrun in a real run, beside single-process nodes.
 
 SeaweedFS, a coordinator and every node as real processes, each multi-process node started
-with the README's command (``torchrun --standalone --nproc-per-node N -m node node ...``). The
-run goes through what happens to such a node in the field, keyed to the run's rounds:
+with the README's command (``sparseloco node --ranks N ...``), one of them with the guide's
+torchrun line (``torchrun --standalone --nproc-per-node N -m node node ...``). The run goes
+through what happens to such a node in the field, keyed to the run's rounds:
 
-1. a 2-rank, a 4-rank and a single-process node train rounds together;
+1. a 2-rank, a 4-rank (torchrun) and a single-process node train rounds together;
 2. one rank of the 4-rank node is killed with SIGKILL: all of that node's processes end, and
    the run goes on without it;
-3. the 2-rank node is stopped with SIGTERM: it leaves the run and every rank ends;
+3. the 2-rank node is stopped with SIGTERM: it leaves the run, every rank ends, exit status 0;
 4. the killed node comes back with 2 ranks instead of 4 (its state is resharded) and catches
    up; a new 2-rank node joins late, from the newest checkpoint, and catches up; the stopped
    node comes back;
@@ -21,6 +22,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -88,7 +91,7 @@ def test_torchrun_nodes_of_2_and_4_processes_train_beside_single_ones(tmp_path, 
     try:
         cluster.start_coordinator()
         two = cluster.start_node("node-0", ranks=2)
-        four = cluster.start_node("node-1", ranks=4)
+        four = cluster.start_node("node-1", ranks=4, torchrun=True)
         cluster.start_node("node-2")
         first_two, first_four = _wait_ranks(two, 2), _wait_ranks(four, 4)
         cluster.wait_for(
@@ -106,10 +109,10 @@ def test_torchrun_nodes_of_2_and_4_processes_train_beside_single_ones(tmp_path, 
         assert done < run.rounds - 3, f"the run closed {done} rounds while node-1 went down"
         cluster.wait_closed(done + 1)
 
-        # SIGTERM to the 2-process node: every rank ends cleanly (the node leaves, rank 0
-        # releases rank 1). torchrun itself, signalled too, reports its own SignalException.
+        # SIGTERM to the 2-process node (its whole process group, as systemd sends it): every
+        # rank ends cleanly (the node leaves, rank 0 releases rank 1), and the node exits 0.
         del cluster.nodes["node-0"]
-        two.stop(timeout=GONE_S)
+        assert two.stop(timeout=GONE_S) == 0, two.tail(30)
         log = two.output()
         assert "event=stop_requested node=node-0" in log and "event=left node=node-0" in log
         assert "event=rank_stopped rank=1" in log, log[-3000:]
@@ -166,3 +169,40 @@ def test_a_torchrun_node_merges_inside_a_step_beside_a_single_one(tmp_path, stor
     # Every round after the first was trained beside the previous one and merged into it.
     assert len(re.findall(r"event=trained .*beside=\d+", log)) == run.rounds - 1, log[-3000:]
     assert "merge_abandoned" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_node_of_2_processes_revoked_exits_2_with_one_line(tmp_path, store) -> None:
+    # ``sparseloco coordinator token revoke`` of a 2-process node mid-run: rank 0 hears it at
+    # its next heartbeat and says so in one line; rank 1 is released, not left to find rank 0
+    # gone (whose advice, "restart with the same command", would be wrong for a revoked token).
+    shape = get_run_preset("tiny")
+    run = RunConfig(
+        name="ranks-revoke", model=shape.model, rounds=ROUNDS, inner_steps=shape.inner_steps,
+        batch_size=shape.batch_size, min_nodes=2, timing=TIMING,
+    )  # fmt: skip
+    cluster = Cluster(tmp_path, store, run, 2)
+    try:
+        cluster.start_coordinator()
+        two = cluster.start_node("node-0", ranks=2)
+        cluster.start_node("node-1")
+        pids = _wait_ranks(two, 2)
+        cluster.wait_for("a round with both nodes", lambda s: _gathered(s, "node-0") != [])
+        sparseloco = str(Path(sys.executable).parent / "sparseloco")
+        revoke = ["coordinator", "token", "revoke", "node-0", "--config", str(cluster.config)]
+        revoked = subprocess.run(
+            [sparseloco, *revoke], capture_output=True, text=True, timeout=GONE_S
+        )
+        assert revoked.returncode == 0, revoked.stderr
+        code = two.popen.wait(timeout=GONE_S)
+        _wait_gone(list(pids.values()))
+    finally:
+        cluster.stop()
+    log = two.output()
+    assert code == 2, log[-3000:]
+    # The lines for the user (the logs' are timestamped): one, from rank 0.
+    said = [line for line in log.splitlines() if line.startswith("sparseloco")]
+    errors = [line for line in log.splitlines() if " ERROR " in line or "error:" in line]
+    assert said == errors and len(errors) == 1, errors
+    assert "revoked this node's token (401 token_revoked)" in errors[0]
+    assert "Traceback" not in log and "same command" not in log, log[-3000:]
+    assert "event=rank_stopped rank=1" in log, log[-3000:]

@@ -146,8 +146,9 @@ UP = Command(
         flag(
             "--ranks",
             default="1",
-            help="processes per node, under torchrun (default 1): one count for all, or a list the"
-            " nodes take in turn, e.g. 1,2,4; each node shards its model state over its processes",
+            help="processes per node, as `sparseloco node --ranks` starts them (default 1): one count"
+            " for all, or a list the nodes take in turn, e.g. 1,2,4; each node shards its model"
+            " state over its processes",
         ),
         flag(
             "--export",

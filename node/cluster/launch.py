@@ -135,19 +135,20 @@ def start_node(
     device: str = "cpu",
     threads: int = 1,
     ranks: int = 1,
+    torchrun: bool = False,
 ) -> Process:
-    """A node process; with ``ranks`` > 1 one node of that many processes under torchrun
-    (``node.daemon.ranks``)."""
+    """A node process; with ``ranks`` > 1 one node of that many processes (``sparseloco node
+    --ranks N``, or with ``torchrun`` the torchrun line the guide also gives)."""
     args = [sys.executable, "-m", "node", "node", "--coordinator", url]
-    if ranks > 1:
-        # The README's command: torchrun (the script next to this Python), N copies of the node.
-        torchrun = Path(sys.executable).with_name("torchrun")
+    if ranks > 1 and torchrun:
+        # torchrun (the script next to this Python), N copies of the node.
+        script = Path(sys.executable).with_name("torchrun")
         launch = (
-            [str(torchrun)]
-            if torchrun.exists()
-            else [sys.executable, "-m", "torch.distributed.run"]
+            [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
         )
         args = [*launch, "--standalone", f"--nproc-per-node={ranks}", *args[1:]]
+    elif ranks > 1:
+        args += ["--ranks", str(ranks)]
     args += ["--state-dir", str(state_dir), "--threads", str(threads), "--device", device]
     if data:
         args += ["--data", data]

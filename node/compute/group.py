@@ -98,7 +98,8 @@ class Group:
         except (KeyError, ValueError) as exc:
             raise RanksError(
                 f"RANK and WORLD_SIZE must be set ({exc}): start a multi-process node with"
-                " torchrun, e.g. torchrun --standalone --nproc-per-node 2 -m node node ..."
+                " sparseloco node --ranks 2 ... (or torchrun --standalone --nproc-per-node 2"
+                " -m node node ...)"
             ) from exc
         cuda = torch.cuda.is_available() and dist.is_nccl_available()
         if cuda:

@@ -53,7 +53,7 @@ class InnerLoop:
             raise RanksError(
                 f"the run's batch_size {self.run.batch_size} is smaller than this node's"
                 f" {self.group.world} processes: each needs at least one row of every batch;"
-                f" start torchrun with --nproc-per-node {self.run.batch_size} or fewer"
+                f" start the node with --ranks {self.run.batch_size} or fewer"
             )
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

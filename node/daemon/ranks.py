@@ -14,13 +14,14 @@ payload a round.
   peer's payload or a checkpoint as a file rank 0 downloaded into the shared state dir, and the
   training data from the same folder (the run's dataset, which rank 0 fetches shard by shard).
 
-Shutdown: rank 0 decides. SIGTERM or Ctrl-C reach every rank (torchrun passes them on); a
-follower notes it (its training stops at the next step, agreed with the others) and waits for
-rank 0, which stops as a single-process node does and, once its daemon has ended cleanly,
-sends ``STOP``, so every rank exits 0. A rank that dies (a crash, ``kill -9``, the OOM killer)
-fails the others' next collective: they exit, torchrun ends the node, and a restart with the
-same command and state dir continues from the last commit (``node.compute.state``), with any
-rank count.
+Shutdown: rank 0 decides. SIGTERM or Ctrl-C reach every rank (the launcher passes them on:
+torchrun or ``node.daemon.launcher``); a follower notes it (its training stops at the next
+step, agreed with the others) and waits for rank 0, which stops as a single-process node does
+and, once its daemon has ended cleanly, sends ``STOP``, so every rank exits 0. A node refused
+for good (a revoked token) releases its followers the same way: rank 0 alone exits 2, with the
+refusal's one line. A rank that dies (a crash, ``kill -9``, the OOM killer) fails the others'
+next collective: they exit, the launcher ends the node, and a restart with the same command and
+state dir continues from the last commit (``node.compute.state``), with any rank count.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from node.compute.group import STOP, Group
+from node.daemon.launcher import started_world
 from node.daemon.ops import OPS, RankContext
 from node.daemon.settings import NodeSettings
-from node.errors import Abandoned, RanksError
+from node.errors import Abandoned, RanksError, Refused
 from protocol.errors import SparseLoCoError
 
 log = logging.getLogger("sparseloco.ranks")
@@ -51,13 +53,9 @@ Serve = Callable[[NodeSettings, Group], Coroutine[Any, Any, int]]
 
 
 def torchrun_world() -> int:
-    """How many processes torchrun started for this node (0 without torchrun)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ and "WORLD_SIZE" not in os.environ:
-        return 0
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
+    """How many processes torchrun (or ``sparseloco node --ranks``) started for this node (0
+    for neither)."""
+    return started_world(os.environ)
 
 
 def run_ranks(settings: NodeSettings, serve: Serve) -> int:
@@ -94,15 +92,27 @@ def _leave(code: int) -> NoReturn:
 def _lead(settings: NodeSettings, group: Group, serve: Serve) -> int:
     import uvloop
 
-    code = uvloop.run(serve(settings, group))
-    # The daemon ended cleanly (finished, stopped or refused): its compute thread is done and
-    # the followers wait for the next op. Were it to fail instead, its exit would end their
-    # wait (a collective with a dead rank fails at once).
+    try:
+        code = uvloop.run(serve(settings, group))
+    except Refused:
+        # Refused for good (a revoked token): the daemon cut its work as for a stop, so the
+        # followers wait for the next op. Released, they leave quietly: the node's one line is
+        # rank 0's, and their "restart with the same command" would be wrong advice here.
+        _release(group)
+        raise
+    # The daemon ended cleanly (finished or stopped): its compute thread is done and the
+    # followers wait for the next op. Were it to fail instead, its exit would end their wait (a
+    # collective with a dead rank fails at once).
+    _release(group)
+    return code
+
+
+def _release(group: Group) -> None:
+    """Tell the followers waiting for rank 0's next op that there is none."""
     try:
         group.send_op(STOP)
     except RanksError as exc:
         log.warning("event=ranks_not_stopped error=%s", exc)
-    return code
 
 
 def follow(settings: NodeSettings, group: Group) -> int:

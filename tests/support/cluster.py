@@ -122,12 +122,18 @@ class Cluster:
             self.coordinator.kill()
 
     def start_node(
-        self, name: str, faults: str | None = None, attack: str | None = None, ranks: int = 1
+        self,
+        name: str,
+        faults: str | None = None,
+        attack: str | None = None,
+        ranks: int = 1,
+        torchrun: bool = False,
     ) -> Process:
         """Start (or restart) a node; ``faults`` is its ``SPARSELOCO_FAULTS`` (a ``corrupt@R``
         among them starts it as ``support.diverge``'s diverging node); ``attack`` makes it a
         hostile node of that kind (``support.hostile``: the daemon with its seams wrapped);
-        ``ranks`` > 1: one node of that many processes under torchrun."""
+        ``ranks`` > 1: one node of that many processes (``sparseloco node --ranks``; with
+        ``torchrun``, under torchrun)."""
         env = {}
         faults, corrupt = split_faults(faults)
         if faults:
@@ -147,7 +153,7 @@ class Cluster:
         else:
             proc = start_node(
                 name, self.url, self.tokens[name], state_dir, log_path, None, env or None,
-                ranks=ranks,
+                ranks=ranks, torchrun=torchrun,
             )  # fmt: skip
         self.nodes[name] = proc
         return proc
