@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,19 @@ def test_up_runs_the_whole_thing(tmp_path) -> None:
         assert set(r["fingerprints"]) == {"node-0", "node-1"}
     assert isinstance(result["final_eval_loss"], float)
     assert "fingerprints identical on all nodes" in proc.stdout
+    # The summary's seconds are the command's: they cover the store's start to its stop (they
+    # used to end before the stops, seconds short of what the user waited).
+    summary = re.search(r"with 2 nodes in ([\d.]+) s", proc.stdout)
+    assert summary is not None, proc.stdout
+    said = float(summary.group(1))
+    stamps = {
+        event: datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for line in proc.stderr.splitlines()
+        for event in ("event=store_started", "event=store_stopped")
+        if event in line
+    }
+    assert said + 0.1 >= stamps["event=store_stopped"] - stamps["event=store_started"], stamps
+    assert result["command_seconds"] == pytest.approx(said, abs=0.06)
 
 
 def test_a_damaged_state_file_is_set_aside_and_recovered_from_the_store(cluster_factory) -> None:

@@ -43,7 +43,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from node.cluster.up import UpConfig, up
+    from node.cluster.up import UpConfig, process_age_s, up
     from node.cluster.view import UpView
     from node.research.report import write_json
 
@@ -65,6 +65,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             resolve_device(cfg.node_device(i))  # DeviceError before anything starts
     with UpView(cfg.rounds, cfg.nodes, log_path=run_dir / "logs" / "up.log") as view:
         result = up(cfg, on_status=view.update)
+    # The whole command so far, the interpreter's start and the store's stop included (``up``'s
+    # own wall_seconds starts at the store's start and ends before the stops).
+    result["command_seconds"] = process_age_s() or result["wall_seconds"]
     view.summary(result)
     if args.export:
         if result.get("final_model") is None:
@@ -146,9 +149,9 @@ UP = Command(
         flag(
             "--ranks",
             default="1",
-            help="processes per node, as `sparseloco node --ranks` starts them (default 1): one count"
-            " for all, or a list the nodes take in turn, e.g. 1,2,4; each node shards its model"
-            " state over its processes",
+            help="processes per node, as `sparseloco node --ranks` starts them (default 1): one"
+            " count for all, or a list the nodes take in turn, e.g. 1,2,4; each node shards its"
+            " model state over its processes",
         ),
         flag(
             "--export",

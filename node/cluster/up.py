@@ -19,6 +19,7 @@ they all agreed. A round's ``eval_loss`` is None where the run's evaluation sche
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -217,6 +218,18 @@ def up(
         for proc in reversed(procs):
             proc.stop()
         store.stop()
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (its interpreter's start included: what a user
+    timing the command sees), from ``/proc``; None where there is no ``/proc``."""
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_ticks = int(after_name[19])  # field 22, starttime, in clock ticks after boot
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime_s - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def start_run_node(

@@ -204,6 +204,7 @@ class UpView:
         if loss is None or first is None:
             print(f"{head}; fingerprints {agree}")
             return
-        print(f"{head} with {result['nodes']} nodes in {result['wall_seconds']:.1f} s")
+        took = result.get("command_seconds", result["wall_seconds"])
+        print(f"{head} with {result['nodes']} nodes in {took:.1f} s")
         print(f"  eval loss {first:.4f} -> {loss:.4f}; fingerprints {agree}")
         print(f"  files in {result['run_dir']}")

@@ -14,7 +14,8 @@
 - ``wan``: round time and utilisation across the WAN lab beside the projection (``wan``);
 - ``unequal``: unequal workers at equal wall time: wait, leave out, budget, batch (``unequal``);
 - ``straggler``: one node of a real run slowed, the budget off and on: what the others keep
-  (``straggler``, runs ``up`` twice).
+  (``straggler``, runs ``up`` twice);
+- ``up``: how long ``sparseloco up`` takes as typed, phase by phase, with the load (``up_time``).
 
 A bench is one ``Bench`` row: its flags as data, and the function that runs it, called with one
 keyword per flag, or one value for flags that belong together (``Gather``: the ``up`` runs of
@@ -319,6 +320,12 @@ STRAGGLER_FLAGS = (
 )
 
 #: Every ``sparseloco bench`` command, in the order ``--help`` lists them.
+UP_TIME_FLAGS = (
+    number("--runs", 3, help="runs one after the other; the first with an empty numba cache"),
+    run_dir("folder of the runs (default: runs/bench-up-<time>)"),
+    json_out(),
+)
+
 BENCHES = (
     Bench(
         "codec",
@@ -410,6 +417,13 @@ BENCHES = (
         "straggler:run",
         STRAGGLER_FLAGS,
         convert={"budgets": words},
+    ),
+    Bench(
+        "up",
+        "how long `sparseloco up` takes as typed, phase by phase, with the load (runs it"
+        " --runs times)",
+        "up_time:run",
+        UP_TIME_FLAGS,
     ),
 )
 
