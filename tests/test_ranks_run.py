@@ -29,7 +29,7 @@ from pathlib import Path
 
 from node.cluster.process import Process
 from node.compute.presets import get_run_preset
-from protocol.messages import RoundState
+from protocol.messages import MemberState, RoundState
 from protocol.runconfig import RunConfig, Timing
 from protocol.status import StatusView
 from support.cluster import Cluster, closed_count
@@ -206,3 +206,28 @@ def test_a_node_of_2_processes_revoked_exits_2_with_one_line(tmp_path, store) ->
     assert "revoked this node's token (401 token_revoked)" in errors[0]
     assert "Traceback" not in log and "same command" not in log, log[-3000:]
     assert "event=rank_stopped rank=1" in log, log[-3000:]
+
+
+def test_a_node_of_more_processes_than_the_batch_has_rows_says_so_once(tmp_path, store) -> None:
+    # A run of batch 2 and a node of 3 processes: rank 0 learns the batch at its join and says
+    # so before any process builds anything; the others are released, not left to fail alike.
+    shape = get_run_preset("tiny")
+    run = RunConfig(
+        name="ranks-rows", model=shape.model, rounds=3, inner_steps=shape.inner_steps,
+        batch_size=2, min_nodes=1, timing=TIMING,
+    )  # fmt: skip
+    cluster = Cluster(tmp_path, store, run, 1)
+    try:
+        cluster.start_coordinator()
+        three = cluster.start_node("node-0", ranks=3)
+        code = three.popen.wait(timeout=GONE_S * 3)
+        status = cluster.status()
+    finally:
+        cluster.stop()
+    log = three.output()
+    said = [line for line in log.splitlines() if line.startswith("sparseloco")]
+    assert code == 2 and len(said) == 1, log[-3000:]
+    assert "batch_size 2 is smaller than this node's 3 processes" in said[0]
+    assert "start the node with --ranks 2 or fewer" in said[0]
+    assert "Traceback" not in log
+    assert [m.state for m in status.members if m.node_id == "node-0"] == [MemberState.LEFT]

@@ -240,6 +240,15 @@ class NodeDaemon:
 
     async def _set_up(self, joined: JoinResponse) -> bool:
         """Data, model and θ for the run just joined; False if stopped meanwhile."""
+        rows, world = joined.run.batch_size, self.group.world
+        if rows < world:  # before any op: rank 0 alone says it (``node.daemon.ranks``)
+            with contextlib.suppress(SparseLoCoError, aiohttp.ClientError, TimeoutError):
+                await asyncio.wait_for(self.api.leave(), max(1.0, self.settings.stop_grace_s))
+            raise Refused(
+                f"the run's batch_size {rows} is smaller than this node's {world} processes:"
+                f" each needs at least one row of every batch; start the node with --ranks"
+                f" {rows} or fewer"
+            )
         try:
             data = await open_run_data(
                 self.api, self.transfers, joined.run, self.settings,
