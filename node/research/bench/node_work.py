@@ -28,10 +28,17 @@ ranks), which is what the peak RSS needs: each rank's high-water mark of residen
 (``VmHWM``) above an idle process that imported torch and the node. The error buffer starts as
 ``codec_bench.error_buffer``, AdamW holds moments for every parameter. ``--json`` writes every
 sample. Nothing here touches the network.
+
+Each rank also marks its resident memory after each stage (``STAGES``: the process group,
+``torch._dynamo``, θ/e/model, AdamW, the first inner step, the codec, the rest of the first
+round, the later rounds); ``memory_parts`` turns the largest rank's marks into what each stage
+added, with the part that is pages of files (libraries' code, shared by the ranks), and the
+high-water mark over the end: a rank's memory by part, adding up to its peak above idle.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import statistics
@@ -48,6 +55,7 @@ import torch
 
 import node.compute.inner as inner_module
 import node.compute.share as share_module
+import protocol.runconfig as runconfig
 from node.compute.group import Group
 from node.compute.heap import return_large_blocks
 from node.compute.model import PRESETS, ModelConfig, get_preset, model_shapes
@@ -88,11 +96,28 @@ def registered(preset: str | None, ctx_len: int | None = None) -> Iterator[str]:
         yield preset
         return
     cfg = base if ctx_len is None else base.model_copy(update={"ctx_len": ctx_len})
-    PRESETS[SHAPE_NAME] = cfg
-    try:
+    with _as_preset(SHAPE_NAME, cfg):
         yield SHAPE_NAME
+
+
+@contextmanager
+def _as_preset(name: str, cfg: ModelConfig) -> Iterator[None]:
+    """``cfg`` known as model preset ``name`` while the block runs (``_register``)."""
+    names: tuple[str, ...] = runconfig.MODEL_PRESETS
+    _register(name, cfg)
+    try:
+        yield
     finally:
-        del PRESETS[SHAPE_NAME]
+        runconfig.MODEL_PRESETS = names  # type: ignore[assignment]
+        PRESETS.pop(name, None)
+
+
+def _register(name: str, cfg: ModelConfig) -> None:
+    """``cfg`` as model preset ``name``, for the node (``PRESETS``) and for the run config's
+    check of model names (``protocol.runconfig.MODEL_PRESETS``)."""
+    PRESETS[name] = cfg
+    if name not in runconfig.MODEL_PRESETS:
+        runconfig.MODEL_PRESETS = (*runconfig.MODEL_PRESETS, name)  # type: ignore[assignment]
 
 
 @contextmanager
@@ -106,23 +131,81 @@ def _no_training() -> Iterator[None]:
         inner_module.inner_step = real
 
 
-def _peak_rss_mb() -> float:
-    """This process's high-water mark of resident memory, in MB."""
+def _status_mb() -> dict[str, float]:
+    """This process's resident memory now (``rss``), the part of it that is pages of files
+    (``file``: the libraries' code, which the ranks of a node share) and its high-water mark
+    (``hwm``), in MB, from ``/proc/self/status``."""
+    fields = {"VmRSS": "rss", "RssFile": "file", "VmHWM": "hwm"}
+    out = dict.fromkeys(fields.values(), float("nan"))
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+        key, _, value = line.partition(":")
+        if key in fields:
+            out[fields[key]] = int(value.split()[0]) / 1024
+    return out
+
+
+def idle_status_mb() -> dict[str, float]:
+    """``_status_mb`` of a fresh process that imported torch and the node."""
+    code = (
+        "import json, node.compute.worker, node.daemon.ops, torch\n"
+        "from node.research.bench.node_work import _status_mb\n"
+        "print(json.dumps(_status_mb()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    status: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return status
 
 
 def idle_rss_mb() -> float:
     """Resident memory of a fresh process that imported torch and the node, in MB."""
-    code = (
-        "import node.compute.worker, node.daemon.ops, torch\n"
-        "from node.research.bench.node_work import _peak_rss_mb\n"
-        "print(_peak_rss_mb())"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return idle_status_mb()["hwm"]
+
+
+#: A rank's memory by part: the marks ``_rank_main`` takes, in order, and what each one adds
+#: to the resident memory since the one before (the first: since an idle process).
+STAGES = (
+    ("joined", "the node's process group (gloo) and the bench's own imports"),
+    ("dynamo", "torch._dynamo (the model's build on the meta device and AdamW import it)"),
+    ("state", "θ, e and the model that trains (on several ranks: FSDP's chunks)"),
+    ("adamw", "AdamW's moments"),
+    ("first_step", "the first inner step: gradients, activations, FSDP's gathered blocks"),
+    ("codec", "the pseudo-gradient and the codec (its compiled kernels loaded: numba, LLVM)"),
+    ("round", "the rest of the first round: saves, the peers' payloads read and applied"),
+    ("later", "the later rounds"),
+)
+#: The last part: the high-water mark over what the rank holds at its end.
+PEAK = ("peak", "the peak over what is held at the end: one step's transient blocks")
+
+
+class _Marks:
+    """``_status_mb`` at each of ``STAGES``, on this rank (a stage marked once only)."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, dict[str, float]] = {}
+
+    def __call__(self, stage: str) -> None:
+        if stage not in self.status:
+            self.status[stage] = _status_mb()
+
+
+def memory_parts(
+    marks: dict[str, dict[str, float]], idle: dict[str, float]
+) -> list[dict[str, Any]]:
+    """Each part of ``STAGES`` (then ``PEAK``) with the resident MB it adds (``mb``) and the
+    MB of those that are pages of files (``file_mb``): shared by the node's ranks, counted
+    once in the machine's memory but in every rank's RSS. They add up to the rank's peak RSS
+    above ``idle``."""
+    parts, before = [], {"rss": idle["hwm"], "file": idle["file"]}  # (the bench's idle: its peak)
+    for stage, what in STAGES:
+        now = marks[stage]
+        parts.append({
+            "part": stage, "what": what,
+            "mb": now["rss"] - before["rss"], "file_mb": now["file"] - before["file"],
+        })  # fmt: skip
+        before = now
+    end = marks[STAGES[-1][0]]
+    parts.append({"part": PEAK[0], "what": PEAK[1], "mb": end["hwm"] - end["rss"], "file_mb": 0.0})
+    return parts
 
 
 def _run_config(model: str, train_steps: int, batch_size: int) -> RunConfig:
@@ -132,15 +215,19 @@ def _run_config(model: str, train_steps: int, batch_size: int) -> RunConfig:
     )  # fmt: skip
 
 
-def _make_worker(run: RunConfig, group: Group, seed: int) -> Worker:
+def _make_worker(
+    run: RunConfig, group: Group, seed: int, mark: Callable[[str], None] = lambda stage: None
+) -> Worker:
     worker = Worker(run, run_id=run.run_id, node_id="node-0", slot=0, group=group)
     for name, e in worker.error.items():  # a realistic buffer for the codec
         e.copy_(error_buffer({name: tuple(e.shape)}, seed)[name])
+    mark("state")
     # AdamW moments for every parameter (its FSDP chunk), as after any real step.
     for p in worker.placement.train_model.parameters():
         p.grad = torch.zeros_like(p)
     worker.opt.step()
     worker.opt.zero_grad(set_to_none=True)
+    mark("adamw")
     return worker
 
 
@@ -148,8 +235,9 @@ class _Clock:
     """Each part's wall seconds on this rank after the ranks meet, and its CPU seconds (every
     thread of this process: numba's, the writes behind) as ``cpu_<part>``."""
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: Group, after: Callable[[str], None] | None = None) -> None:
         self.group = group
+        self.after = after
         self.seconds: dict[str, float] = {}
 
     def __call__(self, part: str, fn: Callable[[], T]) -> T:
@@ -158,13 +246,18 @@ class _Clock:
         out = fn()
         self.seconds[part] = time.perf_counter() - t0
         self.seconds[f"cpu_{part}"] = time.process_time() - cpu
+        if self.after is not None:
+            self.after(part)
         return out
 
 
-def one_round(shard: Shard, peers: list[Path]) -> dict[str, float]:
-    """Seconds of each part of one round on this rank (see the module docstring)."""
+def one_round(
+    shard: Shard, peers: list[Path], after: Callable[[str], None] | None = None
+) -> dict[str, float]:
+    """Seconds of each part of one round on this rank (see the module docstring); ``after``
+    is called with each part's name once it is done."""
     worker, group = shard.worker, shard.group
-    clock = _Clock(group)
+    clock = _Clock(group, after)
     r = worker.round
     result = clock("train_and_compress", worker.train_and_compress)
     seconds = clock.seconds
@@ -196,21 +289,33 @@ def _rank_main(
     seed: int,
 ) -> None:
     """One rank of a benchmarked node: its samples, its peak RSS and what it holds."""
-    PRESETS.setdefault(model, ModelConfig.model_validate_json(model_json))  # a spawned process
+    if model not in PRESETS:  # a spawned process knows the shipped presets only
+        _register(model, ModelConfig.model_validate_json(model_json))
     run = _run_config(model, train_steps, batch_size)
     peers = sorted(Path(peers_dir).glob("*.slc"))
-    with _no_training() if train_steps == 0 else _nothing(), _counting() as hashed:
-        worker = _make_worker(run, group, seed)
+    importlib.import_module("node.daemon.ops")  # a rank's imports are the idle process's
+    mark = _Marks()
+    mark("joined")
+    importlib.import_module("torch._dynamo")  # its own part (building the worker imports it)
+    mark("dynamo")
+    with (
+        _no_training() if train_steps == 0 else _nothing(),
+        _counting() as hashed,
+        _after_first_step(lambda: mark("first_step")),
+    ):
+        worker = _make_worker(run, group, seed, mark)
         shard = Shard(out / "state", group, worker)
         samples = []
-        for _ in range(rounds + 1):  # the first round loads the compiled codec: left out
+        for r in range(rounds + 1):  # the first round loads the compiled codec: left out
             hashed.clear()
             cpu = time.process_time()
-            seconds = one_round(shard, peers)
+            seconds = one_round(shard, peers, _first_round(mark) if r == 0 else None)
             worker.writes.wait()
             seconds["cpu"] = time.process_time() - cpu
             seconds["fingerprints_of_theta"] = len(hashed)
             samples.append(seconds)
+            mark("round")
+    mark("later")
     total = sum(t.numel() for t in worker.params.values())
     chunks = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                  for p in worker.placement.train_model.parameters())  # fmt: skip
@@ -218,7 +323,8 @@ def _rank_main(
     report = {
         "rank": group.rank,
         "samples": samples,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": mark.status["later"]["hwm"],
+        "marks": mark.status,
         "theta_share": total / every,
         "fsdp_share": chunks / every,
         "threads": torch.get_num_threads(),
@@ -229,6 +335,34 @@ def _rank_main(
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+def _first_round(mark: _Marks) -> Callable[[str], None]:
+    """The marks inside the first round, after its parts."""
+
+    def after(part: str) -> None:
+        if part == "train_and_compress":
+            mark("first_step")  # (no inner step ran: nothing was marked)
+            mark("codec")
+
+    return after
+
+
+@contextmanager
+def _after_first_step(fn: Callable[[], None]) -> Iterator[None]:
+    """``fn`` called once the first inner step (real or not) has returned."""
+    real = inner_module.inner_step
+
+    def step(*args: Any, **kwargs: Any) -> float:
+        loss = real(*args, **kwargs)
+        fn()
+        return loss
+
+    inner_module.inner_step = step
+    try:
+        yield
+    finally:
+        inner_module.inner_step = real
 
 
 @contextmanager
@@ -255,10 +389,15 @@ def _counting() -> Iterator[list[int]]:
 
 
 def summarize(
-    world: int, ranks: list[dict[str, Any]], params: int, idle_mb: float
+    world: int,
+    ranks: list[dict[str, Any]],
+    params: int,
+    idle_mb: float,
+    idle: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """One node's numbers: per part the slowest rank's median ns/param, each rank's CPU time,
-    peak RSS above idle and share of the model."""
+    peak RSS above idle and share of the model; with ``idle`` (``idle_status_mb``), the
+    largest rank's memory by part (``memory_parts``)."""
 
     def median(rank: dict[str, Any], part: str) -> float:
         return statistics.median(s[part] for s in rank["samples"][1:])
@@ -278,6 +417,11 @@ def summarize(
         "peak_rss_above_idle_mb": [r["peak_rss_mb"] - idle_mb for r in ranks],
         "theta_share": [r["theta_share"] for r in ranks],
         "fsdp_share": [r["fsdp_share"] for r in ranks],
+        "memory_parts": (
+            memory_parts(max(ranks, key=lambda r: r["peak_rss_mb"])["marks"], idle)
+            if idle is not None
+            else None
+        ),
         "samples": ranks,
     }
 
@@ -312,7 +456,8 @@ def run(
                 run_id=run_cfg.run_id, round=0, node_id=f"peer-{i:02d}",
             )  # fmt: skip
             (peers_dir / f"peer-{i:02d}.slc").write_bytes(data)
-        idle = idle_rss_mb()
+        idle_status = idle_status_mb()
+        idle = idle_status["hwm"]
         nodes = []
         for world in ranks:
             out = Path(tmp) / f"ranks-{world}"
@@ -323,7 +468,7 @@ def run(
             if codes != [0] * world:
                 raise RuntimeError(f"the {world}-rank node failed: exit codes {codes}")
             reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-            nodes.append(summarize(world, reports, params, idle))
+            nodes.append(summarize(world, reports, params, idle, idle_status))
     report = {
         "params": params,
         "peers": peers,
@@ -366,6 +511,9 @@ def markdown(report: dict[str, Any]) -> str:
     for part in nodes[0]["cpu_ns_per_param_by_part"]:
         cells = " | ".join(f"{max(n['cpu_ns_per_param_by_part'][part]):.1f}" for n in nodes)
         rows.append(f"| {part.replace('_', ' ')} | {cells} |")
+    rows += ["", "A rank's memory by part (the largest rank), MB of RSS (of which file pages):", ""]
+    rows += head
+    rows += _memory_rows(nodes)
     title = (
         f"{report['params'] / 1e6:.1f} M parameters, {report['peers']} peers, median of"
         f" {report['rounds']} rounds, {report['threads_per_rank']} torch thread(s) per rank,"
@@ -373,6 +521,26 @@ def markdown(report: dict[str, Any]) -> str:
         f" idle process {report['idle_rss_mb']:.0f} MB"
     )
     return "\n".join([title, "", *head, *rows])
+
+
+def _memory_rows(nodes: list[dict[str, Any]]) -> list[str]:
+    """``memory_parts`` of every node side by side, then their sum: the peak above idle."""
+    if any(n.get("memory_parts") is None for n in nodes):
+        return []
+    rows = []
+    for i, (_, what) in enumerate((*STAGES, PEAK)):
+        cells = " | ".join(
+            f"{n['memory_parts'][i]['mb']:.0f} ({n['memory_parts'][i]['file_mb']:.0f})"
+            for n in nodes
+        )
+        rows.append(f"| {what} | {cells} |")
+    cells = " | ".join(
+        f"**{sum(p['mb'] for p in n['memory_parts']):.0f}**"
+        f" ({sum(p['file_mb'] for p in n['memory_parts']):.0f})"
+        for n in nodes
+    )
+    rows.append(f"| **peak RSS above idle** | {cells} |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
