@@ -267,4 +267,8 @@ def test_bench_coordinator_runs_full_rounds(tmp_path: Path) -> None:
     assert {"join", "round", "upload", "put", "submit", "report"} <= set(result["latency"])
     # The probe's heartbeats give the heartbeat target samples even where the nodes sent none.
     assert result["latency"]["heartbeat_probe"]["n"] > 0 and result["heartbeat_p99_ms"] > 0
+    # The light client's round views, timed in a process of its own (issue 36).
+    light = result["light_client"]
+    assert light["n"] > 0 and 0 < light["p50_ms"] <= light["p99_ms"] <= light["max_ms"]
+    assert light["slowest"][0]["ms"] == round(light["max_ms"], 1)
     assert set(result["targets_met"]) == {"heartbeat", "submit", "manifest", "errors"}
