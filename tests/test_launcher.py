@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from node.daemon.launcher import exit_status, rank_env, started_world
+from support.reaper import live
 
 #: Safety net for a process that should end.
 WAIT_S = 60.0
@@ -90,11 +91,7 @@ def _places(tmp_path: Path, world: int) -> list[dict]:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")
+    return not list(live([pid]))
 
 
 def test_each_process_gets_its_place_as_torchrun_gives_it(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from protocol.messages import MemberState, RoundState
 from protocol.runconfig import RunConfig, Timing
 from protocol.status import StatusView
 from support.cluster import Cluster, closed_count
+from support.reaper import live
 
 #: The node killed in phase 2 leaves no word: the round waits until its heartbeat times out. 12 s
 #: (a beat every 3 s, as in ``test_token_processes.py``) keeps that wait short.
@@ -51,11 +52,7 @@ def _rank_pids(log: str) -> dict[int, int]:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")
+    return not list(live([pid]))
 
 
 def _wait_gone(pids: list[int]) -> None:
