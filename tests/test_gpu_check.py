@@ -2,10 +2,10 @@
 
 The check is meant for a machine with a GPU, where it runs rarely; its smoke mode runs every
 part of it here (the device codec against the CPU's on the ``tiny`` shapes, then a real run of
-three ``sparseloco node`` processes on ``llama_tiny``, all with ``--device cpu``, then a torchrun
-node of one process beside one of two) and writes the same JSON summary to ``$OUT``: every round
-closed with one fingerprint on every node, and every node's round reports carry its tokens/s (no
-MFU on the CPU).
+three ``sparseloco node`` processes on ``llama_tiny``, all with ``--device cpu``, then a node
+of one process under ``--ranks 1`` beside one of two) and writes the same JSON summary to
+``$OUT``: every round closed with one fingerprint on every node, and every node's round reports
+carry its tokens/s (no MFU on the CPU).
 """
 
 from __future__ import annotations
@@ -60,13 +60,17 @@ def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode(tmp_path: Path) -> None:
     assert "event=device device=cpu requested=cpu" in log
     assert "event=trained node=node-0 round=1" in log and "tokens_per_s=" in log
     assert not list((tmp_path / "runs").iterdir())  # its temporary run folders are gone
-    # The sharded part: a torchrun node of one process (its outer state on its device, here
-    # the CPU) beside a torchrun node of 2 processes, agreeing every round.
+    # The sharded part: a node of one process under --ranks 1 (its outer state on its device,
+    # here the CPU) beside a node of 2 processes, agreeing every round.
     ranked = summary["ranked"]
     assert ranked["ok"] and ranked["failures"] == [] and ranked["model"] == "llama_tiny"
-    assert ranked["devices"] == ["cpu", "cpu x2 (torchrun)"]
+    assert ranked["devices"] == ["cpu x1", "cpu x2"]
     for entry in ranked["rounds"]:
         assert sorted(entry["fingerprints"]) == ["node-0", "node-1"]
         assert len(set(entry["fingerprints"].values())) == 1
     ranked_log = (out / "gpu_ranked-logs" / "node-1.log").read_text()
     assert "event=rank_ready rank=1 world=2" in ranked_log
+    # node-0 is a node of one rank (before, `up` started it as a plain process, whose outer
+    # state stays on the CPU: the device path this part exists for never ran).
+    one = (out / "gpu_ranked-logs" / "node-0.log").read_text()
+    assert "event=rank_ready rank=0 world=1" in one

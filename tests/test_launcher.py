@@ -207,3 +207,19 @@ def test_rank_env_and_started_world() -> None:
     assert started_world(env) == 4
     assert started_world({"PATH": "/bin"}) == 0
     assert started_world({"TORCHELASTIC_RUN_ID": "x"}) == 1
+
+
+def test_up_starts_plain_nodes_unless_ranks_are_asked_and_then_even_one() -> None:
+    # `up --ranks 1,2`: node 0 is a node of one process under the launcher (its outer state on
+    # its device), node 1 of two; without --ranks every node is one plain process.
+    from node.cluster.launch import node_command
+    from node.cluster.up import UpConfig
+
+    plain, ranked = UpConfig(), UpConfig(ranks="1,2")
+    assert [plain.node_ranks(i) for i in range(3)] == [None, None, None]
+    assert [ranked.node_ranks(i) for i in range(3)] == [1, 2, 1]
+    url = "http://127.0.0.1:8700"
+    assert node_command(url)[-4:] == ["node", "node", "--coordinator", url]
+    assert node_command(url, 1)[-2:] == ["--ranks", "1"]
+    torchrun = node_command(url, 2, torchrun=True)
+    assert "--nproc-per-node=2" in torchrun and "--ranks" not in torchrun

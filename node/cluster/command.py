@@ -30,7 +30,7 @@ def _check_ranks(cfg: Any) -> None:
     from node.compute.presets import get_run_preset
 
     batch = get_run_preset(cfg.preset).batch_size
-    most = max(cfg.node_ranks(i) for i in range(cfg.nodes))
+    most = max(cfg.node_ranks(i) or 1 for i in range(cfg.nodes))
     if most > batch:
         raise ConfigError(
             f"--ranks {cfg.ranks}: a node of {most} processes needs a batch of at least {most}"
@@ -148,10 +148,9 @@ UP = Command(
         ),
         flag(
             "--ranks",
-            default="1",
-            help="processes per node, as `sparseloco node --ranks` starts them (default 1): one"
-            " count for all, or a list the nodes take in turn, e.g. 1,2,4; each node shards its"
-            " model state over its processes",
+            help="processes per node, as `sparseloco node --ranks` starts them: one count for"
+            " all, or a list the nodes take in turn, e.g. 1,2,4; each node shards its model"
+            " state over its processes, on their devices (default: one plain process a node)",
         ),
         flag(
             "--export",

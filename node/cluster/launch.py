@@ -134,21 +134,12 @@ def start_node(
     limits: tuple[str | None, str | None] = (None, None),
     device: str = "cpu",
     threads: int = 1,
-    ranks: int = 1,
+    ranks: int | None = None,
     torchrun: bool = False,
 ) -> Process:
-    """A node process; with ``ranks`` > 1 one node of that many processes (``sparseloco node
+    """A node process; with ``ranks`` one node of that many processes (``sparseloco node
     --ranks N``, or with ``torchrun`` the torchrun line the guide also gives)."""
-    args = [sys.executable, "-m", "node", "node", "--coordinator", url]
-    if ranks > 1 and torchrun:
-        # torchrun (the script next to this Python), N copies of the node.
-        script = Path(sys.executable).with_name("torchrun")
-        launch = (
-            [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
-        )
-        args = [*launch, "--standalone", f"--nproc-per-node={ranks}", *args[1:]]
-    elif ranks > 1:
-        args += ["--ranks", str(ranks)]
+    args = node_command(url, ranks, torchrun)
     args += ["--state-dir", str(state_dir), "--threads", str(threads), "--device", device]
     if data:
         args += ["--data", data]
@@ -160,3 +151,19 @@ def start_node(
     env.update(extra_env or {})
     env["SPARSELOCO_NODE_TOKEN"] = token
     return Process(name, args, log_path, env=env)
+
+
+def node_command(url: str, ranks: int | None = None, torchrun: bool = False) -> list[str]:
+    """The command of a node of ``url``'s run up to its state: one plain process (``ranks``
+    None), ``sparseloco node --ranks N``, or with ``torchrun`` torchrun's line for N."""
+    args = [sys.executable, "-m", "node", "node", "--coordinator", url]
+    if ranks is not None and torchrun:
+        # torchrun (the script next to this Python), N copies of the node.
+        script = Path(sys.executable).with_name("torchrun")
+        launch = (
+            [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
+        )
+        args = [*launch, "--standalone", f"--nproc-per-node={ranks}", *args[1:]]
+    elif ranks is not None:
+        args += ["--ranks", str(ranks)]
+    return args

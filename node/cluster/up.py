@@ -74,9 +74,10 @@ class UpConfig(BaseModel):
     device: str = "cpu"
     #: torch (and numba) threads per node.
     threads: Count = 1
-    #: Processes per node (torchrun): one count for all, or a comma-separated list the nodes
-    #: take in turn (``1,2,4``). A node of N processes shards its state over them.
-    ranks: str = "1"
+    #: Processes per node (``sparseloco node --ranks``): one count for all, or a comma-separated
+    #: list the nodes take in turn (``1,2,4``). A node of N processes shards its state over
+    #: them; one of 1 keeps it on its device. None: plain processes (θ on the CPU).
+    ranks: str | None = None
 
     @field_validator("device")
     @classmethod
@@ -89,14 +90,18 @@ class UpConfig(BaseModel):
 
     @field_validator("ranks")
     @classmethod
-    def _ranks(cls, value: str) -> str:
+    def _ranks(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         counts = [c.strip() for c in value.split(",")]
         if not all(c.isdigit() and 1 <= int(c) <= 64 for c in counts):
             raise ValueError(f"{value!r}: give process counts of 1 to 64, e.g. 2 or 1,2,4")
         return ",".join(str(int(c)) for c in counts)
 
-    def node_ranks(self, i: int) -> int:
-        """How many processes node ``i`` runs."""
+    def node_ranks(self, i: int) -> int | None:
+        """How many processes node ``i`` runs under ``--ranks``; None: one plain process."""
+        if self.ranks is None:
+            return None
         counts = self.ranks.split(",")
         return int(counts[i % len(counts)])
 
@@ -243,12 +248,12 @@ def start_run_node(
     streamed: bool = False,
     extra_env: dict[str, str] | None = None,
     threads: int | None = None,
-    ranks: int = 1,
+    ranks: int | None = None,
 ) -> Process:
     """Node ``i`` of a local run of ``cfg``: its state in ``run_dir/nodes/NAME``, its log in
     ``run_dir/logs/NAME.log``, ``cfg.data`` to read unless the run ``streamed`` a prepared
     dataset from the store, the run's transfer caps, node ``i``'s device, ``threads`` (by
-    default ``cfg.threads``) and ``ranks`` processes."""
+    default ``cfg.threads``) and ``ranks`` processes (None: one plain process)."""
     return start_node(
         name, url, token, run_dir / "nodes" / name, run_dir / "logs" / f"{name}.log",
         None if streamed else cfg.data,

@@ -15,8 +15,8 @@ best of ``--repeat``.
 Then, unless ``--no-nodes``, ``gpu_nodes.py``: a real run (SeaweedFS, a coordinator, node
 processes) of ``--gpu-nodes`` nodes on the GPU and ``--cpu-nodes`` on the CPU, which must agree
 on θ's fingerprint after every round, with each node's tokens/s and MFU; then (unless
-``--no-ranked``) a second run of sharded nodes: a torchrun node of one process on the GPU,
-whose θ, error buffer, codec and aggregation live on the device, beside a torchrun node of
+``--no-ranked``) a second run of sharded nodes: a node of one process under ``--ranks 1`` on
+the GPU, whose θ, error buffer, codec and aggregation live on the device, beside a node of
 ``--cpu-ranks`` processes on the CPU (FSDP over gloo, the outer state sharded over them), which
 must agree as well; its table has each node's speed and the reports' phase timings. The
 summary of all of it goes to ``$OUT/gpu_check.json`` when ``OUT`` is set (and to ``--json``).

@@ -117,13 +117,12 @@ def run_nodes(args: argparse.Namespace) -> dict[str, Any]:
     gpu = "cpu" if args.smoke else "cuda:0"
     devices = [gpu] * gpu_nodes + ["cpu"] * args.cpu_nodes
     threads = _threads(gpu_nodes, args.cpu_nodes)
-    ranks = [1] * len(devices)
-    return _run(args, run_dir, made, model, devices, ranks, threads, fallback, "gpu_nodes")
+    return _run(args, run_dir, made, model, devices, None, threads, fallback, "gpu_nodes")
 
 
 def run_ranked(args: argparse.Namespace) -> dict[str, Any]:
-    """The sharded-node part: a torchrun node of one process on the GPU (θ, e, the codec and
-    the aggregation on the device) beside a torchrun node of ``--cpu-ranks`` processes on the
+    """The sharded-node part: a node of one process under ``--ranks 1`` on the GPU (θ, e, the
+    codec and the aggregation on the device) beside a node of ``--cpu-ranks`` processes on the
     CPU (FSDP over gloo, the outer state sharded over them). Every round must agree."""
     model = "llama_tiny" if args.smoke else args.ranked_model
     cpu_ranks = 2 if args.smoke else args.cpu_ranks
@@ -144,17 +143,22 @@ def _run(
     remove: bool,
     model: str,
     devices: list[str],
-    ranks: list[int],
+    ranks: list[int] | None,
     threads: list[int],
     fallback: str | None,
     label: str,
 ) -> dict[str, Any]:
-    """One ``up`` run of these nodes; its summary. ``label`` names the logs' folder in $OUT."""
+    """One ``up`` run of these nodes (``ranks``: each one's ``--ranks``; None: plain
+    processes); its summary. ``label`` names the logs' folder in $OUT."""
     from node.cluster.up import UpConfig, up
     from node.errors import UpError
 
     nodes = len(devices)
-    shown = [d if r == 1 else f"{d} x{r} (torchrun)" for d, r in zip(devices, ranks, strict=True)]
+    shown = (
+        list(devices)
+        if ranks is None
+        else [f"{d} x{r}" for d, r in zip(devices, ranks, strict=True)]
+    )
     print(
         f"gpu_nodes: {nodes} nodes ({', '.join(shown)}; threads {threads}) on {model}"
         f" ({_params(model) / 1e6:,.1f} M parameters), H={args.inner_steps},"
@@ -167,7 +171,7 @@ def _run(
         run_dir=run_dir,
         round_timeout_s=args.round_timeout,
         device=",".join(devices),
-        ranks=",".join(map(str, ranks)),
+        ranks=None if ranks is None else ",".join(map(str, ranks)),
     )
     overrides = {
         "model": model,
@@ -178,7 +182,7 @@ def _run(
     }
     # One short held-out batch: a CPU node evaluating a 1 B model longer would hold every round.
     env = {"SPARSELOCO_NODE_EVAL_BATCHES": "1", "SPARSELOCO_NODE_EVAL_BATCH_SIZE": "1"}
-    if any(r > 1 for r in ranks):  # every process of a node evaluates its rows of the batch
+    if ranks and max(ranks) > 1:  # every process of a node evaluates its rows of the batch
         env["SPARSELOCO_NODE_EVAL_BATCH_SIZE"] = str(max(ranks))
     t0 = time.monotonic()
     try:

@@ -153,7 +153,7 @@ class Cluster:
         else:
             proc = start_node(
                 name, self.url, self.tokens[name], state_dir, log_path, None, env or None,
-                ranks=ranks, torchrun=torchrun,
+                ranks=ranks if ranks > 1 or torchrun else None, torchrun=torchrun,
             )  # fmt: skip
         self.nodes[name] = proc
         return proc
