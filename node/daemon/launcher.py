@@ -28,12 +28,13 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
+
+from node.cluster.seaweed import free_ports
 
 #: How long the other processes have to end once one has ended, before SIGTERM, and again
 #: before SIGKILL.
@@ -114,13 +115,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class Launcher:
     """``world`` processes of ``command`` as one node (``run``: its exit status)."""
 
@@ -145,7 +139,7 @@ class Launcher:
     def run(self) -> int:
         handlers = {sig: signal.signal(sig, self._pass_on) for sig in PASSED_ON}
         try:
-            port = _free_port()
+            (port,) = free_ports(1)
             for rank in range(self.world):
                 env = rank_env(rank, self.world, port, self.env, self.threads)
                 self.procs.append(

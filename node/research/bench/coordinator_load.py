@@ -54,7 +54,7 @@ TARGETS = {"heartbeat_p99_ms": 100.0, "submit_p99_ms": 250.0, "manifest_all_s": 
 LIGHT_MAX_MS = 100.0
 
 
-def _pressure() -> str:
+def cpu_pressure() -> str:
     """The kernel's CPU pressure line (how often runnable work waited for a core), if any:
     other work on the machine shows here."""
     try:
@@ -145,7 +145,7 @@ async def drive(
         "round_long_poll": rec.round_long_poll,
         "unfinished_nodes": len(unfinished),
         "load_average_1m_end": os.getloadavg()[0],
-        "cpu_pressure_end": _pressure(),
+        "cpu_pressure_end": cpu_pressure(),
     }
 
 

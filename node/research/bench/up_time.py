@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from node.research.bench.coordinator_load import cpu_pressure
 from node.research.report import publish
 
 #: The phases, each ending at the first log line matching its pattern (None: the exit).
@@ -44,11 +45,7 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 def _pressure() -> float | None:
     """The kernel's ``some avg10`` CPU pressure (percent of time runnable work waited)."""
-    try:
-        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
-    except (OSError, IndexError):
-        return None
-    found = re.search(r"avg10=([\d.]+)", line)
+    found = re.search(r"avg10=([\d.]+)", cpu_pressure())
     return float(found.group(1)) if found else None
 
 
