@@ -204,6 +204,10 @@ def test_rank_env_and_started_world() -> None:
     assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4" and env["MASTER_PORT"] == "29500"
     assert env["OMP_NUM_THREADS"] == "3" == env["NUMBA_NUM_THREADS"]  # --threads sizes the pools
     assert rank_env(0, 2, 1, {"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"  # the user's
+    # No --threads (the settings' 0): the cores shared out, never 0 (numba refuses to start).
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    unset = rank_env(0, 2, 1, {}, threads=0)
+    assert unset["OMP_NUM_THREADS"] == share == unset["NUMBA_NUM_THREADS"]
     assert started_world(env) == 4
     assert started_world({"PATH": "/bin"}) == 0
     assert started_world({"TORCHELASTIC_RUN_ID": "x"}) == 1

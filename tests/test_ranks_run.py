@@ -154,8 +154,14 @@ def test_a_torchrun_node_merges_inside_a_step_beside_a_single_one(tmp_path, stor
         two = cluster.start_node("node-0", ranks=2)
         cluster.start_node("node-1")
         status = cluster.wait_finished()
+        assert two.popen.wait(timeout=GONE_S) == 0, two.tail(20)  # it ends with the run
+        # Started again after the run finished, it finds it so and ends (its last fingerprint
+        # is a collective of both processes: rank 0 alone waited for rank 1 forever).
+        again = cluster.start_node("node-0", ranks=2)
+        assert again.popen.wait(timeout=GONE_S * 3) == 0, again.tail(20)
     finally:
         cluster.stop()
+    assert "event=run_finished node=node-0" in again.output(), again.tail(20)
     log = two.output()
     closed = [r for r in status.rounds if r.state == RoundState.CLOSED]
     assert [r.round for r in closed] == list(range(run.rounds))

@@ -63,15 +63,15 @@ def rank_env(
     """Process ``rank``'s environment: ``base`` and its place in the node, as torchrun gives it.
 
     The thread pools of torch and the codec are sized before ``--threads`` is read: to
-    ``threads`` when given, else (unless ``base`` sizes them) to the host's cores over
-    ``world`` (torchrun gives 1)."""
+    ``threads`` when given (0 is the settings' "not given"), else (unless ``base`` sizes them)
+    to the host's cores over ``world`` (torchrun gives 1)."""
     env = dict(base)
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
         WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
-    if threads is not None:
+    if threads:  # 0 or None: the node's default (``--threads`` not given)
         env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
     share = str(max(1, (os.cpu_count() or 1) // world))
     env.setdefault("OMP_NUM_THREADS", share)

@@ -222,7 +222,8 @@ class NodeDaemon:
                 self.log(
                     "run_finished",
                     rounds=self.worker.run.rounds,
-                    fingerprint=self.worker.fingerprint(),
+                    # an op: on a node of several processes it is a collective of all of them
+                    fingerprint=await self.node("fingerprint"),
                 )
             else:
                 with contextlib.suppress(SparseLoCoError, aiohttp.ClientError, TimeoutError):
