@@ -32,21 +32,27 @@ place = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_W
 place["pid"] = os.getpid()
 out = os.environ["SPARSELOCO_TEST_OUT"]
 do = os.environ.get("SPARSELOCO_TEST_DO", "")
-rank = int(os.environ["RANK"])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 stops = []
 def stop(signum, frame):
     stops.append(signum)
-with open(f"{out}/rank{rank}.json", "w") as f:
-    json.dump(place, f)
+def others_ready():  # each has set its handlers (below) before its place file appears
+    while not all(os.path.exists(f"{out}/rank{r}.json") for r in range(world)):
+        time.sleep(0.02)
 if "ignore-term" in do and rank != 0:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 else:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+with open(f"{out}/rank{rank}.tmp", "w") as f:
+    json.dump(place, f)
+os.replace(f"{out}/rank{rank}.tmp", f"{out}/rank{rank}.json")
 if "rank0-refused" in do and rank == 0:
+    others_ready()
     print("sparseloco: error: refused", file=sys.stderr)
     sys.exit(2)
 if "rank1-killed" in do and rank == 1:
+    others_ready()
     os.kill(os.getpid(), signal.SIGKILL)
 while not stops:
     time.sleep(0.05)
@@ -83,8 +89,7 @@ def _places(tmp_path: Path, world: int) -> list[dict]:
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         files = [tmp_path / f"rank{r}.json" for r in range(world)]
-        if all(f.exists() and f.stat().st_size for f in files):
-            time.sleep(0.2)  # each has written its whole line and set its handlers
+        if all(f.exists() for f in files):  # each one's handlers are set by then
             return [json.loads(f.read_text()) for f in files]
         time.sleep(0.05)
     raise AssertionError("the node's processes never started")
